@@ -1,0 +1,55 @@
+"""Typed records of the machines a cluster runs on, shared by providers, plan and remote."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SSHEndpoint:
+    """How to reach a host over SSH.
+
+    ``host_keys`` are OpenSSH public-key lines (``ssh-ed25519 AAAA...``) the host
+    must present; with none, ``known_hosts`` is consulted; with neither, the
+    connection is refused unless ``trust_on_first_use`` is set.
+    """
+
+    address: str
+    user: str
+    port: int = 22
+    key_file: str | None = None
+    host_keys: tuple[str, ...] = ()
+    known_hosts: str | None = None
+    trust_on_first_use: bool = False
+    connect_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine of a cluster.
+
+    ``address`` is where the other tasks reach this host's gRPC port; ``root`` is
+    the directory on the host that holds everything of this cluster (absolute,
+    or relative to the SSH user's home). ``ssh`` is None for this machine.
+    """
+
+    name: str
+    address: str
+    root: str
+    ssh: SSHEndpoint | None = None
+    labels: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def is_local(self) -> bool:
+        return self.ssh is None
+
+
+def is_loopback(address: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and 'localhost'."""
+    if address.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,195 @@
+"""The Runner: one algorithm for detached tasks over any transport that can run `sh -c`.
+
+A transport fills in ``_exec`` (run a shell script, return exit code and
+output) and file transfer; everything else -- launching a task detached in its
+own session, polling it, stopping its process group with TERM then KILL,
+reading its log incrementally -- is built here from POSIX shell, quoted with
+``shlex.quote`` at every value, so local and SSH share one code path.
+"""
+
+from __future__ import annotations
+
+import enum
+import shlex
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from orchestrator.errors import CommandError, RemoteError
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A task to start detached: argv run in ``cwd`` with ``env`` added.
+
+    Output (stdout and stderr) goes to ``log_path``; the exit code is written to
+    ``rc_path`` when the command ends by itself. Paths are on the host.
+    """
+
+    argv: tuple[str, ...]
+    cwd: str
+    log_path: str
+    rc_path: str
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskHandle:
+    """A started task: its process-group id on the host, and where its output goes."""
+
+    host: str
+    pgid: int
+    log_path: str
+    rc_path: str
+
+
+class TaskState(enum.Enum):
+    RUNNING = "running"
+    EXITED = "exited"  # ended by itself; exit_code is set (128+N for signal N)
+    LOST = "lost"  # the whole process group is gone without writing an exit code
+
+
+@dataclass(frozen=True)
+class TaskStatus:
+    state: TaskState
+    exit_code: int | None = None
+
+
+def quote_argv(argv: Sequence[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def launch_script(spec: LaunchSpec) -> str:
+    """The shell script that starts ``spec`` in a new session and prints its pid (= pgid)."""
+    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in spec.env.items())
+    for name in spec.env:
+        if not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise RemoteError(f"invalid environment variable name {name!r}")
+    rc, rc_tmp = shlex.quote(spec.rc_path), shlex.quote(spec.rc_path + ".tmp")
+    log = shlex.quote(spec.log_path)
+    inner = (
+        f"{quote_argv(spec.argv)} >>{log} 2>&1 </dev/null; "
+        f"echo $? >{rc_tmp} && mv -f {rc_tmp} {rc}"
+    )
+    dirs = {spec.log_path.rpartition("/")[0] or ".", spec.rc_path.rpartition("/")[0] or "."}
+    return (
+        f"mkdir -p {quote_argv(sorted(dirs))} && cd {shlex.quote(spec.cwd)} && "
+        f"rm -f {rc} {rc_tmp} && "
+        f"( {exports}exec setsid sh -c {shlex.quote(inner)} ) >/dev/null 2>&1 </dev/null & "
+        "echo $!"
+    )
+
+
+class Runner(ABC):
+    """Runs commands and detached tasks on one host.
+
+    Subclasses implement ``_exec``, ``put_file``, ``get_file`` and ``close``;
+    they may override the task methods with faster direct versions.
+    """
+
+    def __init__(self, host_name: str) -> None:
+        self.host_name = host_name
+
+    # -- transport hooks -------------------------------------------------
+    @abstractmethod
+    def _exec(self, script: str, timeout_s: float | None = None) -> ExecResult:
+        """Run ``script`` with ``sh -c`` on the host and wait for it."""
+
+    @abstractmethod
+    def put_file(self, local_path: str, remote_path: str, mode: int | None = None) -> None:
+        """Copy a file from the controller to the host, creating parent directories."""
+
+    @abstractmethod
+    def get_file(self, remote_path: str, local_path: str) -> None:
+        """Copy a file from the host to the controller."""
+
+    def close(self) -> None:
+        """Release the transport (idempotent)."""
+
+    # -- commands --------------------------------------------------------
+    def run(
+        self, argv: Sequence[str] | str, *, check: bool = True, timeout_s: float | None = None
+    ) -> ExecResult:
+        """Run a command to completion. A sequence is quoted word by word; a str is a script."""
+        script = argv if isinstance(argv, str) else quote_argv(argv)
+        result = self._exec(script, timeout_s=timeout_s)
+        if check and not result.ok:
+            raise CommandError(
+                self.host_name, script, result.exit_code, result.stdout + result.stderr
+            )
+        return result
+
+    # -- detached tasks --------------------------------------------------
+    def start(self, spec: LaunchSpec) -> TaskHandle:
+        result = self.run(launch_script(spec))
+        try:
+            pgid = int(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            raise RemoteError(
+                f"task launch printed no pid: {result.stdout!r}", host=self.host_name
+            ) from exc
+        return TaskHandle(self.host_name, pgid, spec.log_path, spec.rc_path)
+
+    def poll(self, handle: TaskHandle) -> TaskStatus:
+        rc = shlex.quote(handle.rc_path)
+        script = (
+            f"if [ -f {rc} ]; then echo exited $(cat {rc}); "
+            f"elif kill -0 -- -{handle.pgid} 2>/dev/null; then echo running; "
+            f"elif [ -f {rc} ]; then echo exited $(cat {rc}); else echo lost; fi"
+        )
+        return _parse_status(self.run(script).stdout)
+
+    def signal(self, handle: TaskHandle, sig: str) -> None:
+        self.run(f"kill -{sig} -- -{handle.pgid} 2>/dev/null; true")
+
+    def stop(self, handle: TaskHandle, grace_s: float = 5.0) -> TaskStatus:
+        """TERM the task's process group, then KILL it if still alive after ``grace_s``.
+
+        TensorFlow's preemption notifier swallows SIGTERM, so the KILL is routine.
+        """
+        status = self.poll(handle)
+        if status.state is not TaskState.RUNNING:
+            return status
+        self.signal(handle, "TERM")
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not self._group_alive(handle):
+                return self.poll(handle)
+            time.sleep(0.1)
+        self.signal(handle, "KILL")
+        for _ in range(50):
+            if not self._group_alive(handle):
+                break
+            time.sleep(0.1)
+        return self.poll(handle)
+
+    def _group_alive(self, handle: TaskHandle) -> bool:
+        return self.run(f"kill -0 -- -{handle.pgid} 2>/dev/null", check=False).ok
+
+    def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
+        """Bytes of the task's log from ``offset``; returns them and the new offset."""
+        log = shlex.quote(handle.log_path)
+        result = self.run(f"[ -f {log} ] && tail -c +{offset + 1} {log} || true")
+        data = result.stdout.encode()
+        return data, offset + len(data)
+
+
+def _parse_status(text: str) -> TaskStatus:
+    words = text.split()
+    if words[:1] == ["running"]:
+        return TaskStatus(TaskState.RUNNING)
+    if words[:1] == ["exited"] and len(words) == 2 and words[1].lstrip("-").isdigit():
+        return TaskStatus(TaskState.EXITED, int(words[1]))
+    return TaskStatus(TaskState.LOST)
