@@ -32,17 +32,27 @@ class Host:
     ``address`` is where the other tasks reach this host's gRPC port; ``root`` is
     the directory on the host that holds everything of this cluster (absolute,
     or relative to the SSH user's home). ``ssh`` is None for this machine.
+    ``task_port`` pins the gRPC port (e.g. one a firewall opens); otherwise the
+    plan picks one from the spec's range.
     """
 
     name: str
     address: str
     root: str
     ssh: SSHEndpoint | None = None
+    task_port: int | None = None
     labels: tuple[tuple[str, str], ...] = field(default=())
 
     @property
     def is_local(self) -> bool:
         return self.ssh is None
+
+    @property
+    def machine(self) -> str:
+        """Identifies the physical machine: hosts that share it share this string."""
+        if self.ssh is None or is_loopback(self.ssh.address):
+            return "this-machine"
+        return f"{self.ssh.address}:{self.ssh.port}"
 
 
 def is_loopback(address: str) -> bool:

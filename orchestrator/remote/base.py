@@ -44,6 +44,11 @@ class LaunchSpec:
     rc_path: str
     env: Mapping[str, str] = field(default_factory=dict)
 
+    @property
+    def pid_path(self) -> str:
+        """Written by the task's session leader once it runs in its own session."""
+        return self.rc_path.rsplit(".", 1)[0] + ".pid"
+
 
 @dataclass(frozen=True)
 class TaskHandle:
@@ -72,23 +77,30 @@ def quote_argv(argv: Sequence[str]) -> str:
 
 
 def launch_script(spec: LaunchSpec) -> str:
-    """The shell script that starts ``spec`` in a new session and prints its pid (= pgid)."""
-    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in spec.env.items())
+    """The shell script that starts ``spec`` in a new session and prints its pid (= pgid).
+
+    The session leader writes its own pid once ``setsid`` has happened; the
+    script waits for that, so the printed pid is already a process-group id.
+    """
     for name in spec.env:
         if not name.replace("_", "a").isalnum() or name[0].isdigit():
             raise RemoteError(f"invalid environment variable name {name!r}")
+    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in spec.env.items())
     rc, rc_tmp = shlex.quote(spec.rc_path), shlex.quote(spec.rc_path + ".tmp")
+    pid = shlex.quote(spec.pid_path)
     log = shlex.quote(spec.log_path)
     inner = (
+        f"echo $$ >{pid}.tmp && mv -f {pid}.tmp {pid}; "
         f"{quote_argv(spec.argv)} >>{log} 2>&1 </dev/null; "
         f"echo $? >{rc_tmp} && mv -f {rc_tmp} {rc}"
     )
-    dirs = {spec.log_path.rpartition("/")[0] or ".", spec.rc_path.rpartition("/")[0] or "."}
+    dirs = {p.rpartition("/")[0] or "." for p in (spec.log_path, spec.rc_path, spec.pid_path)}
     return (
         f"mkdir -p {quote_argv(sorted(dirs))} && cd {shlex.quote(spec.cwd)} && "
-        f"rm -f {rc} {rc_tmp} && "
+        f"rm -f {rc} {rc_tmp} {pid} && "
         f"( {exports}exec setsid sh -c {shlex.quote(inner)} ) >/dev/null 2>&1 </dev/null & "
-        "echo $!"
+        f"i=0; while [ ! -s {pid} ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; "
+        f"cat {pid}"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -47,10 +48,8 @@ class LocalRunner(Runner):
         return TaskStatus(TaskState.LOST)
 
     def signal(self, handle: TaskHandle, sig: str) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(handle.pgid, getattr(signal, "SIG" + sig))
-        except ProcessLookupError:
-            pass
 
     def _group_alive(self, handle: TaskHandle) -> bool:
         return any(True for _ in live_group_members(handle.pgid))

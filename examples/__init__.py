@@ -1,0 +1,1 @@
+"""Example training code for the orchestrator."""

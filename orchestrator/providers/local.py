@@ -1,0 +1,72 @@
+"""The `local` provider: every task a process on this machine, on loopback ports."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from orchestrator.hosts import Host
+from orchestrator.providers.base import DownReport, Provider
+from orchestrator.remote.local import LocalRunner
+from orchestrator.spec import ClusterSpec
+from orchestrator.state import home
+
+LOOPBACK = "127.0.0.1"
+
+
+class LocalProvider(Provider):
+    kind = "local"
+
+    def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
+        super().__init__(spec, spec_path)
+        self._runner = LocalRunner("localhost")
+
+    @property
+    def root(self) -> str:
+        return str(home() / "clusters" / self.spec.name)
+
+    def up(self) -> list[Host]:
+        return self.hosts()
+
+    def hosts(self) -> list[Host]:
+        return [
+            Host(name=f"local-{i}", address=LOOPBACK, root=self.root)
+            for i in range(self.spec.num_tasks)
+        ]
+
+    def runner(self, host: Host) -> LocalRunner:
+        return self._runner
+
+    def python(self, host: Host) -> str:
+        configured = getattr(self.spec.provider, "python", None)
+        return configured or sys.executable
+
+    def down(self) -> DownReport:
+        return DownReport(notes=(f"run files are kept under {self.root}",))
+
+    def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
+        """Probe the range until every task has a free port; return the taken ones seen."""
+        busy: set[tuple[str, int]] = set()
+        free = 0
+        for port in range(self.spec.ports.start, self.spec.ports.end + 1):
+            if free >= len(hosts):
+                break
+            if port_is_free(LOOPBACK, port):
+                free += 1
+            else:
+                busy.add((LOOPBACK, port))
+        return busy
+
+
+def port_is_free(address: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True

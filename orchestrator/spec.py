@@ -1,0 +1,367 @@
+"""Pydantic models of the cluster spec file, and `load()` that turns bad input into one SpecError."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import shlex
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
+
+from orchestrator.errors import SpecError
+
+NAME_RE = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
+ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
+MODULE_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+RESERVED_ENV = ("TF_CONFIG", "ORCHESTRATE_")
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LocalProvider(Model):
+    """Every task is a process on this machine, on loopback ports. Needs no cloud and no SSH."""
+
+    kind: Literal["local"] = "local"
+    python: str | None = Field(
+        default=None,
+        description="Interpreter for the tasks; default: the one running the controller.",
+    )
+
+
+Provider = Annotated[LocalProvider, Field(discriminator="kind")]
+
+
+class PortRange(Model):
+    """Ports the tasks' gRPC servers may use, inclusive."""
+
+    start: int = Field(default=23456, ge=1024, le=65535)
+    end: int = Field(default=23655, ge=1024, le=65535)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PortRange:
+        if self.end < self.start:
+            raise ValueError(f"end ({self.end}) must be >= start ({self.start})")
+        return self
+
+
+class ManagedJob(Model):
+    """The runtime builds, compiles and fits a tf_keras model from a user module."""
+
+    mode: Literal["managed"] = "managed"
+    module: str = Field(
+        pattern=MODULE_RE, description="Dotted module under workdir, e.g. examples.digits."
+    )
+    model_fn: str = Field(default="build_model", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    dataset_fn: str = Field(default="make_dataset", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    epochs: int = Field(default=5, ge=1)
+    steps_per_epoch: int = Field(default=50, ge=1)
+    per_replica_batch_size: int = Field(default=32, ge=1)
+    optimizer: Literal["adam", "sgd", "rmsprop", "adamw"] = "adam"
+    learning_rate: float = Field(default=1e-3, gt=0)
+    scale_learning_rate: bool = Field(
+        default=True, description="Multiply learning_rate by the number of replicas in sync."
+    )
+    loss: str = "sparse_categorical_crossentropy"
+    metrics: tuple[str, ...] = ("accuracy",)
+    seed: int | None = 1234
+    deterministic: bool = Field(
+        default=False, description="Op determinism + seeds: a resumed run matches an unbroken one."
+    )
+    progress_every_steps: int = Field(default=1, ge=1)
+
+
+class CommandJob(Model):
+    """Run an unmodified script (written as in TF's multi-worker tutorial) on every task."""
+
+    mode: Literal["command"] = "command"
+    command: tuple[str, ...] = Field(min_length=1)
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return tuple(shlex.split(value))
+            except ValueError as exc:
+                raise ValueError(f"cannot split into words ({exc})") from exc
+        return value
+
+
+Job = Annotated[ManagedJob | CommandJob, Field(discriminator="mode")]
+
+
+class Checkpoint(Model):
+    every_steps: int = Field(
+        default=20, ge=1, description="The chief writes a backup every this many steps."
+    )
+
+
+class Retry(Model):
+    max_restarts: int = Field(default=3, ge=0, description="Group restarts before giving up.")
+    backoff_initial_s: float = Field(default=1.0, ge=0)
+    backoff_max_s: float = Field(default=30.0, ge=0)
+
+
+class Timeouts(Model):
+    startup_s: float = Field(
+        default=300.0, gt=0, description="Every task must report its first step within this."
+    )
+    stop_grace_s: float = Field(
+        default=5.0, ge=0, description="Wait after SIGTERM before SIGKILL (TF swallows TERM)."
+    )
+
+
+class ClusterSpec(Model):
+    """A cluster and the training job it runs."""
+
+    name: str = Field(description="Lower-case letters, digits and '-', starting with a letter.")
+    provider: Provider = Field(default_factory=LocalProvider)
+    workers: int = Field(default=2, ge=1, le=1024)
+    separate_chief: bool = Field(
+        default=False,
+        description="Add a dedicated 'chief' task; otherwise worker 0 is the chief.",
+    )
+    workdir: str = Field(
+        default=".", description="The user's project directory, relative to the spec file."
+    )
+    ports: PortRange = Field(default_factory=PortRange)
+    job: Job
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    retry: Retry = Field(default_factory=Retry)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_job_mode(cls, data: Any) -> Any:
+        job = data.get("job") if isinstance(data, dict) else None
+        if isinstance(job, dict) and "mode" not in job:
+            data = {**data, "job": {**job, "mode": "command" if "command" in job else "managed"}}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not re.match(NAME_RE, name):
+            raise ValueError(
+                f"{name!r} is not a valid name: use 1-40 lower-case letters, digits and '-', "
+                "starting with a letter (it names files, VMs and labels)"
+            )
+        return name
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not re.match(ENV_NAME_RE, key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if key.startswith(RESERVED_ENV):
+                raise ValueError(f"{key!r} is set by the orchestrator and cannot be overridden")
+        return env
+
+    @property
+    def num_tasks(self) -> int:
+        return self.workers + (1 if self.separate_chief else 0)
+
+
+UNION_MEMBERS: dict[str, type[BaseModel]] = {
+    "local": LocalProvider,
+    "managed": ManagedJob,
+    "command": CommandJob,
+}
+
+UNION_FIELDS = ("provider", "job")
+
+# -- loading --------------------------------------------------------------------------------
+
+FIXES: dict[str, str] = {
+    "missing": "add the field",
+    "int_parsing": "write a whole number",
+    "int_type": "write a whole number",
+    "int_from_float": "write a whole number",
+    "float_parsing": "write a number",
+    "float_type": "write a number",
+    "bool_parsing": "write true or false",
+    "bool_type": "write true or false",
+    "string_type": "write a string (quote it if YAML reads it as something else)",
+    "greater_than_equal": "use a larger value",
+    "greater_than": "use a larger value",
+    "less_than_equal": "use a smaller value",
+    "string_pattern_mismatch": "fix the spelling to match the pattern",
+    "literal_error": "use one of the allowed values",
+    "union_tag_invalid": "use one of the allowed values",
+    "union_tag_not_found": "add the discriminating field",
+    "too_short": "give at least one item",
+    "dict_type": "write a mapping (key: value lines)",
+    "model_type": "write a mapping (key: value lines)",
+}
+
+
+def load(path: str | Path) -> ClusterSpec:
+    """Read and validate a cluster spec file.
+
+    Raises:
+        SpecError: naming the file, the line, the field path, what was received and the fix.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError("no such file", file=str(path), fix="check the path") from None
+    except OSError as exc:
+        raise SpecError(f"cannot read: {exc.strerror}", file=str(path)) from None
+    return parse(text, file=str(path), base_dir=path.resolve().parent)
+
+
+def parse(text: str, *, file: str = "<spec>", base_dir: Path | None = None) -> ClusterSpec:
+    """Validate spec text; with ``base_dir``, also check that what it names exists there."""
+    try:
+        data = yaml.safe_load(text)
+        lines = _line_index(yaml.compose(text))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(f"not valid YAML: {problem}", file=file, line=line) from None
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"expected a mapping at the top level, received {type(data).__name__}",
+            file=file,
+            fix="start the file with 'name: my-cluster' and a 'job:' section",
+        )
+    try:
+        spec = ClusterSpec.model_validate(data)
+    except ValidationError as exc:
+        raise _spec_error(exc.errors()[0], lines, file, len(exc.errors())) from None
+    if base_dir is not None:
+        _check_paths(spec, base_dir, file, lines)
+    return spec
+
+
+def workdir_of(spec: ClusterSpec, spec_path: str | Path) -> Path:
+    return (Path(spec_path).resolve().parent / spec.workdir).resolve()
+
+
+def _check_paths(spec: ClusterSpec, base_dir: Path, file: str, lines: dict[str, int]) -> None:
+    workdir = (base_dir / spec.workdir).resolve()
+    if not workdir.is_dir():
+        raise SpecError(
+            f"directory {workdir} does not exist (received {spec.workdir!r})",
+            file=file,
+            field="workdir",
+            line=lines.get("workdir"),
+            fix="point workdir at your project directory, relative to the spec file",
+        )
+    if isinstance(spec.job, ManagedJob):
+        rel = spec.job.module.replace(".", "/")
+        candidates = [workdir / f"{rel}.py", workdir / rel / "__init__.py"]
+        if not any(c.is_file() for c in candidates):
+            raise SpecError(
+                f"module {spec.job.module!r} not found under {workdir} "
+                f"(looked for {rel}.py and {rel}/__init__.py)",
+                file=file,
+                field="job.module",
+                line=lines.get("job.module"),
+                fix="name a module of your project as a dotted path relative to workdir",
+            )
+
+
+def _spec_error(err: ErrorDetails, lines: dict[str, int], file: str, count: int) -> SpecError:
+    loc = _without_union_tag(list(err["loc"]))
+    field = ".".join(str(p) for p in loc) or "(top level)"
+    line = _nearest_line(lines, loc)
+    kind = err["type"]
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    fix = FIXES.get(kind)
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(list(err["loc"][:-1]))
+        msg = f"unknown key {loc[-1]!r}"
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        fix = (f"did you mean {close[0]!r}? " if close else "remove it; ") + (
+            "allowed keys here: " + ", ".join(allowed)
+        )
+    elif kind == "union_tag_invalid":
+        ctx = err.get("ctx", {})
+        field = f"{field}.{ctx.get('discriminator', 'kind')}".replace("'", "")
+        msg = f"unknown value {ctx.get('tag')!r}"
+        fix = f"use one of: {ctx.get('expected_tags')}"
+    elif kind == "missing":
+        msg = "required field is missing"
+        fix = f"add '{loc[-1]}:' " + ("to the top level" if len(loc) == 1 else f"under {loc[-2]}")
+    elif not msg.endswith(")"):
+        msg = f"{msg} (received {_show(err.get('input'))})"
+    if count > 1:
+        msg += f" [and {count - 1} more problem{'s' if count > 2 else ''}]"
+    return SpecError(msg, file=file, field=field, line=line, fix=fix)
+
+
+def _without_union_tag(loc: list[Any]) -> list[Any]:
+    """Pydantic puts the union member's tag after a union field: ('job', 'managed', 'epochs')."""
+    if len(loc) > 1 and loc[0] in UNION_FIELDS and loc[1] in UNION_MEMBERS:
+        return [loc[0], *loc[2:]]
+    return loc
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _allowed_keys(loc: list[Any]) -> list[str]:
+    """The keys the model at ``loc`` (a pydantic error location) accepts."""
+    model: type[BaseModel] = ClusterSpec
+    for part in loc:
+        if part in UNION_MEMBERS:
+            model = UNION_MEMBERS[part]
+            continue
+        field = model.model_fields.get(str(part))
+        models = _models_in(field.annotation) if field else []
+        if not models:
+            return []
+        model = models[0]
+    return sorted(model.model_fields)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _line_index(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
+    """Map dotted field paths to 1-based line numbers in the YAML source."""
+    out: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = f"{prefix}.{key.value}" if prefix else str(key.value)
+            out[path] = key.start_mark.line + 1
+            out.update(_line_index(value, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = f"{prefix}.{i}"
+            out[path] = item.start_mark.line + 1
+            out.update(_line_index(item, path))
+    return out
+
+
+def _nearest_line(lines: dict[str, int], loc: list[Any]) -> int | None:
+    for end in range(len(loc), 0, -1):
+        key = ".".join(str(p) for p in loc[:end])
+        if key in lines:
+            return lines[key]
+    return None

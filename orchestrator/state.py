@@ -1,0 +1,256 @@
+"""SQLite store (stdlib sqlite3) of clusters, runs and attempts, under ORCHESTRATE_HOME."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import StateError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS clusters (
+    name TEXT PRIMARY KEY,
+    provider TEXT NOT NULL,
+    spec_path TEXT NOT NULL,
+    status TEXT NOT NULL,
+    hosts_json TEXT NOT NULL DEFAULT '[]',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY,
+    cluster TEXT NOT NULL,
+    status TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    metrics_json TEXT NOT NULL DEFAULT '{}',
+    model_path TEXT NOT NULL DEFAULT '',
+    message TEXT NOT NULL DEFAULT '',
+    controller_pid INTEGER
+);
+CREATE INDEX IF NOT EXISTS runs_by_cluster ON runs (cluster, started_at);
+CREATE TABLE IF NOT EXISTS attempts (
+    run_id TEXT NOT NULL REFERENCES runs (id),
+    number INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    cause TEXT NOT NULL DEFAULT '',
+    detail TEXT NOT NULL DEFAULT '',
+    failed_task TEXT NOT NULL DEFAULT '',
+    exit_code INTEGER,
+    resumed_from_step INTEGER,
+    last_step INTEGER,
+    first_step_at REAL,
+    tasks_json TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (run_id, number)
+);
+"""
+
+
+def home() -> Path:
+    """The per-user directory for state and local runs: $ORCHESTRATE_HOME or ~/.orchestrate."""
+    env = os.environ.get("ORCHESTRATE_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".orchestrate"
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    name: str
+    provider: str
+    spec_path: str
+    status: str
+    hosts: list[dict[str, Any]]
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    run_id: str
+    number: int
+    status: str
+    started_at: float
+    ended_at: float | None
+    cause: str
+    detail: str
+    failed_task: str
+    exit_code: int | None
+    resumed_from_step: int | None
+    last_step: int | None
+    first_step_at: float | None
+    tasks: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: str
+    cluster: str
+    status: str
+    started_at: float
+    ended_at: float | None
+    metrics: dict[str, float]
+    model_path: str
+    message: str
+    controller_pid: int | None
+    attempts: list[AttemptRecord] = field(default_factory=list)
+
+
+class Store:
+    """One SQLite file; every write is one transaction, so a crash never leaves half a record."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or home() / "state.db"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise StateError(
+                f"cannot open the state store {self.path}: {exc}",
+                fix="move the file aside (it is re-created empty) or set ORCHESTRATE_HOME",
+            ) from None
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- clusters ----------------------------------------------------------------
+    def put_cluster(
+        self, name: str, *, provider: str, spec_path: str, status: str,
+        hosts: list[dict[str, Any]] | None = None,
+    ) -> None:
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO clusters (name, provider, spec_path, status, hosts_json, created_at,"
+                " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
+                " provider=excluded.provider, spec_path=excluded.spec_path,"
+                " status=excluded.status, hosts_json=excluded.hosts_json,"
+                " updated_at=excluded.updated_at",
+                (name, provider, spec_path, status, json.dumps(hosts or []), now, now),
+            )
+
+    def get_cluster(self, name: str) -> ClusterRecord | None:
+        row = self._db.execute("SELECT * FROM clusters WHERE name = ?", (name,)).fetchone()
+        return _cluster(row) if row else None
+
+    def clusters(self) -> list[ClusterRecord]:
+        rows = self._db.execute("SELECT * FROM clusters ORDER BY name").fetchall()
+        return [_cluster(r) for r in rows]
+
+    def delete_cluster(self, name: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM clusters WHERE name = ?", (name,))
+
+    # -- runs --------------------------------------------------------------------
+    def new_run(self, cluster: str) -> str:
+        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO runs (id, cluster, status, started_at, controller_pid)"
+                " VALUES (?, ?, 'running', ?, ?)",
+                (run_id, cluster, time.time(), os.getpid()),
+            )
+        return run_id
+
+    def finish_run(
+        self, run_id: str, *, status: str, message: str = "",
+        metrics: dict[str, float] | None = None, model_path: str = "",
+    ) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE runs SET status=?, ended_at=?, message=?, metrics_json=?, model_path=?"
+                " WHERE id=?",
+                (status, time.time(), message, json.dumps(metrics or {}), model_path, run_id),
+            )
+
+    def get_run(self, run_id: str) -> RunRecord:
+        row = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise StateError(f"no run {run_id!r} in {self.path}",
+                             fix="list runs with 'orchestrate status'")
+        return _run(row, self.attempts(run_id))
+
+    def runs(self, cluster: str | None = None, limit: int = 20) -> list[RunRecord]:
+        sql = "SELECT * FROM runs" + (" WHERE cluster = ?" if cluster else "")
+        sql += " ORDER BY started_at DESC LIMIT ?"
+        args: tuple[Any, ...] = (cluster, limit) if cluster else (limit,)
+        return [_run(r, self.attempts(r["id"])) for r in self._db.execute(sql, args).fetchall()]
+
+    # -- attempts ----------------------------------------------------------------
+    def start_attempt(self, run_id: str, number: int, tasks: list[dict[str, Any]]) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO attempts (run_id, number, status, started_at, tasks_json)"
+                " VALUES (?, ?, 'running', ?, ?)",
+                (run_id, number, time.time(), json.dumps(tasks)),
+            )
+
+    def update_attempt(self, run_id: str, number: int, **fields: Any) -> None:
+        allowed = {"status", "ended_at", "cause", "detail", "failed_task", "exit_code",
+                   "resumed_from_step", "last_step", "first_step_at", "tasks"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"unknown attempt fields {sorted(unknown)}")
+        if "tasks" in fields:
+            fields["tasks_json"] = json.dumps(fields.pop("tasks"))
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        with self._tx() as db:
+            db.execute(
+                f"UPDATE attempts SET {cols} WHERE run_id = ? AND number = ?",
+                (*fields.values(), run_id, number),
+            )
+
+    def attempts(self, run_id: str) -> list[AttemptRecord]:
+        rows = self._db.execute(
+            "SELECT * FROM attempts WHERE run_id = ? ORDER BY number", (run_id,)
+        ).fetchall()
+        return [_attempt(r) for r in rows]
+
+
+def _cluster(row: sqlite3.Row) -> ClusterRecord:
+    return ClusterRecord(
+        name=row["name"], provider=row["provider"], spec_path=row["spec_path"],
+        status=row["status"], hosts=json.loads(row["hosts_json"]),
+        created_at=row["created_at"], updated_at=row["updated_at"],
+    )
+
+
+def _run(row: sqlite3.Row, attempts: list[AttemptRecord]) -> RunRecord:
+    return RunRecord(
+        id=row["id"], cluster=row["cluster"], status=row["status"],
+        started_at=row["started_at"], ended_at=row["ended_at"],
+        metrics=json.loads(row["metrics_json"]), model_path=row["model_path"],
+        message=row["message"], controller_pid=row["controller_pid"], attempts=attempts,
+    )
+
+
+def _attempt(row: sqlite3.Row) -> AttemptRecord:
+    return AttemptRecord(
+        run_id=row["run_id"], number=row["number"], status=row["status"],
+        started_at=row["started_at"], ended_at=row["ended_at"], cause=row["cause"],
+        detail=row["detail"], failed_task=row["failed_task"], exit_code=row["exit_code"],
+        resumed_from_step=row["resumed_from_step"], last_step=row["last_step"],
+        first_step_at=row["first_step_at"], tasks=json.loads(row["tasks_json"]),
+    )

@@ -1,0 +1,110 @@
+"""Detached tasks on this machine: own session, log and exit-code files, TERM then KILL."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.remote.base import LaunchSpec, TaskState
+from orchestrator.remote.local import LocalRunner, live_group_members
+
+SWALLOW_TERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, lambda *a: print('TERM ignored', flush=True));"
+    "print('up', flush=True); time.sleep(60)"
+)
+
+
+def launch(tmp_path: Path, code: str, **env: str) -> tuple[LocalRunner, LaunchSpec]:
+    spec = LaunchSpec((sys.executable, "-c", code), str(tmp_path), str(tmp_path / "logs/t.log"),
+                      str(tmp_path / "logs/t.rc"), env)
+    return LocalRunner(), spec
+
+
+def wait_for(predicate: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def test_exit_code_and_output_are_recorded(tmp_path: Path) -> None:
+    runner, spec = launch(tmp_path, "import sys; print('hello'); sys.exit(3)")
+    handle = runner.start(spec)
+    wait_for(lambda: runner.poll(handle).state is TaskState.EXITED)
+    assert runner.poll(handle).exit_code == 3
+    data, offset = runner.read_log(handle, 0)
+    assert data == b"hello\n" and offset == 6
+    assert runner.read_log(handle, offset) == (b"", offset)
+
+
+def test_task_runs_in_its_own_session(tmp_path: Path) -> None:
+    runner, spec = launch(tmp_path, "import time; time.sleep(30)")
+    handle = runner.start(spec)
+    try:
+        assert os.getsid(handle.pgid) == handle.pgid != os.getsid(0)
+    finally:
+        runner.stop(handle, grace_s=0.5)
+
+
+def test_sigterm_swallowed_is_escalated_to_sigkill(tmp_path: Path) -> None:
+    runner, spec = launch(tmp_path, SWALLOW_TERM)
+    handle = runner.start(spec)
+    wait_for(lambda: b"up" in runner.read_log(handle, 0)[0])
+    status = runner.stop(handle, grace_s=0.5)
+    assert status.state is TaskState.LOST  # killed as a group: nobody wrote an exit code
+    assert live_group_members(handle.pgid) == []
+    assert b"TERM ignored" in runner.read_log(handle, 0)[0]
+
+
+def test_killed_child_is_reported_with_signal_exit_code(tmp_path: Path) -> None:
+    runner, spec = launch(tmp_path, "import os; print(os.getpid(), flush=True); import time; "
+                                    "time.sleep(30)")
+    handle = runner.start(spec)
+    wait_for(lambda: runner.read_log(handle, 0)[0].strip().isdigit())
+    os.kill(int(runner.read_log(handle, 0)[0]), 9)
+    wait_for(lambda: runner.poll(handle).state is TaskState.EXITED)
+    assert runner.poll(handle).exit_code == 137
+
+
+def test_hostile_env_and_argv_arrive_literally(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    hostile = f"a b; touch {marker}; $(touch {marker}) `touch {marker}` 'q' \"d\" \n*"
+    code = "import os, sys; print(repr(os.environ['HOSTILE'])); print(repr(sys.argv[1]))"
+    spec = LaunchSpec((sys.executable, "-c", code, hostile), str(tmp_path),
+                      str(tmp_path / "t.log"), str(tmp_path / "t.rc"), {"HOSTILE": hostile})
+    runner = LocalRunner()
+    handle = runner.start(spec)
+    wait_for(lambda: runner.poll(handle).state is TaskState.EXITED)
+    lines = runner.read_log(handle, 0)[0].decode().splitlines()
+    assert lines == [repr(hostile), repr(hostile)]
+    assert not marker.exists()
+
+
+def test_task_outlives_the_controller_that_started_it(tmp_path: Path) -> None:
+    """A controller process that exits (or dies) leaves its tasks running."""
+    repo, log, rc = Path(__file__).parent.parent, tmp_path / "t.log", tmp_path / "t.rc"
+    script = (
+        f"import sys; sys.path.insert(0, {str(repo)!r})\n"
+        "from orchestrator.remote.local import LocalRunner\n"
+        "from orchestrator.remote.base import LaunchSpec\n"
+        f"h = LocalRunner().start(LaunchSpec(('sleep', '30'), {str(tmp_path)!r}, {str(log)!r}, "
+        f"{str(rc)!r}))\n"
+        "print(h.pgid)\n"
+    )
+    controller = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                check=True)
+    pgid = int(controller.stdout)
+    runner = LocalRunner()
+    from orchestrator.remote.base import TaskHandle
+
+    handle = TaskHandle("localhost", pgid, str(tmp_path / "t.log"), str(tmp_path / "t.rc"))
+    try:
+        assert runner.poll(handle).state is TaskState.RUNNING
+    finally:
+        runner.stop(handle, grace_s=0.5)
+    assert live_group_members(pgid) == []

@@ -1,0 +1,139 @@
+"""The planner is pure: tables of spec + hosts in, TF_CONFIG, ports and commands out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator import plan, spec
+from orchestrator.errors import PlanError
+from orchestrator.hosts import Host, SSHEndpoint
+
+SPEC = "name: demo\nworkers: {workers}\nseparate_chief: {chief}\njob: {{module: m}}\n"
+
+
+def make_spec(workers: int = 2, chief: bool = False, extra: str = "") -> spec.ClusterSpec:
+    return spec.parse(SPEC.format(workers=workers, chief=str(chief).lower()) + extra)
+
+
+def local_hosts(n: int) -> list[Host]:
+    return [Host(f"local-{i}", "127.0.0.1", "/home/u/.orchestrate/clusters/demo") for i in range(n)]
+
+
+def remote(name: str, address: str, port: int | None = None, ssh_address: str | None = None
+           ) -> Host:
+    return Host(name, address, ".orchestrate/clusters/demo",
+                ssh=SSHEndpoint(address=ssh_address or address, user="u"), task_port=port)
+
+
+def build(s: spec.ClusterSpec, hosts: list[Host], **kw: object) -> plan.ClusterPlan:
+    return plan.build(s, hosts, run_id="r1", python="/venv/bin/python", local_workdir="/proj",
+                      **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("workers", "chief", "cluster", "tasks"),
+    [
+        (1, False, {"worker": ["127.0.0.1:23456"]}, [("worker", 0)]),
+        (2, False, {"worker": ["127.0.0.1:23456", "127.0.0.1:23457"]},
+         [("worker", 0), ("worker", 1)]),
+        (2, True, {"chief": ["127.0.0.1:23456"], "worker": ["127.0.0.1:23457", "127.0.0.1:23458"]},
+         [("chief", 0), ("worker", 0), ("worker", 1)]),
+    ],
+)
+def test_tf_config_forms(workers: int, chief: bool, cluster: dict[str, list[str]],
+                         tasks: list[tuple[str, int]]) -> None:
+    p = build(make_spec(workers, chief), local_hosts(len(tasks)))
+    assert [(t.role, t.index) for t in p.tasks] == tasks
+    for t in p.tasks:
+        config = json.loads(t.env["TF_CONFIG"])
+        assert config == {"cluster": cluster, "task": {"type": t.role, "index": t.index}}
+        assert config == t.tf_config
+    assert p.chief_key == f"{tasks[0][0]}:0"
+
+
+def test_remote_hosts_share_a_port_and_use_the_synced_code_dir() -> None:
+    hosts = [remote("a", "198.18.0.2"), remote("b", "198.18.0.3")]
+    p = build(make_spec(2), hosts)
+    assert p.cluster_def == {"worker": ("198.18.0.2:23456", "198.18.0.3:23456")}
+    assert p.tasks[0].cwd == ".orchestrate/clusters/demo/code"
+    assert p.tasks[0].env["PYTHONPATH"] == (
+        ".orchestrate/clusters/demo/code:.orchestrate/clusters/demo/lib"
+    )
+
+
+def test_busy_ports_are_skipped_per_address() -> None:
+    p = build(make_spec(2), local_hosts(2),
+              busy_ports={("127.0.0.1", 23456), ("127.0.0.1", 23458), ("10.0.0.9", 23457)})
+    assert [t.port for t in p.tasks] == [23457, 23459]
+
+
+def test_ipv6_endpoints_are_bracketed() -> None:
+    p = build(make_spec(1), [remote("a", "fd00::2")])
+    assert p.tasks[0].endpoint == "[fd00::2]:23456"
+
+
+def test_env_carries_run_identity_paths_and_user_env() -> None:
+    p = build(make_spec(1, extra="env: {NCCL_DEBUG: INFO}\n"), local_hosts(1))
+    env = p.tasks[0].env
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert env["TF_USE_LEGACY_KERAS"] == "1"
+    assert env["ORCHESTRATE_TASK"] == "worker:0" and env["ORCHESTRATE_RUN_ID"] == "r1"
+    assert env["ORCHESTRATE_CHECKPOINT_DIR"] == (
+        "/home/u/.orchestrate/clusters/demo/runs/r1/checkpoints"
+    )
+    assert p.tasks[0].log_path.endswith("/runs/r1/logs/attempt-1/worker-0.log")
+    assert p.tasks[0].cwd == "/proj"
+
+
+def test_managed_argv_carries_the_job_as_json() -> None:
+    p = build(make_spec(1, extra="checkpoint: {every_steps: 7}\n"), local_hosts(1))
+    argv = p.tasks[0].argv
+    assert argv[:4] == ("/venv/bin/python", "-m", "worker", "managed")
+    job = json.loads(argv[5])
+    assert job["module"] == "m" and job["checkpoint_every_steps"] == 7
+
+
+def test_command_argv_runs_the_users_python_through_the_worker_wrapper() -> None:
+    s = spec.parse("name: c\njob: {command: python train.py --x 1}\n")
+    p = build(s, local_hosts(2))
+    assert p.tasks[0].argv == ("/venv/bin/python", "-m", "worker", "command", "--",
+                               "/venv/bin/python", "train.py", "--x", "1")
+
+
+@pytest.mark.parametrize(
+    ("hosts", "message"),
+    [
+        ([], "3 tasks but 0 hosts"),
+        (local_hosts(2), "3 tasks but 2 hosts"),
+        ([remote("a", "127.0.0.1"), remote("b", "198.18.0.3"), remote("c", "198.18.0.4")],
+         "loopback address 127.0.0.1"),
+        ([remote("a", "localhost", ssh_address="198.18.0.2"), remote("b", "198.18.0.3"),
+          remote("c", "198.18.0.4")], "loopback address localhost"),
+        ([remote("a", "198.18.0.2", 5000), remote("b", "198.18.0.2", 5000),
+          remote("c", "198.18.0.4")], "two tasks would listen on 198.18.0.2:5000"),
+    ],
+)
+def test_plans_that_cannot_work_are_refused(hosts: list[Host], message: str) -> None:
+    with pytest.raises(PlanError, match=message) as info:
+        build(make_spec(3), hosts)
+    assert info.value.fix
+
+
+def test_zero_tasks_is_refused() -> None:
+    s = make_spec(1).model_copy(update={"workers": 0})
+    with pytest.raises(PlanError, match="zero tasks"):
+        build(s, [])
+
+
+def test_exhausted_port_range_names_the_range() -> None:
+    s = make_spec(2, extra="ports: {start: 30000, end: 30001}\n")
+    with pytest.raises(PlanError, match="30000-30001"):
+        build(s, local_hosts(2), busy_ports={("127.0.0.1", 30000)})
+
+
+def test_loopback_tasks_on_one_machine_are_fine() -> None:
+    hosts = [remote("a", "127.0.0.2"), remote("b", "127.0.0.3")]
+    p = build(make_spec(2), hosts)
+    assert [t.endpoint for t in p.tasks] == ["127.0.0.2:23456", "127.0.0.3:23456"]

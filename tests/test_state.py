@@ -1,0 +1,56 @@
+"""The state store keeps clusters, runs and attempts across processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import StateError
+from orchestrator.state import Store, home
+
+
+def test_home_follows_orchestrate_home(orchestrate_home: Path) -> None:
+    assert home() == orchestrate_home
+
+
+def test_runs_and_attempts_round_trip_through_a_second_connection() -> None:
+    store = Store()
+    store.put_cluster("c", provider="local", spec_path="/s.yaml", status="up",
+                      hosts=[{"name": "local-0", "address": "127.0.0.1"}])
+    run = store.new_run("c")
+    store.start_attempt(run, 1, [{"task": "worker:0", "pgid": 42}])
+    store.update_attempt(run, 1, status="failed", cause="crashed", failed_task="worker:1",
+                         exit_code=137, last_step=45)
+    store.start_attempt(run, 2, [])
+    store.update_attempt(run, 2, status="succeeded", resumed_from_step=40)
+    store.finish_run(run, status="succeeded", metrics={"loss": 0.1}, model_path="/m")
+
+    again = Store()
+    record = again.get_run(run)
+    assert record.status == "succeeded" and record.metrics == {"loss": 0.1}
+    assert [(a.number, a.cause, a.exit_code) for a in record.attempts] == [
+        (1, "crashed", 137), (2, "", None)]
+    assert record.attempts[0].tasks == [{"task": "worker:0", "pgid": 42}]
+    assert record.attempts[1].resumed_from_step == 40
+    assert again.get_cluster("c") is not None and again.runs("c")[0].id == run
+
+
+def test_unknown_run_is_a_state_error() -> None:
+    with pytest.raises(StateError, match="no run 'nope'"):
+        Store().get_run("nope")
+
+
+def test_unknown_attempt_field_is_refused() -> None:
+    store = Store()
+    run = store.new_run("c")
+    store.start_attempt(run, 1, [])
+    with pytest.raises(ValueError, match="unknown attempt fields"):
+        store.update_attempt(run, 1, colour="red")
+
+
+def test_corrupt_store_gives_a_fix(orchestrate_home: Path) -> None:
+    orchestrate_home.mkdir(parents=True)
+    (orchestrate_home / "state.db").write_bytes(b"not a database" * 100)
+    with pytest.raises(StateError, match="move the file aside"):
+        Store()

@@ -1,0 +1,141 @@
+"""The supervisor with real local processes (command mode, no TensorFlow): restart all, budgets,
+causes, timeouts. Only the backoff sleep is replaced, so the tests do not wait for it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import spec
+from orchestrator.errors import RunFailed
+from orchestrator.events import Event
+from orchestrator.providers.local import LocalProvider
+from orchestrator.remote.local import live_group_members
+from orchestrator.state import Store
+from orchestrator.supervisor import RunView, Supervisor
+
+
+def make(tmp_path: Path, script: str, extra: str = "") -> tuple[spec.ClusterSpec, Path]:
+    (tmp_path / "job.py").write_text(textwrap.dedent(script))
+    text = (
+        "name: sup\nworkers: 2\njob:\n  command: python job.py\n"
+        "retry: {max_restarts: 2, backoff_initial_s: 1, backoff_max_s: 8}\n"
+        "timeouts: {startup_s: 60, stop_grace_s: 0.5}\n" + extra
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return spec.load(path), path
+
+
+def supervise(s: spec.ClusterSpec, path: Path, sleeps: list[float], listener: object = None
+              ) -> tuple[Supervisor, Store, str]:
+    store = Store()
+    sup = Supervisor(s, LocalProvider(s, path), store, workdir=path.parent,
+                     backoff_sleep=sleeps.append, poll_s=0.05,
+                     listener=listener)  # type: ignore[arg-type]
+    return sup, store, store.new_run(s.name)
+
+
+CRASH_ONCE = """
+import os, sys, time
+if os.environ["ORCHESTRATE_ATTEMPT"] == "1":
+    if os.environ["ORCHESTRATE_TASK"] == "worker:1":
+        sys.exit(3)
+    time.sleep(60)  # a peer left waiting: the supervisor must stop it
+print("done", os.environ["ORCHESTRATE_TASK"], os.environ["ORCHESTRATE_ATTEMPT"])
+"""
+
+
+def test_one_crashed_task_restarts_the_whole_group(tmp_path: Path) -> None:
+    s, path = make(tmp_path, CRASH_ONCE)
+    sleeps: list[float] = []
+    sup, store, run_id = supervise(s, path, sleeps)
+    result = sup.run(run_id)
+
+    assert result.status == "succeeded"
+    first, second = store.attempts(run_id)
+    assert (first.status, first.cause, first.failed_task, first.exit_code) == (
+        "failed", "crashed", "worker:1", 3)
+    assert "exited 3" in first.detail
+    assert second.status == "succeeded" and second.cause == ""
+    assert len(sleeps) == 1 and 1.0 <= sleeps[0] <= 8.0
+    waiting_peer = next(t for t in first.tasks if t["task"] == "worker:0")
+    assert live_group_members(int(str(waiting_peer["pgid"]))) == []  # stopped, not left behind
+    assert store.get_run(run_id).status == "succeeded"
+
+
+def test_spent_budget_fails_with_a_report_of_every_attempt(tmp_path: Path) -> None:
+    s, path = make(tmp_path, "import sys; print('boom', file=sys.stderr); sys.exit(7)\n")
+    sleeps: list[float] = []
+    sup, store, run_id = supervise(s, path, sleeps)
+    with pytest.raises(RunFailed) as info:
+        sup.run(run_id)
+    report = str(info.value)
+    assert "failed after 3 attempt(s)" in report
+    for n in (1, 2, 3):
+        assert f"attempt {n}: crashed in worker:" in report
+    assert info.value.fix and "orchestrate logs" in info.value.fix
+    assert len(sleeps) == 2 and sleeps[1] > sleeps[0] * 0.9  # exponential, with jitter
+    assert store.get_run(run_id).status == "failed"
+    assert [a.exit_code for a in store.attempts(run_id)] == [7, 7, 7]
+
+
+def test_task_killed_as_a_whole_group_is_a_crash(tmp_path: Path) -> None:
+    s, path = make(tmp_path, CRASH_ONCE.replace("sys.exit(3)", "time.sleep(60)"))
+    killed: list[int] = []
+
+    def kill_worker_1(view: RunView, event: Event | None) -> None:
+        if event and event.kind == "started" and event.task == "worker:1" and not killed:
+            pgid = os.getpgid(int(event.get("pid")))
+            killed.append(pgid)
+            os.killpg(pgid, signal.SIGKILL)
+
+    sleeps: list[float] = []
+    sup, store, run_id = supervise(s, path, sleeps, kill_worker_1)
+    # the point is attempt 1's cause: no retries
+    sup.spec = s.model_copy(update={"retry": s.retry.model_copy(update={"max_restarts": 0})})
+    with pytest.raises(RunFailed):
+        sup.run(run_id)
+    first = store.attempts(run_id)[0]
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    assert "vanished" in first.detail
+
+
+def test_startup_timeout_when_a_task_never_reports(tmp_path: Path) -> None:
+    silent = tmp_path / "silent-python"
+    silent.write_text("#!/bin/sh\nexec sleep 60\n")
+    silent.chmod(silent.stat().st_mode | stat.S_IEXEC)
+    s, path = make(tmp_path, "print('never runs')\n",
+                   f"provider: {{kind: local, python: {silent}}}\n")
+    s = s.model_copy(update={
+        "timeouts": s.timeouts.model_copy(update={"startup_s": 1.0}),
+        "retry": s.retry.model_copy(update={"max_restarts": 0}),
+    })
+    sup, store, run_id = supervise(s, path, [])
+    started = time.monotonic()
+    with pytest.raises(RunFailed) as info:
+        sup.run(run_id)
+    assert time.monotonic() - started < 30
+    attempt = store.attempts(run_id)[0]
+    assert attempt.cause == "startup_timeout"
+    assert "did not reach the first step" in attempt.detail
+    assert "timeouts.startup_s" in (info.value.fix or "")
+    for task in attempt.tasks:
+        assert live_group_members(int(str(task["pgid"]))) == []
+
+
+def test_worker_events_prefix_matches_the_parser() -> None:
+    from orchestrator import events
+    from worker import events as worker_events
+
+    assert events.PREFIX == worker_events.PREFIX
+    assert sys.modules["orchestrator.events"].parse_line(
+        worker_events.PREFIX + '{"event": "progress", "task": "worker:0", "step": 3}'
+    ) == Event("progress", "worker:0", 0, 0.0, {"step": 3})
