@@ -163,33 +163,33 @@ def _check_addresses(hosts: Sequence[Host]) -> None:
 def _assign_ports(
     spec: ClusterSpec, hosts: Sequence[Host], busy: Collection[tuple[str, int]]
 ) -> list[int]:
-    taken: set[tuple[str, int]] = set(busy)
-    pinned = [(h.address, h.task_port) for h in hosts if h.task_port is not None]
-    seen: set[tuple[str, int]] = set()
-    for pin in pinned:
-        if pin in seen:
+    """A port per task, unique per machine: TF's gRPC server binds the wildcard address."""
+    machine_of = {h.address: h.machine for h in hosts}
+    taken = {(machine_of[addr], port) for addr, port in busy if addr in machine_of}
+    for h in hosts:
+        if h.task_port is None:
+            continue
+        if (h.machine, h.task_port) in taken:
             raise PlanError(
-                f"two tasks would listen on {host_port(*pin)}",
-                fix="give each host on the same address its own port",
+                f"two tasks would listen on port {h.task_port} of the machine of {h.name} "
+                f"({host_port(h.address, h.task_port)})",
+                fix="give each task on the same machine its own port",
             )
-        seen.add(pin)
-    taken |= seen
+        taken.add((h.machine, h.task_port))
     ports: list[int] = []
     for h in hosts:
         if h.task_port is not None:
             ports.append(h.task_port)
             continue
-        port: int | None = next(
-            (p for p in range(spec.ports.start, spec.ports.end + 1) if (h.address, p) not in taken),
-            None,
-        )
+        free = (p for p in range(spec.ports.start, spec.ports.end + 1) if (h.machine, p) not in taken)
+        port = next(free, None)
         if port is None:
             raise PlanError(
                 f"no free port left for {h.name} ({h.address}) in the range "
                 f"{spec.ports.start}-{spec.ports.end}",
                 fix="widen ports.start/ports.end in the spec",
             )
-        taken.add((h.address, port))
+        taken.add((h.machine, port))
         ports.append(port)
     return ports
 

@@ -41,7 +41,71 @@ class LocalProvider(Model):
     )
 
 
-Provider = Annotated[LocalProvider, Field(discriminator="kind")]
+class StaticHost(Model):
+    """A machine you already have, reached over SSH."""
+
+    address: str = Field(min_length=1, description="Where the other tasks reach this host (internal IP).")
+    ssh_address: str | None = Field(
+        default=None, description="Where the controller connects over SSH; default: address."
+    )
+    ssh_port: int = Field(default=22, ge=1, le=65535)
+    user: str = Field(pattern=r"^[a-z_][a-z0-9_.-]*[$]?$", max_length=32)
+    key_file: str = Field(min_length=1, description="Private key for this user (no agent is used).")
+    host_key: str | None = Field(
+        default=None, description="The host's public key line, e.g. 'ssh-ed25519 AAAA...'."
+    )
+    task_port: int | None = Field(default=None, ge=1024, le=65535)
+    name: str | None = Field(default=None, pattern=NAME_RE)
+
+    @field_validator("host_key")
+    @classmethod
+    def _key_line(cls, value: str | None) -> str | None:
+        if value is not None and len(value.split()) < 2:
+            raise ValueError(
+                "expected an OpenSSH public key line such as 'ssh-ed25519 AAAA...' "
+                "(from 'ssh-keyscan HOST' or /etc/ssh/ssh_host_ed25519_key.pub on the host)"
+            )
+        return value
+
+
+class StaticProvider(Model):
+    """Attach to listed hosts over SSH. Nothing is created or deleted in any cloud."""
+
+    @field_validator("root")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"must be an absolute path, received {value!r}")
+        return value
+
+    kind: Literal["static"] = "static"
+    hosts: tuple[StaticHost, ...] = Field(min_length=1)
+    python: str = Field(default="python3", description="Interpreter with TensorFlow on the hosts.")
+    root: str | None = Field(
+        default=None,
+        description="Absolute directory on every host for this cluster's files; "
+        "default: ~/.orchestrate/clusters/NAME of the SSH user.",
+    )
+    setup: tuple[str, ...] = Field(
+        default=(), description="Shell commands run in the synced code dir by 'up' (e.g. pip install)."
+    )
+    sync_excludes: tuple[str, ...] = Field(
+        default=(".git", "__pycache__", "*.pyc", ".venv", "outputs"),
+        description="Glob patterns left out when uploading workdir.",
+    )
+    known_hosts: str | None = Field(
+        default=None, description="known_hosts file consulted when a host has no host_key."
+    )
+    trust_on_first_use: bool = Field(
+        default=False, description="Accept and record unknown host keys (in known_hosts). Unsafe."
+    )
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    wait_for_host_s: float = Field(
+        default=60.0, ge=0, description="How long 'up' retries a host that does not answer."
+    )
+
+
+Provider = Annotated[LocalProvider | StaticProvider, Field(discriminator="kind")]
 
 
 class PortRange(Model):
@@ -179,6 +243,7 @@ class ClusterSpec(Model):
 
 UNION_MEMBERS: dict[str, type[BaseModel]] = {
     "local": LocalProvider,
+    "static": StaticProvider,
     "managed": ManagedJob,
     "command": CommandJob,
 }
@@ -246,9 +311,22 @@ def parse(text: str, *, file: str = "<spec>", base_dir: Path | None = None) -> C
         spec = ClusterSpec.model_validate(data)
     except ValidationError as exc:
         raise _spec_error(exc.errors()[0], lines, file, len(exc.errors())) from None
+    _check_host_count(spec, file, lines)
     if base_dir is not None:
         _check_paths(spec, base_dir, file, lines)
     return spec
+
+
+def _check_host_count(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
+    if isinstance(spec.provider, StaticProvider) and len(spec.provider.hosts) != spec.num_tasks:
+        raise SpecError(
+            f"{len(spec.provider.hosts)} host(s) listed for {spec.num_tasks} task(s) "
+            f"(workers: {spec.workers}, separate_chief: {str(spec.separate_chief).lower()})",
+            file=file,
+            field="provider.hosts",
+            line=lines.get("provider.hosts"),
+            fix="list one host per task, or change workers to match the hosts",
+        )
 
 
 def workdir_of(spec: ClusterSpec, spec_path: str | Path) -> Path:
@@ -303,7 +381,7 @@ def _spec_error(err: ErrorDetails, lines: dict[str, int], file: str, count: int)
     elif kind == "missing":
         msg = "required field is missing"
         fix = f"add '{loc[-1]}:' " + ("to the top level" if len(loc) == 1 else f"under {loc[-2]}")
-    elif not msg.endswith(")"):
+    elif loc and not msg.endswith(")"):
         msg = f"{msg} (received {_show(err.get('input'))})"
     if count > 1:
         msg += f" [and {count - 1} more problem{'s' if count > 2 else ''}]"
@@ -326,6 +404,8 @@ def _allowed_keys(loc: list[Any]) -> list[str]:
     """The keys the model at ``loc`` (a pydantic error location) accepts."""
     model: type[BaseModel] = ClusterSpec
     for part in loc:
+        if isinstance(part, int):
+            continue
         if part in UNION_MEMBERS:
             model = UNION_MEMBERS[part]
             continue

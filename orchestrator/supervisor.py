@@ -24,13 +24,15 @@ from tenacity import (
 )
 
 from orchestrator import plan as planning
+from orchestrator.checkpoints import fetch_file, share_chief_checkpoint
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event, LineBuffer, parse_line
+from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.providers.base import Provider
 from orchestrator.remote.base import LaunchSpec, TaskHandle, TaskState
 from orchestrator.spec import ClusterSpec, CommandJob
-from orchestrator.state import AttemptRecord, Store
+from orchestrator.state import AttemptRecord, Store, home
 
 # Errors a task raises because a PEER failed: the task that raised them is not the cause.
 PEER_ERRORS = ("UnavailableError", "CancelledError", "AbortedError", "DeadlineExceededError")
@@ -135,6 +137,7 @@ class Supervisor:
         self.poll_s = poll_s
         self.view = RunView(run_id="", cluster=spec.name)
         self._chief_key = ""
+        self._chief_host: Host | None = None
         self._first_progress: dict[str, float] = {}  # task -> wall time of its first step
         self._start_steps: dict[str, int] = {}  # task -> step it started (or resumed) at
 
@@ -167,7 +170,7 @@ class Supervisor:
             raise
         chief = finished[self._chief_key]
         metrics = dict(chief.get("metrics") or {})
-        model_path = str(chief.get("model_path") or "")
+        model_path = self._fetch_model(run_id, str(chief.get("model_path") or ""))
         self.store.finish_run(run_id, status="succeeded", metrics=metrics, model_path=model_path)
         return RunResult(
             run_id=run_id,
@@ -196,7 +199,10 @@ class Supervisor:
             busy_ports=self.provider.busy_ports(hosts),
         )
         self._chief_key = plan.chief_key
+        self._chief_host = plan.chief.host
         self._reset_view(plan)
+        if number > 1:
+            self._share_checkpoint(plan)
         watched = self._launch(plan)
         self.store.start_attempt(run_id, number, [_task_record(w) for w in watched])
         try:
@@ -212,6 +218,25 @@ class Supervisor:
             raise
         self._end_attempt(run_id, number, watched, "succeeded", None)
         return finished
+
+    def _share_checkpoint(self, plan: ClusterPlan) -> None:
+        others = {t.host.machine for t in plan.tasks} - {plan.chief.host.machine}
+        if not others:
+            return
+        self._say(f"copying the chief's checkpoint to {len(others)} other host(s)")
+        copied = share_chief_checkpoint(plan, self.provider.runner)
+        self._say(f"copied the chief's checkpoint to {', '.join(copied)}" if copied
+                  else "no checkpoint yet: the group starts from step 0")
+
+    def _fetch_model(self, run_id: str, remote_path: str) -> str:
+        """The chief's saved model, downloaded to this machine when the chief is remote."""
+        chief = self._chief_host
+        if not remote_path or chief is None or chief.is_local:
+            return remote_path
+        local_dir = home() / "clusters" / self.spec.name / "runs" / run_id / "model"
+        path = fetch_file(chief, self.provider.runner(chief), remote_path, local_dir)
+        self._say(f"fetched the model from {chief.name} to {path}")
+        return path
 
     def _launch(self, plan: ClusterPlan) -> list[_Watched]:
         def start(task: TaskPlan) -> _Watched:

@@ -11,6 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+pytest_plugins = ["hostlab"]
+
 
 @pytest.fixture(autouse=True)
 def orchestrate_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

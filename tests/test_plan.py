@@ -112,7 +112,7 @@ def test_command_argv_runs_the_users_python_through_the_worker_wrapper() -> None
         ([remote("a", "localhost", ssh_address="198.18.0.2"), remote("b", "198.18.0.3"),
           remote("c", "198.18.0.4")], "loopback address localhost"),
         ([remote("a", "198.18.0.2", 5000), remote("b", "198.18.0.2", 5000),
-          remote("c", "198.18.0.4")], "two tasks would listen on 198.18.0.2:5000"),
+          remote("c", "198.18.0.4")], "two tasks would listen on port 5000"),
     ],
 )
 def test_plans_that_cannot_work_are_refused(hosts: list[Host], message: str) -> None:
@@ -133,7 +133,7 @@ def test_exhausted_port_range_names_the_range() -> None:
         build(s, local_hosts(2), busy_ports={("127.0.0.1", 30000)})
 
 
-def test_loopback_tasks_on_one_machine_are_fine() -> None:
+def test_loopback_hosts_on_one_machine_get_distinct_ports() -> None:
     hosts = [remote("a", "127.0.0.2"), remote("b", "127.0.0.3")]
     p = build(make_spec(2), hosts)
-    assert [t.endpoint for t in p.tasks] == ["127.0.0.2:23456", "127.0.0.3:23456"]
+    assert [t.endpoint for t in p.tasks] == ["127.0.0.2:23456", "127.0.0.3:23457"]

@@ -1,4 +1,4 @@
-"""Where hosts come from: `local` now; one module per provider, chosen by the spec's provider.kind."""
+"""Where hosts come from: `local` and `static`; one module per provider, chosen by provider.kind."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ def for_spec(spec: ClusterSpec, spec_path: Path) -> Provider:
         from orchestrator.providers.local import LocalProvider
 
         return LocalProvider(spec, spec_path)
-    raise ProviderError(f"unknown provider kind {kind!r}", fix="use provider.kind: local")
+    if kind == "static":
+        from orchestrator.providers.static import StaticProvider
+
+        return StaticProvider(spec, spec_path)
+    raise ProviderError(f"unknown provider kind {kind!r}", fix="use provider.kind: local or static")
 
 
 __all__ = ["DownReport", "Provider", "for_spec"]

@@ -81,6 +81,8 @@ def launch_script(spec: LaunchSpec) -> str:
 
     The session leader writes its own pid once ``setsid`` has happened; the
     script waits for that, so the printed pid is already a process-group id.
+    Paths are taken relative to the directory the script starts in (the
+    login directory over SSH); only the task itself runs in ``spec.cwd``.
     """
     for name in spec.env:
         if not name.replace("_", "a").isalnum() or name[0].isdigit():
@@ -91,12 +93,12 @@ def launch_script(spec: LaunchSpec) -> str:
     log = shlex.quote(spec.log_path)
     inner = (
         f"echo $$ >{pid}.tmp && mv -f {pid}.tmp {pid}; "
-        f"{quote_argv(spec.argv)} >>{log} 2>&1 </dev/null; "
+        f"( cd {shlex.quote(spec.cwd)} && exec {quote_argv(spec.argv)} ) >>{log} 2>&1 </dev/null; "
         f"echo $? >{rc_tmp} && mv -f {rc_tmp} {rc}"
     )
     dirs = {p.rpartition("/")[0] or "." for p in (spec.log_path, spec.rc_path, spec.pid_path)}
     return (
-        f"mkdir -p {quote_argv(sorted(dirs))} && cd {shlex.quote(spec.cwd)} && "
+        f"mkdir -p {quote_argv(sorted(dirs))} && "
         f"rm -f {rc} {rc_tmp} {pid} && "
         f"( {exports}exec setsid sh -c {shlex.quote(inner)} ) >/dev/null 2>&1 </dev/null & "
         f"i=0; while [ ! -s {pid} ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; "
@@ -158,13 +160,13 @@ class Runner(ABC):
         rc = shlex.quote(handle.rc_path)
         script = (
             f"if [ -f {rc} ]; then echo exited $(cat {rc}); "
-            f"elif kill -0 -- -{handle.pgid} 2>/dev/null; then echo running; "
+            f"elif kill -0 -{handle.pgid} 2>/dev/null; then echo running; "
             f"elif [ -f {rc} ]; then echo exited $(cat {rc}); else echo lost; fi"
         )
         return _parse_status(self.run(script).stdout)
 
     def signal(self, handle: TaskHandle, sig: str) -> None:
-        self.run(f"kill -{sig} -- -{handle.pgid} 2>/dev/null; true")
+        self.run(f"kill -{sig} -{handle.pgid} 2>/dev/null; true")
 
     def stop(self, handle: TaskHandle, grace_s: float = 5.0) -> TaskStatus:
         """TERM the task's process group, then KILL it if still alive after ``grace_s``.
@@ -188,7 +190,7 @@ class Runner(ABC):
         return self.poll(handle)
 
     def _group_alive(self, handle: TaskHandle) -> bool:
-        return self.run(f"kill -0 -- -{handle.pgid} 2>/dev/null", check=False).ok
+        return self.run(f"kill -0 -{handle.pgid} 2>/dev/null", check=False).ok
 
     def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
         """Bytes of the task's log from ``offset``; returns them and the new offset."""

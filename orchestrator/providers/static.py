@@ -1,0 +1,159 @@
+"""The `static` provider: attach to hosts listed in the spec over SSH; create and delete nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import worker as worker_package
+from orchestrator import spec as specs
+from orchestrator.errors import ProviderError
+from orchestrator.hosts import Host, SSHEndpoint
+from orchestrator.providers.base import DownReport, Provider
+from orchestrator.remote.fanout import fan_out
+from orchestrator.remote.ssh import SSHRunner
+from orchestrator.remote.sync import sync_dir
+from orchestrator.spec import ClusterSpec
+
+SETUP_STAMP = ".orchestrate-setup"
+PORT_PROBE = (
+    "import socket, sys\n"
+    "start, end, want = map(int, sys.argv[1:4])\n"
+    "free = 0\n"
+    "for port in range(start, end + 1):\n"
+    "    if free >= want:\n"
+    "        break\n"
+    "    s = socket.socket()\n"
+    "    try:\n"
+    "        s.bind(('', port)); free += 1\n"
+    "    except OSError:\n"
+    "        print(port)\n"
+    "    finally:\n"
+    "        s.close()\n"
+)
+
+
+class StaticProvider(Provider):
+    kind = "static"
+
+    def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
+        super().__init__(spec, spec_path)
+        assert isinstance(spec.provider, specs.StaticProvider)
+        self.config = spec.provider
+        self._runners: dict[str, SSHRunner] = {}
+        self._roots: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def hosts(self) -> list[Host]:
+        """The listed hosts; the first call asks each (in parallel) for its home directory."""
+        hosts = self._unrooted()
+        missing = [h for h in hosts if h.name not in self._roots]
+        if missing and self.config.root is None:
+            found = fan_out(missing, self._home_root, name_of=lambda h: h.name)
+            found.raise_if_failed("reach hosts")
+            self._roots.update({r.name: str(r.value) for r in found.succeeded})
+        return [replace(h, root=self.config.root or self._roots[h.name]) for h in hosts]
+
+    def _home_root(self, host: Host) -> str:
+        home = self.runner(host).run('printf %s "$HOME"').stdout.strip()
+        if not home.startswith("/"):
+            raise ProviderError(f"{host.name}: the SSH user's home is {home!r}, not absolute",
+                                fix="set provider.root to an absolute directory")
+        return f"{home}/.orchestrate/clusters/{self.spec.name}"
+
+    def _unrooted(self) -> list[Host]:
+        base = self.spec_path.parent
+        known = self.config.known_hosts or "~/.ssh/known_hosts"
+        return [
+            Host(
+                name=h.name or f"{self.spec.name}-{i}",
+                address=h.address,
+                root="",
+                ssh=SSHEndpoint(
+                    address=h.ssh_address or h.address,
+                    user=h.user,
+                    port=h.ssh_port,
+                    key_file=str((base / Path(h.key_file).expanduser()).resolve()),
+                    host_keys=(h.host_key,) if h.host_key else (),
+                    known_hosts=str((base / Path(known).expanduser()).resolve()),
+                    trust_on_first_use=self.config.trust_on_first_use,
+                    connect_timeout_s=self.config.connect_timeout_s,
+                ),
+                task_port=h.task_port,
+            )
+            for i, h in enumerate(self.config.hosts)
+        ]
+
+    def runner(self, host: Host) -> SSHRunner:
+        assert host.ssh is not None
+        with self._lock:
+            runner = self._runners.get(host.name)
+            if runner is None:
+                runner = SSHRunner(host.name, host.ssh,
+                                   connect_deadline_s=max(self.config.wait_for_host_s,
+                                                          self.config.connect_timeout_s))
+                self._runners[host.name] = runner
+            return runner
+
+    def python(self, host: Host) -> str:
+        return self.config.python
+
+    def up(self) -> list[Host]:
+        """Reach every host in parallel, sync the code and the worker package, run setup."""
+        hosts = self.hosts()
+        fan_out(hosts, self.prepare, name_of=lambda h: h.name).raise_if_failed("prepare hosts")
+        return hosts
+
+    def prepare(self, host: Host) -> bool:
+        """Idempotent: returns whether anything changed on the host."""
+        runner = self.runner(host)
+        workdir = specs.workdir_of(self.spec, self.spec_path)
+        code_changed = sync_dir(runner, str(workdir), f"{host.root}/code",
+                                self.config.sync_excludes)
+        lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent),
+                               f"{host.root}/lib/worker", ("__pycache__", "*.pyc"))
+        stamp = hashlib.sha256("\n".join(self.config.setup).encode()).hexdigest()
+        stamp_path = shlex.quote(f"{host.root}/{SETUP_STAMP}")
+        current = runner.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
+        if not self.config.setup or (current == stamp and not code_changed):
+            return code_changed or lib_changed
+        code_dir = shlex.quote(f"{host.root}/code")
+        for command in self.config.setup:
+            # Setup commands are the user's own shell, run as written in the synced code dir.
+            runner.run(f"cd {code_dir} && {command}", timeout_s=3600)
+        runner.run(f"echo {stamp} > {stamp_path}")
+        return True
+
+    def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
+        start, end = self.spec.ports.start, self.spec.ports.end
+
+        def probe(host: Host) -> list[int]:
+            argv = [self.config.python, "-c", PORT_PROBE, str(start), str(end), "4"]
+            out = self.runner(host).run(argv, timeout_s=30).stdout
+            return [int(p) for p in out.split()]
+
+        result = fan_out(hosts, probe, name_of=lambda h: h.name)
+        by_name = {h.name: h for h in hosts}
+        return {(by_name[r.name].address, p) for r in result.succeeded for p in r.value or []}
+
+    def down(self) -> DownReport:
+        """Remove this cluster's directory on every host; nothing else is touched."""
+        hosts = self.hosts()
+
+        def clean(host: Host) -> str:
+            self.runner(host).run(["rm", "-rf", "--", host.root])
+            return f"{host.name}:{host.root}"
+
+        result = fan_out(hosts, clean, name_of=lambda h: h.name)
+        notes = tuple(f"{r.name}: not cleaned: {r.error}" for r in result.failed)
+        return DownReport(removed=tuple(str(r.value) for r in result.succeeded), notes=notes)
+
+    def close(self) -> None:
+        with self._lock:
+            for runner in self._runners.values():
+                runner.close()
+            self._runners.clear()

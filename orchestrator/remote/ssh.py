@@ -1,0 +1,554 @@
+"""The Runner over SSH: paramiko with strict host keys, key-only auth and one reused connection."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import os
+import posixpath
+import select
+import shlex
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from types import TracebackType
+
+import paramiko
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+    wait_fixed,
+)
+
+from orchestrator.errors import AuthError, HostKeyError, HostUnreachableError, RemoteError
+from orchestrator.hosts import SSHEndpoint
+from orchestrator.remote.base import ExecResult, Runner, TaskHandle
+
+KEEPALIVE_S = 15
+DEAD_PEER_S = 60  # unacknowledged data for this long means the host is gone (TCP_USER_TIMEOUT)
+# OpenSSH allows 10 sessions per connection (MaxSessions) and frees one only once our close
+# has reached it: keep at most 6 commands in flight besides the SFTP session, and wait a
+# little for a slot when the host still counts closed ones.
+MAX_CHANNELS = 6
+SESSION_WAIT_S = 5.0
+READ_LOG_MAX = 8 << 20
+_KNOWN_HOSTS_LOCK = threading.Lock()
+
+
+class SSHRunner(Runner):
+    """Runs commands and detached tasks on one host over a single, lazily opened SSH connection.
+
+    Args:
+        host_name: the host's name in messages.
+        endpoint: address, user, key file and accepted host keys.
+        connect_deadline_s: how long connecting may retry in all (default: three
+            times ``endpoint.connect_timeout_s``).
+    """
+
+    def __init__(
+        self, host_name: str, endpoint: SSHEndpoint, *, connect_deadline_s: float | None = None
+    ) -> None:
+        super().__init__(host_name)
+        self.endpoint = endpoint
+        self.connect_deadline_s = (
+            connect_deadline_s if connect_deadline_s is not None else 3 * endpoint.connect_timeout_s
+        )
+        self._client: paramiko.SSHClient | None = None
+        self._sftp_client: paramiko.SFTPClient | None = None
+        self._pkey: paramiko.PKey | None = None
+        self._lock = threading.Lock()
+        self._sftp_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CHANNELS)
+
+    @property
+    def target(self) -> str:
+        return f"{self.endpoint.user}@{self.endpoint.address}:{self.endpoint.port}"
+
+    def __enter__(self) -> SSHRunner:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- connection ------------------------------------------------------
+    def connect(self) -> paramiko.Transport:
+        """The live transport, connecting (or reconnecting after a drop) first if needed."""
+        with self._lock:
+            transport = self._client.get_transport() if self._client else None
+            if transport is not None and transport.is_active():
+                return transport
+            self._drop()
+            self._client = self._connect_with_retries()
+            transport = self._client.get_transport()
+            assert transport is not None
+            transport.set_keepalive(KEEPALIVE_S)
+            return transport
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        with self._sftp_lock:
+            if self._sftp_client is not None:
+                with contextlib.suppress(Exception):
+                    self._sftp_client.close()
+                self._sftp_client = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _connect_with_retries(self) -> paramiko.SSHClient:
+        pkey = self._load_key()
+        started = time.monotonic()
+        deadline = started + self.connect_deadline_s
+        retrying = Retrying(
+            retry=retry_if_exception(_is_transient),
+            stop=stop_after_delay(self.connect_deadline_s),
+            wait=wait_exponential(multiplier=0.25, max=2.0),
+            reraise=True,
+        )
+        try:
+            return retrying(self._connect_once, pkey, deadline)
+        except Exception as exc:
+            if not _is_transient(exc):
+                raise
+            raise self._unreachable(exc, time.monotonic() - started) from exc
+
+    def _connect_once(self, pkey: paramiko.PKey, deadline: float) -> paramiko.SSHClient:
+        ep = self.endpoint
+        timeout = max(0.5, min(ep.connect_timeout_s, deadline - time.monotonic()))
+        sock = socket.create_connection((ep.address, ep.port), timeout=timeout)
+        _tune_socket(sock)
+        client = paramiko.SSHClient()
+        try:
+            self._load_host_keys(client.get_host_keys())
+            client.set_missing_host_key_policy(_HostKeyPolicy(self))
+            client.connect(
+                ep.address,
+                port=ep.port,
+                username=ep.user,
+                pkey=pkey,
+                sock=sock,
+                timeout=timeout,
+                banner_timeout=timeout,
+                auth_timeout=timeout,
+                allow_agent=False,
+                look_for_keys=False,
+            )
+        except BaseException as exc:
+            client.close()
+            sock.close()
+            if isinstance(exc, paramiko.BadHostKeyException):
+                raise self._changed_key(exc.expected_key, exc.key) from None
+            if isinstance(exc, paramiko.AuthenticationException):
+                raise self._auth_failed(exc) from None
+            raise
+        return client
+
+    def _unreachable(self, exc: BaseException, elapsed: float) -> HostUnreachableError:
+        return HostUnreachableError(
+            f"cannot connect to {self.target}: tried for {elapsed:.1f}s "
+            f"({self.endpoint.connect_timeout_s:g}s per try); last error: {_describe(exc)}",
+            host=self.host_name,
+            fix=f"check that the host is up, that {self.endpoint.address} port "
+            f"{self.endpoint.port} is right, and that sshd is reachable from this machine",
+        )
+
+    def _auth_failed(self, exc: paramiko.AuthenticationException) -> AuthError:
+        ep = self.endpoint
+        return AuthError(
+            f"SSH authentication failed for {self.target} with key {ep.key_file}: {exc}",
+            host=self.host_name,
+            fix=f"authorise the public key of {ep.key_file} for {ep.user} on the host "
+            f"(ssh-copy-id -i {ep.key_file} -p {ep.port} {ep.user}@{ep.address}), "
+            "or set the right user and key_file",
+        )
+
+    # -- credentials and host keys ------------------------------------------
+    def _load_key(self) -> paramiko.PKey:
+        if self._pkey is None:
+            self._pkey = _read_private_key(self)
+        return self._pkey
+
+    def _load_host_keys(self, keys: paramiko.HostKeys) -> None:
+        ep = self.endpoint
+        name = _known_hosts_name(ep)
+        for line in ep.host_keys:
+            entry = _parse_host_key_line(name, line)
+            if entry is None or entry.key is None:
+                raise HostKeyError(
+                    f"invalid host key for {name}: received {line[:80]!r}",
+                    host=self.host_name,
+                    fix="use an OpenSSH public-key line such as 'ssh-ed25519 AAAA...' "
+                    "(the host's /etc/ssh/ssh_host_ed25519_key.pub)",
+                )
+            keys.add(name, entry.key.get_name(), entry.key)
+        if not ep.host_keys and ep.known_hosts and os.path.exists(ep.known_hosts):
+            try:
+                keys.load(ep.known_hosts)
+            except (OSError, paramiko.hostkeys.InvalidHostKey) as exc:
+                raise HostKeyError(
+                    f"cannot read known_hosts file {ep.known_hosts}: {_describe(exc)}",
+                    host=self.host_name,
+                    fix="make the file readable, or list the host key in the spec's host_key",
+                ) from None
+
+    def _unknown_key(self, key: paramiko.PKey) -> HostKeyError:
+        ep = self.endpoint
+        line = f"{key.get_name()} {key.get_base64()}"
+        known_hosts = ep.known_hosts or "~/.ssh/known_hosts"
+        return HostKeyError(
+            f"unknown SSH host key for {ep.address}:{ep.port}: {key.get_name()} "
+            f"{fingerprint(key)}; refusing to connect",
+            host=self.host_name,
+            fix=f"check that fingerprint out of band, then put '{line}' in the host's "
+            f"host_key in the spec, or add it to known_hosts "
+            f"(ssh-keyscan -p {ep.port} {ep.address} >> {known_hosts}), "
+            "or set trust_on_first_use: true to record it on first connect",
+        )
+
+    def _changed_key(self, expected: paramiko.PKey, got: paramiko.PKey) -> HostKeyError:
+        ep = self.endpoint
+        source = "the spec's host_key" if ep.host_keys else f"known_hosts {ep.known_hosts}"
+        return HostKeyError(
+            f"SSH host key of {ep.address}:{ep.port} CHANGED: expected {expected.get_name()} "
+            f"{fingerprint(expected)} (from {source}), got {got.get_name()} {fingerprint(got)}. "
+            "This may be a man-in-the-middle attack; refusing to connect",
+            host=self.host_name,
+            fix=f"if the host was re-created on purpose, verify the new fingerprint out of band "
+            f"and replace the old key in {source}",
+        )
+
+    def _trust_first_use(self, hostname: str, key: paramiko.PKey) -> None:
+        ep = self.endpoint
+        if not ep.trust_on_first_use or ep.host_keys:
+            raise self._unknown_key(key)
+        if not ep.known_hosts:
+            raise HostKeyError(
+                f"trust_on_first_use is set for {ep.address}:{ep.port} but no known_hosts "
+                "file is given to record the key in",
+                host=self.host_name,
+                fix="set known_hosts to a file path (it is created if missing)",
+            )
+        try:
+            recorded = _record_host_key(ep.known_hosts, hostname, key)
+        except (OSError, paramiko.hostkeys.InvalidHostKey) as exc:
+            raise HostKeyError(
+                f"cannot record the host key of {ep.address}:{ep.port} in {ep.known_hosts}: {_describe(exc)}",
+                host=self.host_name,
+                fix="make that file (and its directory) writable, or list the host key in "
+                "the spec's host_key",
+            ) from None
+        if recorded is not None and recorded != key:
+            raise self._changed_key(recorded, key)
+
+    # -- commands --------------------------------------------------------
+    def _exec(self, script: str, timeout_s: float | None = None) -> ExecResult:
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+        with self._slots, self._session() as chan:
+            try:
+                chan.exec_command("sh -c " + shlex.quote(script))
+                out, err = _collect(chan, deadline)
+            except _Timeout:
+                raise RemoteError(
+                    f"command timed out after {timeout_s:g}s: {_short(script)}",
+                    host=self.host_name,
+                    fix="the command may still run on the host; raise the timeout or look at the host",
+                ) from None
+            except (OSError, EOFError, paramiko.SSHException) as exc:
+                raise self._lost(script, exc) from None
+            if chan.exit_status == -1 and not self._alive(chan):
+                raise self._lost(script, None)
+            code = chan.exit_status if chan.exit_status != -1 else 255
+        return ExecResult(code, _text(out), _text(err))
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[paramiko.Channel]:
+        chan = self._open_channel()
+        try:
+            yield chan
+        finally:
+            chan.close()
+
+    def _open_channel(self) -> paramiko.Channel:
+        """A new session channel, waiting while the host still counts just-closed sessions."""
+        retrying = Retrying(
+            retry=retry_if_exception_type(paramiko.ChannelException),
+            stop=stop_after_delay(SESSION_WAIT_S),
+            wait=wait_fixed(0.05),
+            reraise=True,
+        )
+        try:
+            return retrying(self._open_channel_once)
+        except paramiko.ChannelException as exc:
+            raise RemoteError(
+                f"{self.target} refused a new SSH session for {SESSION_WAIT_S:g}s: {exc}",
+                host=self.host_name,
+                fix="run fewer commands at once on this host, or raise MaxSessions in its sshd_config",
+            ) from None
+
+    def _open_channel_once(self) -> paramiko.Channel:
+        """Open a session; a dead transport is replaced once (nothing has run yet)."""
+        timeout = self.endpoint.connect_timeout_s
+        transport = self.connect()
+        try:
+            return transport.open_session(timeout=timeout)
+        except paramiko.ChannelException:
+            raise
+        except (OSError, EOFError, paramiko.SSHException):
+            self._forget(transport)
+        try:
+            return self.connect().open_session(timeout=timeout)
+        except paramiko.ChannelException:
+            raise
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            raise self._lost("open an SSH session", exc) from None
+
+    def _forget(self, transport: paramiko.Transport) -> None:
+        with self._lock:
+            if self._client is not None and self._client.get_transport() is transport:
+                self._drop()
+
+    @staticmethod
+    def _alive(chan: paramiko.Channel) -> bool:
+        transport = chan.get_transport()
+        return transport is not None and transport.is_active()
+
+    def _lost(self, what: str, exc: BaseException | None) -> HostUnreachableError:
+        cause = f": {_describe(exc)}" if exc is not None else ""
+        return HostUnreachableError(
+            f"connection to {self.target} lost while running: {_short(what)}{cause}",
+            host=self.host_name,
+            fix="check whether the host is still up; the command may or may not have run",
+        )
+
+    # -- files -----------------------------------------------------------
+    def put_file(self, local_path: str, remote_path: str, mode: int | None = None) -> None:
+        parent = posixpath.dirname(remote_path)
+        if parent:
+            self.run(["mkdir", "-p", "--", parent])
+        part = f"{remote_path}.part-{uuid.uuid4().hex[:12]}"
+        with self._sftp(f"upload of {local_path} to {remote_path}") as sftp:
+            try:
+                sftp.put(local_path, part, confirm=True)
+                if mode is not None:
+                    sftp.chmod(part, mode)
+                sftp.posix_rename(part, remote_path)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    sftp.remove(part)
+                raise
+
+    def get_file(self, remote_path: str, local_path: str) -> None:
+        directory = os.path.dirname(os.path.abspath(local_path))
+        os.makedirs(directory, exist_ok=True)
+        fd, part = tempfile.mkstemp(dir=directory, prefix=".download-")
+        os.close(fd)
+        try:
+            with self._sftp(f"download of {remote_path} to {local_path}") as sftp:
+                sftp.get(remote_path, part)
+            os.replace(part, local_path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+
+    def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
+        """Bytes of the task's log from ``offset`` (at most 8 MiB a call), read over SFTP."""
+        with self._sftp(f"read of {handle.log_path}") as sftp:
+            try:
+                f = sftp.open(handle.log_path, "rb")
+            except FileNotFoundError:
+                return b"", offset
+            with f:
+                f.seek(offset)
+                data = f.read(READ_LOG_MAX)
+        return data, offset + len(data)
+
+    @contextlib.contextmanager
+    def _sftp(self, what: str) -> Iterator[paramiko.SFTPClient]:
+        """The runner's SFTP session, one user at a time; errors become RemoteError."""
+        transport = self.connect()
+        with self._sftp_lock:
+            try:
+                if self._sftp_client is None:
+                    self._sftp_client = paramiko.SFTPClient.from_transport(transport)
+                    assert self._sftp_client is not None
+                yield self._sftp_client
+            except (EOFError, paramiko.SSHException, OSError) as exc:
+                if transport.is_active():
+                    raise RemoteError(
+                        f"{what} failed: {_describe(exc)}",
+                        host=self.host_name,
+                        fix="check the paths and their permissions, here and on the host",
+                    ) from exc
+                self._sftp_client = None
+                raise self._lost(what, exc) from exc
+
+
+class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    """Refuses unknown keys, unless trust-on-first-use is on: then records them."""
+
+    def __init__(self, runner: SSHRunner) -> None:
+        self.runner = runner
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        self.runner._trust_first_use(hostname, key)
+
+
+class _Timeout(Exception):
+    """A command ran past its deadline."""
+
+
+def _collect(chan: paramiko.Channel, deadline: float | None) -> tuple[bytes, bytes]:
+    """Read stdout and stderr until the command has exited and both streams are closed."""
+    out, err = bytearray(), bytearray()
+    while True:
+        _drain(chan, out, err)
+        if chan.closed or (chan.eof_received and chan.exit_status_ready()):
+            break
+        wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+        if wait <= 0:
+            raise _Timeout
+        if chan.eof_received:
+            chan.status_event.wait(wait)
+        else:
+            select.select([chan], [], [], wait)
+    _drain(chan, out, err)
+    return bytes(out), bytes(err)
+
+
+def _drain(chan: paramiko.Channel, out: bytearray, err: bytearray) -> None:
+    while chan.recv_ready():
+        out += chan.recv(65536)
+    while chan.recv_stderr_ready():
+        err += chan.recv_stderr(65536)
+
+
+def _read_private_key(runner: SSHRunner) -> paramiko.PKey:
+    ep = runner.endpoint
+    path = ep.key_file
+    if not path:
+        raise AuthError(
+            f"no SSH key_file given for {runner.target}",
+            host=runner.host_name,
+            fix="set key_file to a private key authorised on the host (agents and ~/.ssh keys are not used)",
+        )
+    try:
+        return paramiko.PKey.from_path(path)
+    except FileNotFoundError:
+        problem, fix = "does not exist", "check the key_file path"
+    except OSError as exc:
+        problem, fix = f"cannot be read ({exc.strerror})", "make it readable by this user"
+    except (TypeError, paramiko.PasswordRequiredException):
+        problem = "is protected by a passphrase"
+        fix = f"use a key without a passphrase, e.g. ssh-keygen -p -N '' -f {path}"
+    except (ValueError, paramiko.SSHException) as exc:
+        problem = f"is not a private key paramiko can load ({type(exc).__name__})"
+        fix = "use an OpenSSH or PEM ed25519, ECDSA or RSA private key"
+    raise AuthError(f"SSH key file {path} for {runner.target} {problem}", host=runner.host_name, fix=fix)
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """The OpenSSH SHA256 fingerprint of a public key: ``SHA256:<base64, unpadded>``."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def _known_hosts_name(ep: SSHEndpoint) -> str:
+    return ep.address if ep.port == 22 else f"[{ep.address}]:{ep.port}"
+
+
+def _parse_host_key_line(name: str, line: str) -> paramiko.hostkeys.HostKeyEntry | None:
+    try:
+        return paramiko.hostkeys.HostKeyEntry.from_line(f"{name} {line.strip()}")
+    except Exception:  # any malformed key data: the caller reports the line
+        return None
+
+
+def _record_host_key(path: str, hostname: str, key: paramiko.PKey) -> paramiko.PKey | None:
+    """Append ``key`` for ``hostname`` to known_hosts atomically; return a key already there."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    with _KNOWN_HOSTS_LOCK, _locked_dir(directory):
+        keys = paramiko.HostKeys()
+        existing = ""
+        if os.path.exists(path):
+            keys.load(path)
+            with open(path, encoding="utf-8") as f:
+                existing = f.read()
+        known = keys.lookup(hostname)
+        if known is not None and len(known):
+            same_type = known.get(key.get_name())
+            return same_type if same_type is not None else next(iter(known.values()))
+        if existing and not existing.endswith("\n"):
+            existing += "\n"
+        _write_atomic(path, f"{existing}{hostname} {key.get_name()} {key.get_base64()}\n")
+    return None
+
+
+@contextlib.contextmanager
+def _locked_dir(directory: str) -> Iterator[None]:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".known_hosts.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _tune_socket(sock: socket.socket) -> None:
+    """Make a silently vanished peer fail the socket instead of hanging it for ~15 minutes."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if user_timeout is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, user_timeout, DEAD_PEER_S * 1000)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Connection-level failures worth another try; never auth or host-key errors."""
+    if isinstance(exc, (OSError, EOFError)):
+        return True
+    if isinstance(exc, (paramiko.AuthenticationException, paramiko.BadHostKeyException)):
+        return False
+    return isinstance(exc, paramiko.SSHException) and "banner" in str(exc).lower()
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _short(script: str, limit: int = 300) -> str:
+    return script if len(script) <= limit else script[:limit] + "..."
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")

@@ -1,0 +1,653 @@
+"""pytest plugin: real OpenSSH test hosts, each a Linux network namespace with its own IP.
+
+Load it with ``pytest_plugins = ["hostlab"]`` in tests/conftest.py (or ``-p hostlab``).
+It provides the session-scoped fixture ``hostlab`` (a :class:`HostLab`)::
+
+    @pytest.mark.ssh
+    def test_echo(hostlab: HostLab) -> None:
+        (host,) = hostlab.hosts(1)
+        with SSHRunner(host.name, host.endpoint()) as runner:
+            assert runner.run(["echo", "hi"]).stdout == "hi\\n"
+
+``hostlab.hosts(n)`` returns the first ``n`` hosts of a pool shared by the
+session, creating missing ones and healing the others (link up, sshd running)
+first; processes a test leaves on a host stay there. Every host is a network
+namespace with a veth on the lab's bridge (198.18.K.0/24, K from the pid; the
+bridge, reachable from the controller, is ``hostlab.bridge_address``), its own
+sshd on port 22 with a fresh ed25519 host key, and its own user (a uid-0 alias
+whose home is in the lab's temp dir). ``hostlab.client_key_path`` is authorised
+on every host; ``hostlab.known_hosts_path`` holds every host key.
+
+Fault tools on a :class:`LabHost`: ``kill()`` (SIGKILL every process in the
+namespace, sshd included), ``restart_sshd()``, ``cut()``/``restore()`` (link
+down/up), ``rotate_host_key()``, and ``run(cmd)`` (a command inside the host).
+
+Where ``ip netns add`` is refused (or with ``ORCHESTRATE_LAB_FORCE_LOOPBACK=1``)
+the hosts are sshds on 127.0.0.2, .3, ... with a free port each;
+``hostlab.can_partition`` is then False and ``hostlab.reason`` says why. Tests
+that cut or kill hosts carry ``@pytest.mark.netns`` and are skipped with that
+reason; ``cut()`` and ``kill()`` skip the same way.
+
+Every name the lab creates holds the owner's pid (``orch<pid><letter>...``) so a
+later lab removes what an interrupted one left, and only when that pid is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ipaddress
+import itertools
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from orchestrator.hosts import SSHEndpoint
+
+FORCE_LOOPBACK_ENV = "ORCHESTRATE_LAB_FORCE_LOOPBACK"
+SSHD = "/usr/sbin/sshd"
+STALE_NAME = re.compile(r"^orch(\d+)[a-z](?:br|t|[hpnu]\d+)$")
+STALE_DIR = re.compile(r"^orchlab-(\d+)[a-z]-")
+_LAB_SERIAL = itertools.count()
+_OPEN_LABS: set[HostLab] = set()
+
+
+class LabError(RuntimeError):
+    """The lab could not create, control or remove a test host."""
+
+
+# -- small process helpers ---------------------------------------------------
+def _cmd(*argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise LabError(f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _netns_pids(namespace: str) -> list[int]:
+    out = _cmd("ip", "netns", "pids", namespace, check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def _kill_namespace(namespace: str) -> None:
+    """SIGKILL every process in ``namespace`` by pid until none is left."""
+    for _ in range(50):
+        pids = _netns_pids(namespace)
+        if not pids:
+            return
+        _kill(pids)
+        time.sleep(0.02)
+    raise LabError(f"processes keep appearing in namespace {namespace}: {_netns_pids(namespace)}")
+
+
+def _login_pids(user: str) -> list[int]:
+    """Pids of processes whose environment says they descend from a login of ``user``."""
+    needle = f"\0LOGNAME={user}\0".encode()
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = b"\0" + f.read()
+        except OSError:
+            continue
+        if needle in env:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{entry.name}/stat").read_bytes()
+            if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _with_retries(*argv: str) -> None:
+    """Run a user-database command, retrying while another one holds the passwd lock."""
+    for _ in range(50):
+        proc = _cmd(*argv, check=False)
+        if proc.returncode == 0:
+            return
+        if "lock" not in proc.stderr:
+            break
+        time.sleep(0.1)
+    raise LabError(f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _answers_ssh(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=1) as s:
+            s.settimeout(2)
+            return s.recv(8).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _keygen(path: Path, comment: str) -> str:
+    """Make an unencrypted ed25519 key pair at ``path``; return the public line ``type base64``."""
+    _cmd("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
+    kind, b64 = path.with_suffix(".pub").read_text().split()[:2]
+    return f"{kind} {b64}"
+
+
+# -- tools and stale leftovers -----------------------------------------------
+def ensure_tools() -> None:
+    """Install openssh-server and iproute2 with apt-get where sshd or ip is missing."""
+    missing = [
+        pkg
+        for present, pkg in (
+            (os.path.exists(SSHD), "openssh-server"),
+            (shutil.which("ip") is not None, "iproute2"),
+        )
+        if not present
+    ]
+    if not missing:
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=True)
+        subprocess.run(install, env=env, capture_output=True, check=True)
+
+
+def clean_stale() -> None:
+    """Remove what labs of processes that no longer exist left behind, by exact name and pid."""
+    for namespace in _lab_names(_cmd("ip", "netns", "list", check=False).stdout):
+        _kill_namespace(namespace)
+        _cmd("ip", "netns", "del", namespace, check=False)
+    for link in _lab_names("\n".join(_link_names())):
+        _cmd("ip", "link", "del", link, check=False)
+    users = [line.split(":", 1)[0] for line in Path("/etc/passwd").read_text().splitlines()]
+    for user in _lab_names("\n".join(users)):
+        _kill(_login_pids(user))
+        _with_retries("userdel", "-f", user)
+    for entry in Path(tempfile.gettempdir()).iterdir():
+        match = STALE_DIR.match(entry.name)
+        if match and not _pid_alive(int(match.group(1))):
+            _kill(_sshd_pids_in(entry))
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _lab_names(listing: str) -> list[str]:
+    """Names in ``listing`` (one per line, first word) made by a lab whose process is gone."""
+    names = []
+    for line in listing.splitlines():
+        name = line.split(" ", 1)[0].strip()
+        match = STALE_NAME.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            names.append(name)
+    return names
+
+
+def _sshd_pids_in(lab_dir: Path) -> list[int]:
+    """Pids in the lab's sshd pid files that still run an sshd with a config from that dir."""
+    pids = []
+    for pid_file in lab_dir.glob("host*/sshd.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if str(lab_dir).encode() in cmdline:
+                pids.append(pid)
+    return pids
+
+
+# -- the lab -----------------------------------------------------------------
+@dataclass(eq=False)
+class LabHost:
+    """One test host: a namespace (or a loopback address) with its own sshd and user."""
+
+    lab: HostLab
+    index: int
+    name: str
+    address: str
+    port: int
+    user: str
+    home: str
+    namespace: str | None
+    link: str | None
+    dir: Path
+    host_key_line: str = ""
+    sshd: subprocess.Popen[bytes] | None = None
+    is_cut: bool = False
+
+    def endpoint(self, **overrides: Any) -> SSHEndpoint:
+        """An SSHEndpoint for this host with the lab's client key and known_hosts."""
+        fields: dict[str, Any] = {
+            "address": self.address,
+            "user": self.user,
+            "port": self.port,
+            "key_file": self.lab.client_key_path,
+            "known_hosts": self.lab.known_hosts_path,
+            "connect_timeout_s": 5.0,
+        }
+        fields.update(overrides)
+        return SSHEndpoint(**fields)
+
+    def run(self, cmd: Sequence[str] | str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run ``cmd`` (argv, or a shell script) inside the host, as root, without SSH."""
+        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if self.namespace:
+            argv = ["ip", "netns", "exec", self.namespace, *argv]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    @property
+    def sshd_running(self) -> bool:
+        return self.sshd is not None and self.sshd.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL every process of the host, sshd included, as if it lost power."""
+        self.lab.require_partition()
+        assert self.namespace is not None
+        _kill_namespace(self.namespace)
+        self._reap_sshd()
+
+    def cut(self) -> None:
+        """Take the host's network link down: it stops answering, nothing is closed."""
+        self.lab.require_partition()
+        _cmd("ip", "-n", str(self.namespace), "link", "set", str(self.link), "down")
+        self.is_cut = True
+
+    def restore(self) -> None:
+        """Bring the host's link back up after ``cut()``."""
+        if self.namespace:
+            _cmd("ip", "-n", self.namespace, "link", "set", str(self.link), "up")
+        self.is_cut = False
+
+    def restart_sshd(self) -> None:
+        self.stop_sshd()
+        self.start_sshd()
+
+    def rotate_host_key(self) -> None:
+        """Give the host a new host key (as a re-created machine has) and restart its sshd."""
+        for path in self.dir.glob("ssh_host_ed25519_key*"):
+            path.unlink()
+        self.host_key_line = _keygen(self.dir / "ssh_host_ed25519_key", self.name)
+        self.lab.write_known_hosts()
+        self.restart_sshd()
+
+    def start_sshd(self) -> None:
+        argv = [SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")]
+        if self.namespace:
+            argv = ["ip", "netns", "exec", self.namespace, *argv]
+        with open(self.dir / "sshd.log", "ab") as log:
+            self.sshd = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._wait_for_banner()
+
+    def stop_sshd(self) -> None:
+        """Stop the listening sshd and, without a namespace, the sessions it forked."""
+        if self.sshd is not None and self.sshd.poll() is None:
+            sessions = [] if self.namespace else _children(self.sshd.pid)
+            self.sshd.terminate()
+            _kill(sessions)
+            try:
+                self.sshd.wait(5)
+            except subprocess.TimeoutExpired:
+                self.sshd.kill()
+        self._reap_sshd()
+
+    def heal(self) -> None:
+        """Undo cut() and kill(): link up, sshd running."""
+        if self.is_cut:
+            self.restore()
+        if not self.sshd_running:
+            self._reap_sshd()
+            self.start_sshd()
+
+    def _reap_sshd(self) -> None:
+        if self.sshd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.sshd.kill()
+            self.sshd.wait(10)
+            self.sshd = None
+
+    def _wait_for_banner(self) -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.sshd is None or self.sshd.poll() is not None:
+                raise LabError(f"sshd of {self.name} exited: {self._log_tail()}")
+            if _answers_ssh(self.address, self.port):
+                return
+            time.sleep(0.05)
+        raise LabError(f"sshd of {self.name} on {self.address}:{self.port} never answered")
+
+    def _log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.dir / "sshd.log").read_text(errors="replace")[-2000:]
+        return "(no log)"
+
+
+class HostLab:
+    """A set of SSH test hosts on one bridge, owned by this process; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.tag = f"orch{self.pid}{'abcdefghijklmnopqrstuvwxyz'[next(_LAB_SERIAL) % 26]}"
+        self.dir = Path(tempfile.mkdtemp(prefix=f"orchlab-{self.tag[4:]}-"))
+        self.client_key_path = str(self.dir / "client_key")
+        self.known_hosts_path = str(self.dir / "known_hosts")
+        self.authorized_keys_path = str(self.dir / "authorized_keys")
+        self.can_partition = True
+        self.reason = ""
+        self.bridge: str | None = None
+        self.network: ipaddress.IPv4Network | None = None
+        self.created: dict[str, list[str]] = {"netns": [], "link": [], "user": []}
+        self._hosts: list[LabHost] = []
+        self._lock = threading.Lock()
+        self._close_lock = threading.RLock()  # re-entrant: a signal handler may close mid-close
+        self._closed = False
+
+    @property
+    def bridge_address(self) -> str | None:
+        """The controller's address on the lab network (None in the loopback fallback)."""
+        return str(self.network.network_address + 1) if self.network else None
+
+    @classmethod
+    def start(cls) -> HostLab:
+        """Create an empty lab (hosts come from ``hosts(n)``), cleaning stale labs first."""
+        ensure_tools()
+        clean_stale()
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        lab = cls()
+        _OPEN_LABS.add(lab)
+        atexit.register(lab.close_quietly)
+        try:
+            _keygen(Path(lab.client_key_path), "hostlab-client")
+            Path(lab.authorized_keys_path).write_text(Path(lab.client_key_path + ".pub").read_text())
+            lab._choose_mode()
+        except BaseException:
+            lab.close_quietly()
+            raise
+        return lab
+
+    def hosts(self, n: int) -> list[LabHost]:
+        """The first ``n`` hosts of the lab, created if missing, healed if cut or killed."""
+        with self._lock:
+            while len(self._hosts) < n:
+                self._hosts.append(self._new_host(len(self._hosts)))
+                self.write_known_hosts()
+            chosen = self._hosts[:n]
+            for host in chosen:
+                host.heal()
+        return chosen
+
+    def require_partition(self) -> None:
+        """Skip the calling test, with the reason, where hosts cannot be cut off or killed."""
+        if not self.can_partition:
+            pytest.skip(self.reason)
+
+    def unused_address(self) -> tuple[str, int]:
+        """An address and port in the lab network where no host answers."""
+        if self.network is not None:
+            return str(self.network.network_address + 250), 22
+        return "127.0.0.250", _free_port("127.0.0.250")
+
+    def write_known_hosts(self) -> None:
+        lines = [
+            f"{h.address if h.port == 22 else f'[{h.address}]:{h.port}'} {h.host_key_line}\n"
+            for h in self._hosts
+        ]
+        Path(self.known_hosts_path).write_text("".join(lines))
+
+    # -- setup -----------------------------------------------------------
+    def _choose_mode(self) -> None:
+        if os.environ.get(FORCE_LOOPBACK_ENV) == "1":
+            self._use_loopback(f"{FORCE_LOOPBACK_ENV}=1 forces the loopback fallback")
+            return
+        try:
+            self._make_bridge()
+        except LabError as exc:
+            self._use_loopback(f"network namespaces are unavailable here ({exc})")
+
+    def _use_loopback(self, why: str) -> None:
+        self.can_partition = False
+        self.reason = f"{why}: test hosts are sshds on 127.0.0.x and cannot be cut off or killed"
+
+    def _make_bridge(self) -> None:
+        probe = f"{self.tag}t"
+        _cmd("ip", "netns", "add", probe)
+        _cmd("ip", "netns", "del", probe)
+        self.network = _free_subnet(self.pid)
+        bridge = f"{self.tag}br"
+        _cmd("ip", "link", "add", bridge, "type", "bridge")
+        self.created["link"].append(bridge)
+        self.bridge = bridge
+        _cmd("ip", "addr", "add", f"{self.bridge_address}/24", "dev", bridge)
+        _cmd("ip", "link", "set", bridge, "up")
+
+    def _new_host(self, i: int) -> LabHost:
+        host = self._describe_host(i)
+        host.dir.mkdir()
+        Path(host.home).mkdir()
+        if host.namespace:
+            self._plug(host)
+        self._add_user(host.user, host.home)
+        host.host_key_line = _keygen(host.dir / "ssh_host_ed25519_key", host.name)
+        (host.dir / "sshd_config").write_text(self._sshd_config(host))
+        try:
+            host.start_sshd()
+        except BaseException:
+            host.stop_sshd()
+            raise
+        return host
+
+    def _describe_host(self, i: int) -> LabHost:
+        namespace: str | None = None
+        if self.network is not None:
+            address = str(self.network.network_address + 2 + i)
+            port, namespace = 22, f"{self.tag}n{i}"
+        else:
+            address = f"127.0.0.{2 + i}"
+            port = _free_port(address)
+        link = f"{self.tag}p{i}" if namespace else None
+        if len(f"{self.tag}h{i}") > 15:
+            raise LabError(f"interface name {self.tag}h{i} is longer than 15 characters")
+        return LabHost(
+            lab=self,
+            index=i,
+            name=f"labhost{i}",
+            address=address,
+            port=port,
+            user=f"{self.tag}u{i}",
+            home=str(self.dir / f"home{i}"),
+            namespace=namespace,
+            link=link,
+            dir=self.dir / f"host{i}",
+        )
+
+    def _plug(self, host: LabHost) -> None:
+        """Make the host's namespace and connect it to the bridge with a veth pair."""
+        ns, peer, veth = str(host.namespace), str(host.link), f"{self.tag}h{host.index}"
+        _cmd("ip", "netns", "add", ns)
+        self.created["netns"].append(ns)
+        _cmd("ip", "link", "add", veth, "type", "veth", "peer", "name", peer, "netns", ns)
+        self.created["link"].append(veth)
+        _cmd("ip", "link", "set", veth, "master", str(self.bridge), "up")
+        _cmd("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", peer)
+        _cmd("ip", "-n", ns, "link", "set", peer, "up")
+        _cmd("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def _add_user(self, user: str, home: str) -> None:
+        uid_0_alias = ["-o", "-u", "0", "-g", "0", "-M", "-s", "/bin/sh", "-p", "*"]
+        _with_retries("useradd", *uid_0_alias, "-d", home, user)
+        self.created["user"].append(user)
+
+    def _sshd_config(self, host: LabHost) -> str:
+        settings = {
+            "Port": str(host.port),
+            "ListenAddress": host.address,
+            "HostKey": str(host.dir / "ssh_host_ed25519_key"),
+            "PidFile": str(host.dir / "sshd.pid"),
+            "AuthorizedKeysFile": self.authorized_keys_path,
+            "AllowUsers": host.user,
+            "PasswordAuthentication": "no",
+            "KbdInteractiveAuthentication": "no",
+            "PubkeyAuthentication": "yes",
+            "PermitRootLogin": "prohibit-password",
+            "UsePAM": "no",
+            "StrictModes": "no",
+            "UseDNS": "no",
+            "PrintMotd": "no",
+            "Subsystem": "sftp internal-sftp",
+        }
+        return "".join(f"{key} {value}\n" for key, value in settings.items())
+
+    # -- teardown --------------------------------------------------------
+    def close(self) -> None:
+        """Remove every process, namespace, link, user and file of the lab, by pid and name."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _OPEN_LABS.discard(self)
+        problems: list[str] = []
+        for step in (self._stop_hosts, self._delete_network, self._delete_users):
+            try:
+                step()
+            except (LabError, OSError, subprocess.SubprocessError) as exc:
+                problems.append(str(exc))
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if problems:
+            raise LabError("lab teardown incomplete: " + "; ".join(problems))
+
+    def close_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _stop_hosts(self) -> None:
+        for host in self._hosts:
+            if host.namespace:
+                _kill_namespace(host.namespace)
+            else:
+                _kill(_login_pids(host.user))
+            host.stop_sshd()
+
+    def _delete_network(self) -> None:
+        """Delete the namespaces, then whatever links the kernel has not removed with them."""
+        for ns in self.created["netns"]:
+            _kill_namespace(ns)
+            _cmd("ip", "netns", "del", ns)
+        for link in self.created["link"]:
+            _cmd("ip", "link", "del", link, check=False)
+        deadline = time.monotonic() + 10  # veths of deleted namespaces go away asynchronously
+        while remaining := _existing_links(self.created["link"]):
+            if time.monotonic() > deadline:
+                raise LabError(f"links still present after deletion: {', '.join(remaining)}")
+            time.sleep(0.05)
+
+    def _delete_users(self) -> None:
+        for user in self.created["user"]:
+            _kill(_login_pids(user))
+            _with_retries("userdel", "-f", user)
+
+
+def _link_names() -> list[str]:
+    return re.findall(r"^\d+: ([^:@\s]+)", _cmd("ip", "-o", "link", "show").stdout, re.M)
+
+
+def _existing_links(names: Sequence[str]) -> list[str]:
+    present = set(_link_names())
+    return [name for name in names if name in present]
+
+
+def _free_subnet(pid: int) -> ipaddress.IPv4Network:
+    """A /24 of 198.18.0.0/15 that no address or route here overlaps, starting from the pid."""
+    text = _cmd("ip", "-4", "-o", "addr", "show").stdout + _cmd("ip", "-4", "route").stdout
+    used = [
+        ipaddress.ip_network(m, strict=False)
+        for m in re.findall(r"(?:inet |^)(\d+\.\d+\.\d+\.\d+(?:/\d+)?)", text, re.M)
+    ]
+    for k in range(512):
+        idx = (pid + k) % 512
+        net = ipaddress.IPv4Network(f"198.{18 + idx // 256}.{idx % 256}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise LabError("no free /24 left in 198.18.0.0/15 for a test lab")
+
+
+def _close_open_labs(signum: int, frame: FrameType | None) -> None:
+    for lab in list(_OPEN_LABS):
+        lab.close_quietly()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_signal_cleanup() -> None:
+    """On SIGTERM or SIGHUP (left at their defaults), remove the labs, then die of the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _close_open_labs)
+
+
+# -- pytest hooks and fixtures -----------------------------------------------
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "netns: cuts or kills lab hosts; skipped in the loopback fallback")
+
+
+@pytest.fixture(scope="session")
+def hostlab() -> Iterator[HostLab]:
+    """The session's lab of SSH test hosts; ``hostlab.hosts(n)`` hands them out."""
+    _install_signal_cleanup()
+    lab = HostLab.start()
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+@pytest.fixture(autouse=True)
+def _skip_netns_tests_without_namespaces(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("netns") is not None:
+        lab: HostLab = request.getfixturevalue("hostlab")
+        lab.require_partition()

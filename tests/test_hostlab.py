@@ -1,0 +1,210 @@
+"""The host lab itself: hosts talk across namespaces, faults work, teardown leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from hostlab import FORCE_LOOPBACK_ENV, HostLab, LabHost, clean_stale
+
+from orchestrator.errors import HostUnreachableError
+from orchestrator.remote.base import LaunchSpec
+from orchestrator.remote.ssh import SSHRunner
+
+pytestmark = pytest.mark.ssh
+
+FETCH = """
+import sys, time, urllib.request
+for _ in range(100):
+    try:
+        print(urllib.request.urlopen(sys.argv[1], timeout=1).read().decode()); break
+    except OSError:
+        time.sleep(0.1)
+else:
+    sys.exit("never answered")
+"""
+
+
+def in_namespace(host: LabHost, *argv: str, cwd: str | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", str(host.namespace), *argv],
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def leftovers(tag: str) -> list[str]:
+    """Every namespace, link and user whose name holds ``tag``."""
+    listings = (
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout,
+        subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout,
+        Path("/etc/passwd").read_text(),
+    )
+    return [line for text in listings for line in text.splitlines() if tag in line]
+
+
+def tcp_connects(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def dead(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+@pytest.mark.netns
+def test_hosts_reach_each_other_over_tcp_across_namespaces(hostlab: HostLab, tmp_path: Path) -> None:
+    server_host, client_host = hostlab.hosts(2)
+    (tmp_path / "hello.txt").write_text("hello from the other namespace")
+    server = in_namespace(
+        server_host,
+        sys.executable,
+        "-m",
+        "http.server",
+        "8123",
+        "--bind",
+        server_host.address,
+        cwd=str(tmp_path),
+    )
+    try:
+        url = f"http://{server_host.address}:8123/hello.txt"
+        fetched = client_host.run([sys.executable, "-c", FETCH, url])
+        assert fetched.stdout.strip() == "hello from the other namespace", fetched.stderr
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.netns
+def test_loopback_is_up_inside_each_host(hostlab: HostLab) -> None:
+    for host in hostlab.hosts(2):
+        assert "UP" in host.run(["ip", "-o", "link", "show", "lo"]).stdout
+
+
+@pytest.mark.netns
+def test_kill_stops_sshd_and_every_process_then_hosts_heals_it(hostlab: HostLab) -> None:
+    host = hostlab.hosts(2)[1]
+    sleeper = in_namespace(host, "sleep", "300")
+    time.sleep(0.1)
+    host.kill()
+    assert sleeper.wait(5) == -9
+    assert not host.sshd_running
+    pids = subprocess.run(["ip", "netns", "pids", str(host.namespace)], capture_output=True)
+    assert pids.stdout.split() == []
+    with (
+        SSHRunner(host.name, host.endpoint(connect_timeout_s=1.0), connect_deadline_s=1.5) as r,
+        pytest.raises(HostUnreachableError),
+    ):
+        r.run(["true"])
+    hostlab.hosts(2)
+    assert host.sshd_running
+
+
+@pytest.mark.netns
+def test_cut_and_restore_take_the_link_down_and_up(hostlab: HostLab) -> None:
+    host = hostlab.hosts(1)[0]
+    assert tcp_connects(host.address, host.port)
+    host.cut()
+    try:
+        assert not tcp_connects(host.address, host.port)
+    finally:
+        host.restore()
+    with SSHRunner(host.name, host.endpoint()) as r:
+        assert r.run(["echo", "back"]).stdout == "back\n"
+
+
+def test_a_second_lab_leaves_nothing_behind_after_close(hostlab: HostLab) -> None:
+    lab = HostLab.start()
+    try:
+        hosts = lab.hosts(2)
+        with SSHRunner(hosts[0].name, hosts[0].endpoint()) as r:
+            home = hosts[0].home
+            handle = r.start(LaunchSpec(("sleep", "300"), home, f"{home}/t.log", f"{home}/t.rc"))
+        sshd_pids = [h.sshd.pid for h in hosts if h.sshd]
+        assert lab.tag != hostlab.tag
+        assert lab.network is None or lab.network != hostlab.network
+        assert leftovers(lab.tag)
+    finally:
+        lab.close()
+    assert leftovers(lab.tag) == []
+    assert all(dead(pid) for pid in [*sshd_pids, handle.pgid])
+    assert not lab.dir.exists()
+
+
+def test_loopback_fallback_serves_ssh_and_skips_partition_faults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(FORCE_LOOPBACK_ENV, "1")
+    lab = HostLab.start()
+    try:
+        (host,) = lab.hosts(1)
+        assert host.address.startswith("127.0.0.") and host.namespace is None
+        assert not lab.can_partition and FORCE_LOOPBACK_ENV in lab.reason
+        with SSHRunner(host.name, host.endpoint()) as r:
+            assert r.run(["echo", "$LOGNAME"]).stdout == "$LOGNAME\n"
+            assert r.run("echo $LOGNAME").stdout == f"{host.user}\n"
+        with pytest.raises(pytest.skip.Exception, match="loopback"):
+            host.cut()
+        with pytest.raises(pytest.skip.Exception, match="loopback"):
+            host.kill()
+    finally:
+        lab.close()
+    assert leftovers(lab.tag) == []
+
+
+ORPHAN = """
+import sys, time
+sys.path[:0] = sys.argv[1:3]
+from hostlab import HostLab
+lab = HostLab.start()
+(host,) = lab.hosts(1)
+print(lab.tag, host.sshd.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_lab_whose_process_was_killed_is_removed_by_the_next_cleanup() -> None:
+    tests = Path(__file__).parent
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN, str(tests), str(tests.parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert orphan.stdout is not None
+    tag, sshd_pid = orphan.stdout.readline().split()
+    orphan.kill()
+    orphan.wait()
+    assert leftovers(tag)
+    clean_stale()
+    assert leftovers(tag) == []
+    assert dead(int(sshd_pid))
+    assert not list(Path(tempfile.gettempdir()).glob(f"orchlab-{tag[4:]}-*"))
+
+
+@pytest.mark.netns
+def test_stale_objects_are_removed_only_when_their_owner_is_gone() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale, live = f"orch{gone.pid}zbr", f"orch{os.getpid()}zbr"
+    for name in (stale, live):
+        subprocess.run(["ip", "link", "add", name, "type", "bridge"], check=True)
+    try:
+        clean_stale()
+        assert leftovers(stale) == [] and leftovers(live) != []
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "link", "del", name], capture_output=True)

@@ -1,0 +1,354 @@
+"""SSHRunner against real sshd hosts from the lab: commands, quoting, tasks, keys, auth, faults."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import paramiko
+import pytest
+from hostlab import HostLab, LabHost
+
+from orchestrator.errors import AuthError, HostKeyError, HostUnreachableError, RemoteError
+from orchestrator.remote.base import LaunchSpec, TaskHandle, TaskState, TaskStatus
+from orchestrator.remote.local import live_group_members
+from orchestrator.remote.ssh import SSHRunner, fingerprint
+
+pytestmark = pytest.mark.ssh
+
+PWNED = f"/tmp/pwned-{uuid.uuid4().hex}"
+HOSTILE = (
+    "two words",
+    "semi;colon; echo injected",
+    f"$(touch {PWNED})",
+    f"`touch {PWNED}`",
+    "it's",
+    'say "hi"',
+    "line1\nline2\n",
+    "*",
+    "~",
+    "$HOME",
+    "back\\slash",
+    "--flag",
+    "",
+    "  padded  ",
+    "héllo ✓",
+    "&& echo x | cat > /dev/null",
+    "'\"'",
+    "!bang",
+    "tab\there",
+)
+
+
+@pytest.fixture
+def host(hostlab: HostLab) -> LabHost:
+    return hostlab.hosts(1)[0]
+
+
+@pytest.fixture
+def runner(host: LabHost) -> Iterator[SSHRunner]:
+    with SSHRunner(host.name, host.endpoint()) as r:
+        yield r
+
+
+def wait_for_exit(runner: SSHRunner, handle: TaskHandle, timeout_s: float = 15) -> TaskStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = runner.poll(handle)
+        if status.state is not TaskState.RUNNING:
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"task {handle} still running after {timeout_s}s")
+
+
+def host_key(line: str) -> paramiko.PKey:
+    kind, b64 = line.split()[:2]
+    return paramiko.PKey.from_type_string(kind, base64.b64decode(b64))
+
+
+def group_alive(handle: TaskHandle) -> bool:
+    """Checked here, not through the runner: lab hosts share this machine's pid namespace."""
+    return bool(live_group_members(handle.pgid))
+
+
+# -- commands and quoting ------------------------------------------------------
+def test_run_returns_exit_code_stdout_and_stderr(runner: SSHRunner) -> None:
+    result = runner.run("echo out; echo err >&2; exit 7", check=False)
+    assert (result.exit_code, result.stdout, result.stderr) == (7, "out\n", "err\n")
+    assert runner.run(["true"]).ok
+
+
+def test_hostile_argv_arrives_byte_for_byte(runner: SSHRunner, host: LabHost, tmp_path: Path) -> None:
+    remote_dir = f"{host.home}/argv-{uuid.uuid4().hex}"
+    script = 'mkdir -p "$1"; d=$1; shift; i=0; for a; do i=$((i+1)); printf %s "$a" > "$d/$i"; done'
+    runner.run(["sh", "-c", script, "sh", remote_dir, *HOSTILE])
+    for i, value in enumerate(HOSTILE, start=1):
+        local = tmp_path / str(i)
+        runner.get_file(f"{remote_dir}/{i}", str(local))
+        assert local.read_bytes() == value.encode()
+    echoed = runner.run(["printf", "%s\\0", *HOSTILE]).stdout
+    assert tuple(echoed.split("\0")[:-1]) == HOSTILE
+    assert not os.path.exists(PWNED)
+
+
+def test_launch_spec_argv_env_and_cwd_arrive_literally(
+    runner: SSHRunner, host: LabHost, tmp_path: Path
+) -> None:
+    cwd = f"{host.home}/cwd $(touch {PWNED}) 'q' \"d\" ;*\nnl"
+    runner.run(["mkdir", "-p", cwd])
+    hostile = "\x1f".join(HOSTILE)
+    spec = LaunchSpec(
+        argv=(
+            "sh",
+            "-c",
+            'printf %s "$1" > argv.out; printf %s "$HOSTILE_VAR" > env.out; pwd > cwd.out',
+            "sh",
+            hostile,
+        ),
+        cwd=cwd,
+        log_path=f"{cwd}/task.log",
+        rc_path=f"{cwd}/task.rc",
+        env={"HOSTILE_VAR": hostile},
+    )
+    assert wait_for_exit(runner, runner.start(spec)) == TaskStatus(TaskState.EXITED, 0)
+    for name, expected in (("argv.out", hostile), ("env.out", hostile), ("cwd.out", cwd + "\n")):
+        runner.get_file(f"{cwd}/{name}", str(tmp_path / name))
+        assert (tmp_path / name).read_bytes() == expected.encode()
+    assert not os.path.exists(PWNED)
+
+
+def test_command_past_its_timeout_raises_remote_error(runner: SSHRunner) -> None:
+    with pytest.raises(RemoteError, match=re.escape("timed out after 0.5s: sleep 10")) as err:
+        runner.run(["sleep", "10"], timeout_s=0.5)
+    assert err.value.host == runner.host_name
+
+
+def test_commands_from_many_threads_share_one_runner(runner: SSHRunner) -> None:
+    outputs: dict[int, str] = {}
+
+    def work(i: int) -> None:
+        outputs[i] = runner.run(["echo", str(i)]).stdout
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outputs == {i: f"{i}\n" for i in range(16)}
+
+
+# -- detached tasks ---------------------------------------------------------------
+def task(host: LabHost, *argv: str) -> LaunchSpec:
+    base = f"{host.home}/tasks/{uuid.uuid4().hex}"
+    return LaunchSpec(argv=argv, cwd=host.home, log_path=f"{base}.log", rc_path=f"{base}.rc")
+
+
+def test_task_output_is_read_as_raw_bytes_and_its_exit_code_recorded(
+    runner: SSHRunner, host: LabHost
+) -> None:
+    spec = task(host, "sh", "-c", "printf 'héllo ✓\\n'; sleep 0.2; printf 'second\\n'; exit 3")
+    handle = runner.start(spec)
+    assert wait_for_exit(runner, handle) == TaskStatus(TaskState.EXITED, 3)
+    expected = "héllo ✓\nsecond\n".encode()
+    assert runner.read_log(handle, 0) == (expected, len(expected))
+    assert runner.read_log(handle, 2) == (expected[2:], len(expected))  # inside 'é'
+    assert runner.read_log(handle, len(expected)) == (b"", len(expected))
+
+
+def test_read_log_before_the_file_exists_returns_nothing(runner: SSHRunner, host: LabHost) -> None:
+    handle = TaskHandle(host.name, 1, f"{host.home}/no-such-{uuid.uuid4().hex}.log", "/x.rc")
+    assert runner.read_log(handle, 5) == (b"", 5)
+
+
+def test_stop_terminates_a_running_task(runner: SSHRunner, host: LabHost) -> None:
+    handle = runner.start(task(host, "sleep", "60"))
+    assert runner.poll(handle).state is TaskState.RUNNING
+    assert runner.stop(handle, grace_s=5).state is not TaskState.RUNNING
+    assert not group_alive(handle)
+
+
+def test_task_that_ignores_sigterm_is_killed(runner: SSHRunner, host: LabHost) -> None:
+    spec = task(host, "sh", "-c", "trap '' TERM; echo ready; while :; do sleep 0.1; done")
+    handle = runner.start(spec)
+    while b"ready" not in runner.read_log(handle, 0)[0]:
+        time.sleep(0.05)
+    assert runner.stop(handle, grace_s=0.5).state is not TaskState.RUNNING
+    assert not group_alive(handle)
+
+
+def test_task_outlives_its_runner_and_a_new_runner_stops_it(host: LabHost) -> None:
+    with SSHRunner(host.name, host.endpoint()) as first:
+        handle = first.start(task(host, "sleep", "60"))
+    with SSHRunner(host.name, host.endpoint()) as second:
+        assert second.poll(handle).state is TaskState.RUNNING
+        assert second.stop(handle).state is not TaskState.RUNNING
+        assert not group_alive(handle)
+
+
+# -- files ----------------------------------------------------------------------
+def test_put_and_get_file_keep_bytes_and_mode(runner: SSHRunner, host: LabHost, tmp_path: Path) -> None:
+    payload = bytes(range(256)) * 1000
+    (tmp_path / "up.bin").write_bytes(payload)
+    remote = f"{host.home}/files/{uuid.uuid4().hex}/deep/up.bin"
+    runner.put_file(str(tmp_path / "up.bin"), remote, mode=0o750)
+    assert runner.run(["stat", "-c", "%a", remote]).stdout.strip() == "750"
+    runner.get_file(remote, str(tmp_path / "back" / "down.bin"))
+    assert (tmp_path / "back" / "down.bin").read_bytes() == payload
+
+
+def test_get_of_a_missing_file_names_it(runner: SSHRunner, host: LabHost, tmp_path: Path) -> None:
+    missing = f"{host.home}/missing-{uuid.uuid4().hex}"
+    with pytest.raises(RemoteError, match=missing):
+        runner.get_file(missing, str(tmp_path / "x"))
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- host keys --------------------------------------------------------------------
+def test_unknown_host_key_is_refused_with_fingerprint_and_fix(host: LabHost, tmp_path: Path) -> None:
+    known_hosts = str(tmp_path / "known_hosts")
+    with (
+        SSHRunner(host.name, host.endpoint(known_hosts=known_hosts)) as r,
+        pytest.raises(HostKeyError) as err,
+    ):
+        r.run(["true"])
+    message, fix = err.value.message, err.value.fix or ""
+    assert host.name in message and "ssh-ed25519" in message
+    assert fingerprint(host_key(host.host_key_line)) in message
+    assert f"ssh-keyscan -p {host.port} {host.address} >> {known_hosts}" in fix
+    assert host.host_key_line in fix and "trust_on_first_use: true" in fix
+    assert not os.path.exists(known_hosts)
+
+
+def test_changed_host_key_is_refused_as_a_possible_attack(hostlab: HostLab) -> None:
+    host, other = hostlab.hosts(2)
+    endpoint = host.endpoint(host_keys=(other.host_key_line,))
+    with SSHRunner(host.name, endpoint) as r, pytest.raises(HostKeyError) as err:
+        r.run(["true"])
+    message = err.value.message
+    assert "CHANGED" in message and "attack" in message
+    assert fingerprint(host_key(other.host_key_line)) in message  # expected
+    assert fingerprint(host_key(host.host_key_line)) in message  # got
+
+
+def test_host_key_given_in_the_spec_is_accepted(host: LabHost) -> None:
+    endpoint = host.endpoint(host_keys=(host.host_key_line + " comment",), known_hosts=None)
+    with SSHRunner(host.name, endpoint) as r:
+        assert r.run(["echo", "ok"]).stdout == "ok\n"
+
+
+def test_hashed_known_hosts_entries_are_honoured(hostlab: HostLab, host: LabHost, tmp_path: Path) -> None:
+    hashed = tmp_path / "known_hosts"
+    hashed.write_text(Path(hostlab.known_hosts_path).read_text())
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(hashed)], check=True, capture_output=True)
+    assert host.address not in hashed.read_text()
+    with SSHRunner(host.name, host.endpoint(known_hosts=str(hashed))) as r:
+        assert r.run(["echo", "ok"]).stdout == "ok\n"
+
+
+def test_trust_on_first_use_records_the_key_then_refuses_a_changed_one(
+    hostlab: HostLab, tmp_path: Path
+) -> None:
+    host = hostlab.hosts(2)[1]
+    known_hosts = tmp_path / "new" / "known_hosts"
+    endpoint = host.endpoint(known_hosts=str(known_hosts), trust_on_first_use=True)
+    with SSHRunner(host.name, endpoint) as r:
+        r.run(["true"])
+    name = host.address if host.port == 22 else f"[{host.address}]:{host.port}"
+    assert known_hosts.read_text() == f"{name} {host.host_key_line}\n"
+    with SSHRunner(host.name, endpoint) as r:
+        r.run(["true"])
+    assert known_hosts.read_text().count("\n") == 1
+    host.rotate_host_key()
+    with SSHRunner(host.name, endpoint) as r, pytest.raises(HostKeyError, match="CHANGED"):
+        r.run(["true"])
+
+
+def test_trust_on_first_use_without_a_known_hosts_file_is_refused(host: LabHost) -> None:
+    endpoint = host.endpoint(known_hosts=None, trust_on_first_use=True)
+    with SSHRunner(host.name, endpoint) as r, pytest.raises(HostKeyError, match="known_hosts"):
+        r.run(["true"])
+
+
+# -- authentication -----------------------------------------------------------------
+def test_wrong_user_key_is_refused_with_auth_error(host: LabHost, tmp_path: Path) -> None:
+    key = tmp_path / "stranger"
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
+        check=True,
+        capture_output=True,
+    )
+    with (
+        SSHRunner(host.name, host.endpoint(key_file=str(key))) as r,
+        pytest.raises(AuthError) as err,
+    ):
+        r.run(["true"])
+    assert f"{host.user}@{host.address}:{host.port}" in err.value.message
+    assert str(key) in err.value.message and "ssh-copy-id" in (err.value.fix or "")
+
+
+def test_missing_key_file_is_named(host: LabHost, tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope")
+    with (
+        SSHRunner(host.name, host.endpoint(key_file=missing)) as r,
+        pytest.raises(AuthError, match=f"{missing} .* does not exist"),
+    ):
+        r.run(["true"])
+
+
+# -- unreachable and lost hosts ---------------------------------------------------------
+def test_address_without_a_host_is_unreachable(hostlab: HostLab, host: LabHost) -> None:
+    address, port = hostlab.unused_address()
+    endpoint = host.endpoint(address=address, port=port, connect_timeout_s=1.0)
+    with (
+        SSHRunner("ghost", endpoint, connect_deadline_s=2.0) as r,
+        pytest.raises(HostUnreachableError) as err,
+    ):
+        r.run(["true"])
+    assert f"{address}:{port}" in err.value.message and err.value.host == "ghost"
+
+
+@pytest.mark.netns
+def test_cut_host_is_unreachable(hostlab: HostLab) -> None:
+    host = hostlab.hosts(2)[1]
+    host.cut()
+    try:
+        endpoint = host.endpoint(connect_timeout_s=1.0)
+        with (
+            SSHRunner(host.name, endpoint, connect_deadline_s=2.0) as r,
+            pytest.raises(HostUnreachableError, match=host.address),
+        ):
+            r.run(["true"])
+    finally:
+        host.restore()
+
+
+@pytest.mark.netns
+def test_killed_host_mid_command_is_unreachable_and_runner_reconnects(
+    hostlab: HostLab, host: LabHost
+) -> None:
+    errors: list[BaseException] = []
+    with SSHRunner(host.name, host.endpoint(connect_timeout_s=1.0)) as r:
+        r.run(["true"])
+
+        def long_command() -> None:
+            try:
+                r.run(["sleep", "30"], timeout_s=20)
+            except BaseException as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=long_command)
+        worker.start()
+        time.sleep(0.3)
+        host.kill()
+        worker.join(25)
+        assert len(errors) == 1 and isinstance(errors[0], HostUnreachableError)
+        assert "lost" in str(errors[0])
+        hostlab.hosts(1)  # heals: sshd starts again
+        assert r.run(["echo", "back"]).stdout == "back\n"

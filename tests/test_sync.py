@@ -1,0 +1,131 @@
+"""sync_dir: deterministic archives, excludes, idempotent uploads over SSH and locally."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hostlab import HostLab, LabHost
+
+from orchestrator.remote.local import LocalRunner
+from orchestrator.remote.ssh import SSHRunner
+from orchestrator.remote.sync import STAMP, pack_dir, sync_dir
+
+EXCLUDES = ("*.bin", "secrets", "data/raw")
+
+
+def make_tree(root: Path) -> Path:
+    files = {
+        "train.py": "print('train')\n",
+        "pkg/__init__.py": "",
+        "pkg/model.py": "W = 1\n",
+        "pkg/__pycache__/model.cpython-311.pyc": "junk",
+        "pkg/old.pyc": "junk",
+        ".git/HEAD": "ref: refs/heads/main\n",
+        ".venv/bin/python": "",
+        "data/keep.txt": "keep\n",
+        "data/raw/big.csv": "1,2\n",
+        "weights.bin": "\0\1",
+        "conf/secrets/token": "hunter2\n",
+        "run.sh": "#!/bin/sh\necho run\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    os.chmod(root / "run.sh", 0o755)
+    os.symlink("train.py", root / "link.py")
+    return root
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "project")
+
+
+def test_same_tree_packs_to_the_same_bytes(tree: Path, tmp_path: Path) -> None:
+    first = pack_dir(str(tree), str(tmp_path / "a.tar.gz"), EXCLUDES)
+    os.utime(tree / "train.py", (1, 1))
+    second = pack_dir(str(tree), str(tmp_path / "b.tar.gz"), EXCLUDES)
+    assert first == second
+    assert (tmp_path / "a.tar.gz").read_bytes() == (tmp_path / "b.tar.gz").read_bytes()
+    (tree / "train.py").write_text("print('changed')\n")
+    assert pack_dir(str(tree), str(tmp_path / "c.tar.gz"), EXCLUDES) != first
+
+
+def test_archive_leaves_out_excluded_paths(tree: Path, tmp_path: Path) -> None:
+    pack_dir(str(tree), str(tmp_path / "a.tar.gz"), EXCLUDES)
+    with tarfile.open(tmp_path / "a.tar.gz") as tar:
+        names = set(tar.getnames())
+        members = {m.name: m for m in tar.getmembers()}
+    assert names == {
+        "conf",
+        "data",
+        "data/keep.txt",
+        "link.py",
+        "pkg",
+        "pkg/__init__.py",
+        "pkg/model.py",
+        "run.sh",
+        "train.py",
+    }
+    assert members["run.sh"].mode == 0o755 and members["train.py"].mode == 0o644
+    assert members["link.py"].issym() and members["link.py"].linkname == "train.py"
+    assert {m.uid for m in members.values()} == {0}
+
+
+def test_sync_with_local_runner_is_idempotent(tree: Path, tmp_path: Path) -> None:
+    target = tmp_path / "remote" / "code"
+    runner = LocalRunner()
+    assert sync_dir(runner, str(tree), str(target), EXCLUDES) is True
+    assert (target / "pkg" / "model.py").read_text() == "W = 1\n"
+    assert sync_dir(runner, str(tree), str(target), EXCLUDES) is False
+    assert sorted(p.name for p in target.parent.iterdir()) == ["code"]
+
+
+@pytest.fixture
+def ssh_host(hostlab: HostLab) -> LabHost:
+    return hostlab.hosts(1)[0]
+
+
+@pytest.fixture
+def ssh_runner(ssh_host: LabHost) -> Iterator[SSHRunner]:
+    with SSHRunner(ssh_host.name, ssh_host.endpoint()) as runner:
+        yield runner
+
+
+def remote_exists(runner: SSHRunner, path: str) -> bool:
+    return runner.run(["test", "-e", path], check=False).ok
+
+
+@pytest.mark.ssh
+def test_sync_over_ssh_uploads_once_and_then_only_changes(
+    tree: Path, ssh_runner: SSHRunner, ssh_host: LabHost
+) -> None:
+    parent = f"{ssh_host.home}/sync-{uuid.uuid4().hex}"
+    target = f"{parent}/code dir"
+    assert sync_dir(ssh_runner, str(tree), target, EXCLUDES) is True
+    assert ssh_runner.run(["cat", f"{target}/pkg/model.py"]).stdout == "W = 1\n"
+    assert ssh_runner.run(["sh", "-c", f"cd '{target}' && ./run.sh"]).stdout == "run\n"
+    assert sync_dir(ssh_runner, str(tree), target, EXCLUDES) is False
+
+    (tree / "pkg" / "model.py").write_text("W = 2\n")
+    (tree / "train.py").unlink()
+    assert sync_dir(ssh_runner, str(tree), target, EXCLUDES) is True
+    assert ssh_runner.run(["cat", f"{target}/pkg/model.py"]).stdout == "W = 2\n"
+    assert not remote_exists(ssh_runner, f"{target}/train.py")
+    for excluded in (
+        ".git",
+        ".venv",
+        "pkg/__pycache__",
+        "pkg/old.pyc",
+        "weights.bin",
+        "conf/secrets",
+        "data/raw",
+    ):
+        assert not remote_exists(ssh_runner, f"{target}/{excluded}"), excluded
+    assert remote_exists(ssh_runner, f"{target}/{STAMP}")
+    assert ssh_runner.run(["ls", "-A", parent]).stdout == "code dir\n"
