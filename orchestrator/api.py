@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.errors import StateError
-from orchestrator.events import parse_line
+from orchestrator.events import LineBuffer, parse_line
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.providers import DownReport, Provider, for_spec
@@ -88,8 +90,7 @@ class Cluster:
 
     def train(self, *, listener: Listener | None = None, wait: bool = True) -> Run:
         """Run the job, restarting the whole group on failure; with ``wait=False``, in a thread."""
-        if self.store.get_cluster(self.name) is None or self.provider.kind == "local":
-            self.up()
+        self.up()  # idempotent: re-syncs only what changed since the last up
         supervisor = Supervisor(
             self.spec, self.provider, self.store, workdir=self.workdir, listener=listener
         )
@@ -109,22 +110,28 @@ class Cluster:
         return DownReport(report.removed, (*stopped, *report.stopped), report.notes)
 
     def stop_tasks(self) -> list[str]:
-        """Stop the tasks of runs the store still marks running (e.g. after a controller died)."""
+        """Stop the tasks of every run the store still marks running, wherever its controller is.
+
+        The run is marked stopped first, so its supervisor (in this process or
+        another) does not take the stopped tasks for a failure and restart them.
+        """
         stopped = []
         hosts = {h.name: h for h in self.provider.hosts()}
         for run in self.store.runs(self.name, limit=50):
-            if run.status != "running" or not run.attempts:
+            if run.status != "running":
                 continue
-            for task in run.attempts[-1].tasks:
-                host = hosts.get(str(task["host"]))
-                if host is None:
-                    continue
-                runner = self.provider.runner(host)
-                handle = TaskHandle(host.name, int(task["pgid"]), str(task["log"]), str(task["rc"]))
-                if runner.poll(handle).state is TaskState.RUNNING:
-                    runner.stop(handle, grace_s=self.spec.timeouts.stop_grace_s)
-                    stopped.append(f"{run.id} {task['task']}")
             self.store.finish_run(run.id, status="stopped", message="stopped by down")
+            for attempt in run.attempts:
+                for task in attempt.tasks:
+                    host = hosts.get(str(task["host"]))
+                    if host is None:
+                        continue
+                    runner = self.provider.runner(host)
+                    handle = TaskHandle(host.name, int(task["pgid"]), str(task["log"]),
+                                        str(task["rc"]))
+                    if runner.poll(handle).state is TaskState.RUNNING:
+                        runner.stop(handle, grace_s=self.spec.timeouts.stop_grace_s)
+                        stopped.append(f"{run.id} {task['task']}")
         return stopped
 
     # -- inspection ----------------------------------------------------------------------
@@ -141,25 +148,45 @@ class Cluster:
                              fix=f"start one with 'orchestrate train {self.spec_path.name}'")
         return runs[0]
 
-    def logs(self, run_id: str | None = None, task: str | None = None,
-             attempt: int | None = None) -> Iterator[tuple[str, str]]:
-        """(task, line) pairs of a run's output, events left out; the last attempt by default."""
+    def logs(
+        self, run_id: str | None = None, task: str | None = None, attempt: int | None = None,
+        *, follow: bool = False, poll_s: float = 0.5,
+    ) -> Iterator[tuple[str, str]]:
+        """(task, line) pairs of a run's output, event lines left out.
+
+        Without ``follow``: one attempt (the last by default). With ``follow``: every
+        attempt from ``attempt`` (default: the last) on, as it is written, until the run ends.
+        """
         record = self.run(run_id)
-        if not record.attempts:
-            return
-        chosen = record.attempts[-1] if attempt is None else record.attempts[attempt - 1]
         hosts = {h.name: h for h in self.provider.hosts()}
-        for entry in chosen.tasks:
-            if task is not None and entry["task"] != task:
-                continue
-            host = hosts.get(str(entry["host"]))
-            if host is None:
-                continue
-            handle = TaskHandle(host.name, int(entry["pgid"]), str(entry["log"]), str(entry["rc"]))
-            data, _ = self.provider.runner(host).read_log(handle, 0)
-            for line in data.decode("utf-8", errors="replace").splitlines():
-                if parse_line(line) is None:
-                    yield str(entry["task"]), line
+        readers: dict[tuple[int, str], tuple[int, LineBuffer]] = {}
+        first = attempt or max(len(record.attempts), 1)
+        while True:
+            record = self.store.get_run(record.id)
+            chosen = record.attempts[first - 1 :] if follow else record.attempts[first - 1 : first]
+            for a in chosen:
+                for entry in a.tasks:
+                    if task is None or entry["task"] == task:
+                        yield from self._new_lines(hosts, a.number, entry, readers)
+            if not follow or record.status != "running":
+                return
+            time.sleep(poll_s)
+
+    def _new_lines(
+        self, hosts: dict[str, Host], number: int, entry: dict[str, Any],
+        readers: dict[tuple[int, str], tuple[int, LineBuffer]],
+    ) -> Iterator[tuple[str, str]]:
+        host = hosts.get(str(entry["host"]))
+        if host is None:
+            return
+        key = (number, str(entry["task"]))
+        offset, buffer = readers.get(key, (0, LineBuffer()))
+        handle = TaskHandle(host.name, int(entry["pgid"]), str(entry["log"]), str(entry["rc"]))
+        data, offset = self.provider.runner(host).read_log(handle, offset)
+        readers[key] = (offset, buffer)
+        for line in buffer.feed(data):
+            if parse_line(line) is None:
+                yield key[1], line
 
     def _record(self, status: str, hosts: list[Host] | None = None) -> None:
         self.store.put_cluster(

@@ -133,6 +133,8 @@ def status(
     for entry in data:
         c = entry["cluster"]
         out.print(f"[bold]{c['name']}[/] ({c['provider']}) {c['status']}, spec {c['spec_path']}")
+        for h in c["hosts"]:
+            out.print(f"  host {h['name']} {h['address']}")
         for r in entry["runs"]:
             out.print(f"  run {r['id']} {r['status']} "
                       f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(r['started_at']))} "
@@ -149,6 +151,8 @@ def logs(
     task: Annotated[str | None, typer.Option(help="One task, e.g. worker:1.")] = None,
     run: Annotated[str | None, typer.Option(help="Run id; the newest by default.")] = None,
     attempt: Annotated[int | None, typer.Option(help="Attempt number; the last by default.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")]
+    = False,
 ) -> None:
     """Each task's output, prefixed with its role and index."""
     from orchestrator.api import Cluster
@@ -158,7 +162,7 @@ def logs(
     if record is None:
         raise StateError(f"no cluster named {name!r}", fix="see 'orchestrate status'")
     cluster = Cluster.from_spec(record.spec_path)
-    for key, line in cluster.logs(run, task=task, attempt=attempt):
+    for key, line in cluster.logs(run, task=task, attempt=attempt, follow=follow):
         out.print(f"[cyan]\\[{key}][/] {line}", markup=True, highlight=False, soft_wrap=True)
 
 

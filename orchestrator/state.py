@@ -185,6 +185,10 @@ class Store:
                 (status, time.time(), message, json.dumps(metrics or {}), model_path, run_id),
             )
 
+    def run_status(self, run_id: str) -> str:
+        row = self._db.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return str(row["status"]) if row else "unknown"
+
     def get_run(self, run_id: str) -> RunRecord:
         row = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
         if row is None:

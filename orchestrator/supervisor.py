@@ -45,7 +45,8 @@ class Cause(str, enum.Enum):
     STARTUP_TIMEOUT = "startup_timeout"  # not every task reached its first step in time
     PORT_CONFLICT = "port_conflict"  # a task's gRPC port was taken
     USER_ERROR = "user_error"  # the user's code failed before training: not retried
-    CANCELLED = "cancelled"
+    CANCELLED = "cancelled"  # Ctrl-C
+    STOPPED = "stopped"  # 'orchestrate down' (maybe from another process) stopped the run
 
 
 RETRYABLE = {Cause.CRASHED, Cause.STARTUP_TIMEOUT, Cause.PORT_CONFLICT}
@@ -162,6 +163,9 @@ class Supervisor:
                 with attempt:
                     finished = self._attempt(run_id, attempt.retry_state.attempt_number)
         except AttemptFailed as failure:
+            if failure.cause is Cause.STOPPED:
+                raise RunFailed(f"run {run_id} was stopped by 'orchestrate down'",
+                                run_id=run_id) from None
             report = self.report(run_id, failure)
             self.store.finish_run(run_id, status="failed", message=report)
             raise RunFailed(report, run_id=run_id, fix=_advice(failure)) from None
@@ -188,6 +192,7 @@ class Supervisor:
 
     # -- one attempt -----------------------------------------------------------------------
     def _attempt(self, run_id: str, number: int) -> dict[str, Event]:
+        self._check_stopped(run_id)
         hosts = self.provider.hosts()
         plan = planning.build(
             self.spec,
@@ -206,10 +211,11 @@ class Supervisor:
         watched = self._launch(plan)
         self.store.start_attempt(run_id, number, [_task_record(w) for w in watched])
         try:
-            finished = self._watch(watched)
+            finished = self._watch(run_id, watched)
         except AttemptFailed as failure:
             self._stop_all(watched)
-            self._end_attempt(run_id, number, watched, "failed", failure)
+            status = "stopped" if failure.cause is Cause.STOPPED else "failed"
+            self._end_attempt(run_id, number, watched, status, failure)
             raise
         except BaseException:
             self._stop_all(watched)
@@ -249,10 +255,15 @@ class Supervisor:
         self._say(f"attempt {plan.attempt}: started {len(watched)} tasks")
         return watched
 
-    def _watch(self, watched: list[_Watched]) -> dict[str, Event]:
+    def _check_stopped(self, run_id: str) -> None:
+        if self.store.run_status(run_id) == "stopped":
+            raise AttemptFailed(Cause.STOPPED, "-", "the run was stopped by 'orchestrate down'")
+
+    def _watch(self, run_id: str, watched: list[_Watched]) -> dict[str, Event]:
         launched = self.clock()
         startup_s = self.spec.timeouts.startup_s
         while True:
+            self._check_stopped(run_id)
             failures: list[AttemptFailed] = []
             for w in watched:
                 self._drain(w)
@@ -260,6 +271,7 @@ class Supervisor:
                 if failure is not None:
                     failures.append(failure)
             if failures:
+                self._check_stopped(run_id)  # tasks that down killed are not a failure
                 raise _primary(failures)
             if all(w.exit_code == 0 for w in watched):
                 return {w.plan.key: w.finished or _empty_finish(w) for w in watched}

@@ -3,11 +3,13 @@ training over gRPC between them, driven the way a user drives it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from hostlab import HostLab, LabHost
 
 from orchestrator.api import Cluster
-from orchestrator.errors import AuthError, HostKeyError, RemoteError
+from orchestrator.errors import AuthError, HostKeyError, RemoteError, RunFailed
 from orchestrator.events import Event, parse_line
 from orchestrator.state import Store
 from orchestrator.supervisor import RunView
@@ -236,3 +238,47 @@ def test_hostile_strings_in_spec_fields_reach_the_task_literally(hostlab: HostLa
     assert not Path(marker).exists()
     assert host.run(["test", "-e", marker]).returncode != 0
     cluster.down()
+
+
+def namespace_commands(host: LabHost) -> set[str]:
+    pids = subprocess.run(["ip", "netns", "pids", str(host.namespace)], capture_output=True,
+                          text=True, check=True).stdout.split()
+    names = set()
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+    return names
+
+
+def test_down_from_another_process_stops_a_running_job_for_good(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    hosts = hostlab.hosts(2)
+    (tmp_path / "sleeper.py").write_text("import time\nprint('working', flush=True)\n"
+                                         "time.sleep(600)\n")
+    path = write_spec(tmp_path, hostlab, hosts, """\
+        name: stop-me
+        workdir: .
+        job: {command: python sleeper.py}
+        retry: {max_restarts: 3, backoff_initial_s: 0.2}
+        timeouts: {stop_grace_s: 1}
+        """)
+    path.write_text(path.read_text().replace(f"workdir: {REPO}\n", ""))
+    cluster = Cluster.from_spec(path)
+    run = cluster.train(wait=False)
+    deadline = time.monotonic() + 60
+    while not all(t.state == "running" for t in run.supervisor.view.tasks.values()) or \
+            len(run.supervisor.view.tasks) < 2:
+        assert time.monotonic() < deadline, run.supervisor.view
+        time.sleep(0.2)
+
+    down = cli("down", str(path), home=orchestrate_home, timeout=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"stopped {run.id} worker:" in down.stdout  # the rest the supervisor itself stops
+    with pytest.raises(RunFailed, match="stopped by 'orchestrate down'"):
+        run.wait(timeout=60)
+    record = Store().get_run(run.id)
+    assert record.status == "stopped" and len(record.attempts) == 1  # not restarted
+    for h in hosts:
+        assert h.run(["test", "-e", f"{h.home}/.orchestrate/clusters/stop-me"]).returncode != 0
+        if h.namespace:
+            assert namespace_commands(h) <= {"sshd", "sshd-session"}
