@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.errors import ProviderError
-from orchestrator.providers.base import DownReport, Provider
+from orchestrator.providers.base import DownReport, HostHealth, Provider
 from orchestrator.spec import ClusterSpec
 
 
@@ -23,4 +23,4 @@ def for_spec(spec: ClusterSpec, spec_path: Path) -> Provider:
     raise ProviderError(f"unknown provider kind {kind!r}", fix="use provider.kind: local or static")
 
 
-__all__ = ["DownReport", "Provider", "for_spec"]
+__all__ = ["DownReport", "HostHealth", "Provider", "for_spec"]

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import enum
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.errors import OrchestratorError, ProviderError
 from orchestrator.hosts import Host
 from orchestrator.remote.base import Runner
 from orchestrator.spec import ClusterSpec
+
+
+class HostHealth(enum.Enum):
+    RUNNING = "running"  # reachable and doing its job
+    UNREACHABLE = "unreachable"  # exists (as far as we know) but does not answer
+    PREEMPTED = "preempted"  # the cloud took a spot/preemptible VM back
+    GONE = "gone"  # deleted, or stopped for another reason
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,33 @@ class Provider(ABC):
     @abstractmethod
     def down(self) -> DownReport:
         """Remove what ``up`` made (processes, files, machines); leave everything else."""
+
+    def host_health(self, host: Host) -> HostHealth:
+        """How ``host`` is doing: by default, whether it answers a trivial command."""
+        try:
+            self.runner(host).run(["true"], timeout_s=15)
+        except OrchestratorError:
+            return HostHealth.UNREACHABLE
+        return HostHealth.RUNNING
+
+    def repair(self, host: Host, deadline_s: float) -> Host:
+        """Bring a lost host back under the same index (wait for it, restart or re-create it)
+        and prepare it again; returns the host as it is now (its address may change).
+
+        Raises:
+            ProviderError: the host is not back within ``deadline_s``.
+        """
+        waited = 0.0
+        while self.host_health(host) is not HostHealth.RUNNING:
+            if waited >= deadline_s:
+                raise ProviderError(
+                    f"host {host.name} ({host.address}) did not come back within {deadline_s:.0f}s",
+                    fix="bring the machine back (or replace it in the spec) and train again",
+                )
+            time.sleep(min(5.0, deadline_s))
+            waited += min(5.0, deadline_s)
+        self.up()
+        return next(h for h in self.hosts() if h.name == host.name)
 
     def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
         """(address, port) pairs of the spec's range already taken; default: none known."""
