@@ -1,12 +1,21 @@
-"""Move training state between hosts: the chief's checkpoint before a relaunch, the model after."""
+"""Training state across hosts: mirror, verify and share the chief's checkpoint; fetch the model."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shlex
+import shutil
+import tarfile
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from orchestrator.errors import OrchestratorError, RemoteError
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.remote.base import Runner
@@ -37,13 +46,9 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor) -> list[str
         runner.get_file(archive, local)
 
         def install(host: Host) -> None:
-            dest = f"{plan.paths[host.name].checkpoint_dir}/chief"
-            remote_archive = f"{plan.paths[host.name].run_dir}/chief-checkpoint.tar.gz"
-            target = runner_for(host)
-            target.put_file(local, remote_archive)
-            q = shlex.quote
-            target.run(f"rm -rf {q(dest)} && mkdir -p {q(dest)} && "
-                       f"tar -C {q(dest)} -xzf {q(remote_archive)} && rm -f {q(remote_archive)}")
+            paths = plan.paths[host.name]
+            _install(runner_for(host), local, f"{paths.checkpoint_dir}/chief",
+                     f"{paths.run_dir}/chief-checkpoint.tar.gz")
 
         fan_out(targets, install, name_of=lambda h: h.name).raise_if_failed(
             "copy the chief's checkpoint")
@@ -56,3 +61,111 @@ def fetch_file(host: Host, runner: Runner, remote_path: str, local_dir: Path) ->
     local_dir.mkdir(parents=True, exist_ok=True)
     runner.get_file(remote_path, str(local))
     return str(local)
+
+
+class CheckpointMirror:
+    """A copy of the chief's checkpoint on this machine, refreshed after every checkpoint event.
+
+    A chief whose host is gone then loses nothing that was checkpointed: the relaunch pushes
+    the mirror back. Pulls run on one background thread and coalesce (only the newest
+    request matters); each lands in a fresh directory that replaces the previous one with a
+    rename, so the mirror is never half-written.
+    """
+
+    def __init__(self, directory: Path, runner_for: RunnerFor) -> None:
+        self.directory = directory
+        self.runner_for = runner_for
+        self.step: int | None = None
+        self._wanted: tuple[ClusterPlan, int] | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def current(self) -> Path:
+        return self.directory / "current"
+
+    def has_checkpoint(self) -> bool:
+        return (self.current / "checkpoint").is_file()
+
+    def request(self, plan: ClusterPlan, step: int) -> None:
+        with self._lock:
+            self._wanted = (plan, step)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._pull_loop, daemon=True,
+                                                name="orchestrate-mirror")
+                self._thread.start()
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _pull_loop(self) -> None:
+        while True:
+            with self._lock:
+                wanted, self._wanted = self._wanted, None
+                if wanted is None:
+                    return
+            plan, step = wanted
+            with contextlib.suppress(OrchestratorError):
+                self.pull(plan)
+                self.step = step
+
+    def pull(self, plan: ClusterPlan) -> None:
+        chief = plan.chief.host
+        source = f"{plan.paths[chief.name].checkpoint_dir}/chief"
+        archive = f"{plan.paths[chief.name].run_dir}/mirror.tar.gz"
+        runner = self.runner_for(chief)
+        runner.run(["tar", "-C", source, "-czf", archive, "."], timeout_s=120)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fresh = Path(tempfile.mkdtemp(prefix="incoming-", dir=self.directory))
+        local = fresh.with_suffix(".tar.gz")
+        try:
+            runner.get_file(archive, str(local))
+            with tarfile.open(local) as tar:
+                tar.extractall(fresh, filter="data")
+            old = self.directory / "previous"
+            shutil.rmtree(old, ignore_errors=True)
+            if self.current.exists():
+                os.replace(self.current, old)
+            os.replace(fresh, self.current)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            local.unlink(missing_ok=True)
+            shutil.rmtree(fresh, ignore_errors=True)
+
+    def push(self, host: Host, dest: str, run_dir: str) -> None:
+        """Install the mirrored checkpoint as ``dest`` on ``host``."""
+        with tempfile.TemporaryDirectory(prefix="orchestrate-push-") as scratch:
+            local = Path(scratch) / "checkpoint.tar.gz"
+            with tarfile.open(local, "w:gz") as tar:
+                tar.add(self.current, arcname=".")
+            _install(self.runner_for(host), str(local), dest, f"{run_dir}/mirror-push.tar.gz")
+
+
+def _install(runner: Runner, local_archive: str, dest: str, remote_archive: str) -> None:
+    q = shlex.quote
+    runner.run(["mkdir", "-p", remote_archive.rsplit("/", 1)[0]])
+    runner.put_file(local_archive, remote_archive)
+    runner.run(f"rm -rf {q(dest)} && mkdir -p {q(dest)} && "
+               f"tar -C {q(dest)} -xzf {q(remote_archive)} && rm -f {q(remote_archive)}")
+
+
+def verify_on(runner: Runner, python: str, lib: str, directory: str) -> dict[str, Any]:
+    """Run ``python -m worker verify-checkpoint`` on a host: the newest checkpoint that restores.
+
+    A directory in which no checkpoint restores is moved aside, so the tasks start afresh
+    instead of failing on it again and again.
+    """
+    argv = ["env", f"PYTHONPATH={lib}", python, "-m", "worker", "verify-checkpoint",
+            "--dir", directory]
+    result = runner.run(argv, check=False, timeout_s=300)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RemoteError(f"checkpoint check printed nothing (exit {result.exit_code}): "
+                          f"{(result.stderr or result.stdout).strip()[-500:]}",
+                          host=runner.host_name)
+    report: dict[str, Any] = json.loads(lines[-1])
+    if not report["ok"]:
+        runner.run(["mv", directory, f"{directory}.unusable-{int(time.time())}"])
+    return report

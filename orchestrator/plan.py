@@ -261,4 +261,5 @@ def _argv(spec: ClusterSpec, python: str) -> tuple[str, ...]:
         return (python, "-m", "worker", "command", "--", *command)
     payload = job.model_dump(exclude={"mode"})
     payload["checkpoint_every_steps"] = spec.checkpoint.every_steps
+    payload["collective_timeout_s"] = spec.timeouts.collective_s
     return (python, "-m", "worker", "managed", "--job", json.dumps(payload, sort_keys=True))

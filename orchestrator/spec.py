@@ -105,7 +105,134 @@ class StaticProvider(Model):
     )
 
 
-Provider = Annotated[LocalProvider | StaticProvider, Field(discriminator="kind")]
+GCP_PROJECT_RE = r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$"
+GCP_ZONE_RE = r"^[a-z]+-[a-z]+[0-9]+-[a-z]$"
+GCP_NAME_RE = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+GCP_LABEL_KEY_RE = r"^[a-z][-_a-z0-9]{0,62}$"
+GCP_LABEL_VALUE_RE = r"^[-_a-z0-9]{0,63}$"
+GCP_RESERVED_METADATA = ("ssh-keys", "enable-guest-attributes")
+GCP_RESERVED_LABEL = "orchestrate-cluster"
+DLVM_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu128-ubuntu-2204-nvidia-570"
+
+
+class GcpAccelerator(Model):
+    """GPUs attached to each VM. A2, A3 and G2 machine types come with theirs: leave this out."""
+
+    type: str = Field(pattern=GCP_NAME_RE, description="Accelerator type, e.g. nvidia-tesla-t4, nvidia-l4.")
+    count: int = Field(default=1, ge=1, le=16)
+
+
+class GcpProvider(Model):
+    """GPU VMs on Compute Engine: 'up' creates them, 'down' deletes everything labelled for the cluster."""
+
+    kind: Literal["gcp"] = "gcp"
+    project: str = Field(pattern=GCP_PROJECT_RE, description="Your Google Cloud project ID.")
+    zones: tuple[str, ...] = Field(
+        min_length=1, description="Zones to try in order; a zone out of capacity or quota falls through."
+    )
+    machine_type: str = Field(default="n1-standard-8", pattern=GCP_NAME_RE)
+    accelerator: GcpAccelerator | None = None
+    image: str = Field(
+        default=DLVM_IMAGE, min_length=1,
+        description="Boot image or image family (a Deep Learning VM family by default).",
+    )
+    disk_size_gb: int = Field(default=100, ge=10, le=65536)
+    disk_type: str = Field(default="pd-balanced", pattern=GCP_NAME_RE)
+    spot: bool = Field(default=False, description="Spot VMs: cheaper, and may be preempted.")
+    network: str = Field(default="default", min_length=1)
+    subnetwork: str | None = Field(default=None, description="Name of the subnetwork in each zone's region.")
+    external_ip: bool = Field(default=False, description="Give every VM an ephemeral public IP.")
+    ssh_via: Literal["internal", "external"] = Field(
+        default="internal",
+        description="Connect over SSH to the internal IP (controller in the VPC) or the external one.",
+    )
+    ssh_user: str = Field(default="orchestrate", pattern=r"^[a-z_][a-z0-9_.-]*[$]?$", max_length=32)
+    service_account: str = Field(default="default", description="Email of the VMs' service account.")
+    scopes: tuple[str, ...] = Field(
+        default=(
+            "https://www.googleapis.com/auth/devstorage.read_write",
+            "https://www.googleapis.com/auth/logging.write",
+        ),
+        description="OAuth scopes of the service account (GCS for checkpoints).",
+    )
+    metadata: dict[str, str] = Field(default_factory=dict, description="Extra instance metadata.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every resource.")
+    tags: tuple[str, ...] = Field(default=(), description="Extra network tags.")
+    python: str = Field(default="python3", description="Interpreter with TensorFlow on the VMs.")
+    root: str | None = Field(
+        default=None, description="Absolute directory on every VM for this cluster's files; "
+        "default: ~/.orchestrate/clusters/NAME of ssh_user.",
+    )
+    setup: tuple[str, ...] = Field(
+        default=(), description="Shell commands run in the synced code dir by 'up' (e.g. pip install)."
+    )
+    sync_excludes: tuple[str, ...] = Field(
+        default=(".git", "__pycache__", "*.pyc", ".venv", "outputs"),
+        description="Glob patterns left out when uploading workdir.",
+    )
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    boot_timeout_s: float = Field(
+        default=600.0, gt=0, description="How long 'up' waits for a VM to run and answer SSH."
+    )
+    api_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="How long one Compute Engine call or operation may take, retries included.",
+    )
+
+    @field_validator("zones")
+    @classmethod
+    def _zones(cls, zones: tuple[str, ...]) -> tuple[str, ...]:
+        for zone in zones:
+            if not re.match(GCP_ZONE_RE, zone):
+                raise ValueError(f"{zone!r} is not a zone name such as 'us-central1-a'")
+        if len(set(zones)) != len(zones):
+            raise ValueError(f"a zone is listed twice (received {list(zones)})")
+        return zones
+
+    @field_validator("root")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"must be an absolute path, received {value!r}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, items: dict[str, str]) -> dict[str, str]:
+        for key in items:
+            if key in GCP_RESERVED_METADATA:
+                raise ValueError(f"{key!r} is set by the orchestrator and cannot be given here")
+        return items
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if key == GCP_RESERVED_LABEL:
+                raise ValueError(f"{key!r} is set by the orchestrator and cannot be given here")
+            if not re.match(GCP_LABEL_KEY_RE, key) or not re.match(GCP_LABEL_VALUE_RE, value):
+                raise ValueError(
+                    f"label {key}={value!r} is not a valid GCP label: lower-case letters, digits, "
+                    "'-' and '_', a key starting with a letter, at most 63 characters each"
+                )
+        return labels
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, tags: tuple[str, ...]) -> tuple[str, ...]:
+        for tag in tags:
+            if not re.match(GCP_NAME_RE, tag):
+                raise ValueError(f"{tag!r} is not a valid network tag (lower-case, digits, '-')")
+        return tags
+
+    @model_validator(mode="after")
+    def _ssh_path(self) -> GcpProvider:
+        if self.ssh_via == "external" and not self.external_ip:
+            raise ValueError("ssh_via: external needs external_ip: true (the VMs have no public IP)")
+        return self
+
+
+Provider = Annotated[LocalProvider | StaticProvider | GcpProvider, Field(discriminator="kind")]
 
 
 class PortRange(Model):
@@ -173,10 +300,30 @@ class Checkpoint(Model):
     )
 
 
+CAUSES = ("crashed", "host_lost", "preempted", "hung", "startup_timeout", "port_conflict")
+
+
 class Retry(Model):
     max_restarts: int = Field(default=3, ge=0, description="Group restarts before giving up.")
+    per_cause: dict[str, int] = Field(
+        default_factory=dict,
+        description="Restarts allowed for each failure cause, within max_restarts, e.g. "
+        "{hung: 1, preempted: 10}; a cause not listed may use all of max_restarts.",
+    )
     backoff_initial_s: float = Field(default=1.0, ge=0)
     backoff_max_s: float = Field(default=30.0, ge=0)
+
+    @field_validator("per_cause")
+    @classmethod
+    def _known_causes(cls, budgets: dict[str, int]) -> dict[str, int]:
+        for cause, count in budgets.items():
+            if cause not in CAUSES:
+                close = difflib.get_close_matches(cause, CAUSES, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"unknown cause {cause!r}: {hint}causes are {', '.join(CAUSES)}")
+            if count < 0:
+                raise ValueError(f"{cause}: a budget cannot be negative (received {count})")
+        return budgets
 
 
 class Timeouts(Model):
@@ -185,6 +332,20 @@ class Timeouts(Model):
     )
     stop_grace_s: float = Field(
         default=5.0, ge=0, description="Wait after SIGTERM before SIGKILL (TF swallows TERM)."
+    )
+    hang_s: float = Field(
+        default=600.0, gt=0,
+        description="Progress watchdog: no task reports anything for this long -> hung.",
+    )
+    collective_s: float | None = Field(
+        default=None, gt=0,
+        description="TF collective timeout: a collective waiting longer fails its task.",
+    )
+    repair_s: float = Field(
+        default=600.0, ge=0, description="How long a lost host may take to come back."
+    )
+    poll_s: float = Field(
+        default=15.0, gt=0, description="A host that does not answer a status poll this fast is lost."
     )
 
 
@@ -244,6 +405,7 @@ class ClusterSpec(Model):
 UNION_MEMBERS: dict[str, type[BaseModel]] = {
     "local": LocalProvider,
     "static": StaticProvider,
+    "gcp": GcpProvider,
     "managed": ManagedJob,
     "command": CommandJob,
 }

@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS runs (
     metrics_json TEXT NOT NULL DEFAULT '{}',
     model_path TEXT NOT NULL DEFAULT '',
     message TEXT NOT NULL DEFAULT '',
-    controller_pid INTEGER
+    controller_pid INTEGER,
+    heartbeat_at REAL
 );
 CREATE INDEX IF NOT EXISTS runs_by_cluster ON runs (cluster, started_at);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -51,9 +52,24 @@ CREATE TABLE IF NOT EXISTS attempts (
     last_step INTEGER,
     first_step_at REAL,
     tasks_json TEXT NOT NULL DEFAULT '[]',
+    evidence TEXT NOT NULL DEFAULT '',
+    failed_at REAL,
+    detected_at REAL,
+    recovery_s REAL,
+    steps_lost INTEGER,
     PRIMARY KEY (run_id, number)
 );
 """
+
+# Columns added after the first release: (table, column, declaration). Older stores get them.
+MIGRATIONS = (
+    ("runs", "heartbeat_at", "REAL"),
+    ("attempts", "evidence", "TEXT NOT NULL DEFAULT ''"),
+    ("attempts", "failed_at", "REAL"),
+    ("attempts", "detected_at", "REAL"),
+    ("attempts", "recovery_s", "REAL"),
+    ("attempts", "steps_lost", "INTEGER"),
+)
 
 
 def home() -> Path:
@@ -88,6 +104,18 @@ class AttemptRecord:
     last_step: int | None
     first_step_at: float | None
     tasks: list[dict[str, Any]]
+    evidence: str = ""
+    failed_at: float | None = None
+    detected_at: float | None = None
+    recovery_s: float | None = None
+    steps_lost: int | None = None
+
+    @property
+    def detect_s(self) -> float | None:
+        """Seconds from the failure to its detection."""
+        if self.failed_at is None or self.detected_at is None:
+            return None
+        return max(0.0, self.detected_at - self.failed_at)
 
 
 @dataclass(frozen=True)
@@ -102,6 +130,7 @@ class RunRecord:
     message: str
     controller_pid: int | None
     attempts: list[AttemptRecord] = field(default_factory=list)
+    heartbeat_at: float | None = None
 
 
 class Store:
@@ -116,6 +145,7 @@ class Store:
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)
+            self._migrate()
         except sqlite3.DatabaseError as exc:
             raise StateError(
                 f"cannot open the state store {self.path}: {exc}",
@@ -124,6 +154,12 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+
+    def _migrate(self) -> None:
+        for table, column, decl in MIGRATIONS:
+            have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -185,6 +221,12 @@ class Store:
                 (status, time.time(), message, json.dumps(metrics or {}), model_path, run_id),
             )
 
+    def heartbeat(self, run_id: str) -> None:
+        """The supervising controller is alive; ``train --attach`` refuses while this is fresh."""
+        with self._tx() as db:
+            db.execute("UPDATE runs SET heartbeat_at = ?, controller_pid = ? WHERE id = ?",
+                       (time.time(), os.getpid(), run_id))
+
     def run_status(self, run_id: str) -> str:
         row = self._db.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
         return str(row["status"]) if row else "unknown"
@@ -213,7 +255,8 @@ class Store:
 
     def update_attempt(self, run_id: str, number: int, **fields: Any) -> None:
         allowed = {"status", "ended_at", "cause", "detail", "failed_task", "exit_code",
-                   "resumed_from_step", "last_step", "first_step_at", "tasks"}
+                   "resumed_from_step", "last_step", "first_step_at", "tasks", "evidence",
+                   "failed_at", "detected_at", "recovery_s", "steps_lost"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown attempt fields {sorted(unknown)}")
@@ -247,6 +290,7 @@ def _run(row: sqlite3.Row, attempts: list[AttemptRecord]) -> RunRecord:
         started_at=row["started_at"], ended_at=row["ended_at"],
         metrics=json.loads(row["metrics_json"]), model_path=row["model_path"],
         message=row["message"], controller_pid=row["controller_pid"], attempts=attempts,
+        heartbeat_at=row["heartbeat_at"],
     )
 
 
@@ -257,4 +301,6 @@ def _attempt(row: sqlite3.Row) -> AttemptRecord:
         detail=row["detail"], failed_task=row["failed_task"], exit_code=row["exit_code"],
         resumed_from_step=row["resumed_from_step"], last_step=row["last_step"],
         first_step_at=row["first_step_at"], tasks=json.loads(row["tasks_json"]),
+        evidence=row["evidence"], failed_at=row["failed_at"], detected_at=row["detected_at"],
+        recovery_s=row["recovery_s"], steps_lost=row["steps_lost"],
     )

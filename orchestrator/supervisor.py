@@ -1,89 +1,49 @@
-"""The run state machine: launch every task, watch events and exits, classify, restart the whole group.
+"""The run state machine: launch every task, watch, classify, stop all, repair, restore, relaunch all.
 
-MultiWorkerMirroredStrategy cannot re-admit one restarted task into a running
-group, so any failure stops ALL tasks and relaunches ALL of them, and they
-resume from the chief's latest checkpoint.
+MultiWorkerMirroredStrategy cannot re-admit one restarted task into a running group, so any
+failure stops ALL tasks and relaunches ALL of them from the chief's latest good checkpoint.
 """
 
 from __future__ import annotations
 
-import enum
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tenacity import (
     RetryCallState,
     Retrying,
     retry_if_exception,
-    stop_after_attempt,
     wait_exponential_jitter,
 )
 
 from orchestrator import plan as planning
-from orchestrator.checkpoints import fetch_file, share_chief_checkpoint
-from orchestrator.errors import RunFailed
-from orchestrator.events import Event, LineBuffer, parse_line
+from orchestrator.checkpoints import CheckpointMirror, fetch_file, share_chief_checkpoint, verify_on
+from orchestrator.errors import OrchestratorError, RunFailed
+from orchestrator.events import Event
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan, TaskPlan
-from orchestrator.providers.base import Provider
-from orchestrator.remote.base import LaunchSpec, TaskHandle, TaskState
-from orchestrator.spec import ClusterSpec, CommandJob
+from orchestrator.providers.base import HostHealth, Provider
+from orchestrator.remote.base import LaunchSpec, TaskHandle
+from orchestrator.spec import ClusterSpec
 from orchestrator.state import AttemptRecord, Store, home
+from orchestrator.watch import (
+    RETRYABLE,
+    AttemptFailed,
+    AttemptWatch,
+    Cause,
+    Listener,
+    RunView,
+    TaskView,
+    Watched,
+)
 
-# Errors a task raises because a PEER failed: the task that raised them is not the cause.
-PEER_ERRORS = ("UnavailableError", "CancelledError", "AbortedError", "DeadlineExceededError")
-PORT_CONFLICT_MARKS = ("Could not start gRPC server", "Address already in use")
-STEP_EVENTS = ("training", "resumed", "progress")
+__all__ = ["AttemptFailed", "Cause", "Listener", "RunResult", "RunView", "Supervisor", "TaskView"]
 
-
-class Cause(str, enum.Enum):
-    CRASHED = "crashed"  # a task exited non-zero or was killed
-    STARTUP_TIMEOUT = "startup_timeout"  # not every task reached its first step in time
-    PORT_CONFLICT = "port_conflict"  # a task's gRPC port was taken
-    USER_ERROR = "user_error"  # the user's code failed before training: not retried
-    CANCELLED = "cancelled"  # Ctrl-C
-    STOPPED = "stopped"  # 'orchestrate down' (maybe from another process) stopped the run
-
-
-RETRYABLE = {Cause.CRASHED, Cause.STARTUP_TIMEOUT, Cause.PORT_CONFLICT}
-
-
-class AttemptFailed(Exception):
-    def __init__(self, cause: Cause, task: str, detail: str, exit_code: int | None = None) -> None:
-        super().__init__(f"{cause.value}: {task}: {detail}")
-        self.cause = cause
-        self.task = task
-        self.detail = detail
-        self.exit_code = exit_code
-
-
-@dataclass
-class TaskView:
-    """What the operator sees of one task; updated as events arrive."""
-
-    key: str
-    host: str
-    endpoint: str
-    state: str = "starting"
-    step: int = 0
-    loss: float | None = None
-    steps_per_s: float | None = None
-    last_event: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class RunView:
-    run_id: str
-    cluster: str
-    attempt: int = 0
-    total_steps: int | None = None
-    tasks: dict[str, TaskView] = field(default_factory=dict)
-    messages: list[str] = field(default_factory=list)
+HEARTBEAT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -95,22 +55,6 @@ class RunResult:
     digests: dict[str, str]
     attempts: list[AttemptRecord]
     seconds: float
-
-
-Listener = Callable[[RunView, Event | None], None]
-
-
-@dataclass
-class _Watched:
-    plan: TaskPlan
-    handle: TaskHandle
-    buffer: LineBuffer = field(default_factory=LineBuffer)
-    offset: int = 0
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=30))
-    error: Event | None = None
-    finished: Event | None = None
-    exit_code: int | None = None
-    reached_step: bool = False
 
 
 class Supervisor:
@@ -137,23 +81,34 @@ class Supervisor:
         self.clock = clock
         self.poll_s = poll_s
         self.view = RunView(run_id="", cluster=spec.name)
-        self._chief_key = ""
+        self._causes: Counter[Cause] = Counter()
+        self._bad_ports: set[tuple[str, int]] = set()
+        self._broken_hosts: set[str] = set()
+        self._last_prestep_failure = ""
         self._chief_host: Host | None = None
-        self._first_progress: dict[str, float] = {}  # task -> wall time of its first step
-        self._start_steps: dict[str, int] = {}  # task -> step it started (or resumed) at
+        self._mirror: CheckpointMirror | None = None
+        self._beat = 0.0
+        self._recovered: set[int] = set()  # attempts whose recovery figures are recorded
 
-    # -- the run -------------------------------------------------------------------------
-    def run(self, run_id: str) -> RunResult:
-        """Supervise run ``run_id`` (from ``Store.new_run``) until it succeeds or its budget is spent."""
+    # -- the run ---------------------------------------------------------------------------
+    def run(self, run_id: str, *, attach: bool = False) -> RunResult:
+        """Supervise run ``run_id`` until it succeeds or its budget is spent.
+
+        With ``attach``, first take over the run's last attempt as it is running now
+        (after the controller that started it died), then go on as usual.
+        """
         started = self.clock()
         self.view.run_id = run_id
-        retry = self.spec.retry
+        self._mirror = CheckpointMirror(self._run_home(run_id) / "mirror", self.provider.runner)
+        previous = self.store.attempts(run_id) if attach else []
+        self._causes.update(Cause(a.cause) for a in previous if a.cause in Cause._value2member_map_)
+        base = len(previous)
         retrying = Retrying(
-            stop=stop_after_attempt(retry.max_restarts + 1),
-            wait=wait_exponential_jitter(multiplier=retry.backoff_initial_s, max=retry.backoff_max_s),
-            retry=retry_if_exception(
-                lambda e: isinstance(e, AttemptFailed) and e.cause in RETRYABLE
-            ),
+            stop=self._budget_spent,
+            wait=wait_exponential_jitter(multiplier=self.spec.retry.backoff_initial_s,
+                                         max=self.spec.retry.backoff_max_s),
+            retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed)
+                                     and e.cause in RETRYABLE),
             sleep=self.backoff_sleep,
             before_sleep=self._before_sleep,
             reraise=True,
@@ -161,295 +116,303 @@ class Supervisor:
         try:
             for attempt in retrying:
                 with attempt:
-                    finished = self._attempt(run_id, attempt.retry_state.attempt_number)
+                    n = attempt.retry_state.attempt_number
+                    if attach and n == 1:
+                        finished = self._reattach(run_id, previous[-1])
+                    else:
+                        finished = self._attempt(run_id, base + n - (1 if attach else 0))
         except AttemptFailed as failure:
             if failure.cause is Cause.STOPPED:
                 raise RunFailed(f"run {run_id} was stopped by 'orchestrate down'",
                                 run_id=run_id) from None
-            report = self.report(run_id, failure)
+            report = self.report(run_id)
             self.store.finish_run(run_id, status="failed", message=report)
             raise RunFailed(report, run_id=run_id, fix=_advice(failure)) from None
         except KeyboardInterrupt:
             self.store.finish_run(run_id, status="cancelled", message="interrupted by the user")
             raise
-        chief = finished[self._chief_key]
+        return self._succeed(run_id, finished, started)
+
+    def _succeed(self, run_id: str, finished: dict[str, Event], started: float) -> RunResult:
+        chief = finished[next(iter(finished))]
         metrics = dict(chief.get("metrics") or {})
         model_path = self._fetch_model(run_id, str(chief.get("model_path") or ""))
         self.store.finish_run(run_id, status="succeeded", metrics=metrics, model_path=model_path)
         return RunResult(
-            run_id=run_id,
-            status="succeeded",
-            metrics=metrics,
-            model_path=model_path,
+            run_id=run_id, status="succeeded", metrics=metrics, model_path=model_path,
             digests={k: str(e.get("weights_sha256", "")) for k, e in finished.items()},
-            attempts=self.store.attempts(run_id),
-            seconds=self.clock() - started,
+            attempts=self.store.attempts(run_id), seconds=self.clock() - started,
         )
+
+    def _budget_spent(self, state: RetryCallState) -> bool:
+        failure = state.outcome.exception() if state.outcome else None
+        if not isinstance(failure, AttemptFailed):
+            return True
+        restarts = sum(self._causes.values())
+        budget = self.spec.retry.per_cause.get(failure.cause.value)
+        spent = restarts > self.spec.retry.max_restarts or (
+            budget is not None and self._causes[failure.cause] > budget)
+        if spent:
+            self._say(f"retry budget spent ({failure.cause.value}: {self._causes[failure.cause]}"
+                      f", all causes: {restarts} of {self.spec.retry.max_restarts})")
+        return spent
 
     def _before_sleep(self, state: RetryCallState) -> None:
         wait = state.next_action.sleep if state.next_action else 0.0
-        self._say(f"restarting all tasks in {wait:.1f}s (attempt {state.attempt_number + 1})")
+        self._say(f"restarting all tasks in {wait:.1f}s")
 
     # -- one attempt -----------------------------------------------------------------------
     def _attempt(self, run_id: str, number: int) -> dict[str, Event]:
         self._check_stopped(run_id)
-        hosts = self.provider.hosts()
-        plan = planning.build(
-            self.spec,
-            hosts,
-            run_id=run_id,
-            attempt=number,
-            python=self.provider.python(hosts[0]),
-            local_workdir=str(self.workdir),
-            busy_ports=self.provider.busy_ports(hosts),
-        )
-        self._chief_key = plan.chief_key
-        self._chief_host = plan.chief.host
-        self._reset_view(plan)
+        self._repair_hosts()
+        plan = self._plan(run_id, number)
         if number > 1:
-            self._share_checkpoint(plan)
+            self._restore_checkpoint(plan)
         watched = self._launch(plan)
         self.store.start_attempt(run_id, number, [_task_record(w) for w in watched])
+        return self._supervise(run_id, number, plan, watched)
+
+    def _reattach(self, run_id: str, attempt: AttemptRecord) -> dict[str, Event]:
+        """Watch a running attempt that another (dead) controller started."""
+        plan = self._plan(run_id, attempt.number, busy=False)
+        handles = {str(t["task"]): int(t["pgid"]) for t in attempt.tasks}
+        watched = [
+            Watched(task, TaskHandle(task.host.name, handles[task.key], task.log_path,
+                                     task.rc_path), self.provider.runner(task.host))
+            for task in plan.tasks
+        ]
+        self._say(f"attached to attempt {attempt.number} of run {run_id}")
+        return self._supervise(run_id, attempt.number, plan, watched)
+
+    def _plan(self, run_id: str, number: int, busy: bool = True) -> ClusterPlan:
+        hosts = self.provider.hosts()
+        plan = planning.build(
+            self.spec, hosts, run_id=run_id, attempt=number,
+            python=self.provider.python(hosts[0]), local_workdir=str(self.workdir),
+            busy_ports=(self.provider.busy_ports(hosts) | self._bad_ports) if busy else (),
+        )
+        self._chief_host = plan.chief.host
+        self.view.attempt = number
+        self.view.tasks = {t.key: TaskView(t.key, t.host.name, t.endpoint) for t in plan.tasks}
+        self.listener(self.view, None)
+        return plan
+
+    def _supervise(self, run_id: str, number: int, plan: ClusterPlan,
+                   watched: list[Watched]) -> dict[str, Event]:
+        watch = AttemptWatch(
+            self.spec, watched, self.view, self.listener,
+            on_tick=lambda: self._tick(run_id),
+            on_event=lambda w, e: self._on_event(run_id, number, plan, w, e),
+            python_for=lambda w: self.provider.python(w.plan.host), interval_s=self.poll_s,
+        )
         try:
-            finished = self._watch(run_id, watched)
+            finished = watch.run()
         except AttemptFailed as failure:
-            self._stop_all(watched)
+            detected = time.time()
+            self._stop_all(watched, watch)
+            failure = self._confirm(failure)
             status = "stopped" if failure.cause is Cause.STOPPED else "failed"
-            self._end_attempt(run_id, number, watched, status, failure)
-            raise
+            self._end_attempt(run_id, number, watched, status, failure, detected)
+            raise failure from None
         except BaseException:
-            self._stop_all(watched)
-            cancelled = AttemptFailed(Cause.CANCELLED, "-", "interrupted")
-            self._end_attempt(run_id, number, watched, "cancelled", cancelled)
+            self._stop_all(watched, watch)
+            self._end_attempt(run_id, number, watched, "cancelled",
+                              AttemptFailed(Cause.CANCELLED, "-", "interrupted"), time.time())
             raise
-        self._end_attempt(run_id, number, watched, "succeeded", None)
+        finally:
+            watch.close()
+        self._end_attempt(run_id, number, watched, "succeeded", None, None)
         return finished
 
-    def _share_checkpoint(self, plan: ClusterPlan) -> None:
-        others = {t.host.machine for t in plan.tasks} - {plan.chief.host.machine}
-        if not others:
-            return
-        self._say(f"copying the chief's checkpoint to {len(others)} other host(s)")
-        copied = share_chief_checkpoint(plan, self.provider.runner)
-        self._say(f"copied the chief's checkpoint to {', '.join(copied)}" if copied
-                  else "no checkpoint yet: the group starts from step 0")
-
-    def _fetch_model(self, run_id: str, remote_path: str) -> str:
-        """The chief's saved model, downloaded to this machine when the chief is remote."""
-        chief = self._chief_host
-        if not remote_path or chief is None or chief.is_local:
-            return remote_path
-        local_dir = home() / "clusters" / self.spec.name / "runs" / run_id / "model"
-        path = fetch_file(chief, self.provider.runner(chief), remote_path, local_dir)
-        self._say(f"fetched the model from {chief.name} to {path}")
-        return path
-
-    def _launch(self, plan: ClusterPlan) -> list[_Watched]:
-        def start(task: TaskPlan) -> _Watched:
+    def _launch(self, plan: ClusterPlan) -> list[Watched]:
+        def start(task: TaskPlan) -> Watched:
             runner = self.provider.runner(task.host)
             spec = LaunchSpec(task.argv, task.cwd, task.log_path, task.rc_path, task.env)
-            return _Watched(task, runner.start(spec))
+            return Watched(task, runner.start(spec), runner)
 
         with ThreadPoolExecutor(max_workers=min(32, len(plan.tasks))) as pool:
             watched = list(pool.map(start, plan.tasks))
         self._say(f"attempt {plan.attempt}: started {len(watched)} tasks")
         return watched
 
+    def _tick(self, run_id: str) -> None:
+        self._check_stopped(run_id)
+        if time.monotonic() - self._beat >= HEARTBEAT_S:
+            self._beat = time.monotonic()
+            self.store.heartbeat(run_id)
+
     def _check_stopped(self, run_id: str) -> None:
         if self.store.run_status(run_id) == "stopped":
             raise AttemptFailed(Cause.STOPPED, "-", "the run was stopped by 'orchestrate down'")
 
-    def _watch(self, run_id: str, watched: list[_Watched]) -> dict[str, Event]:
-        launched = self.clock()
-        startup_s = self.spec.timeouts.startup_s
-        while True:
-            self._check_stopped(run_id)
-            failures: list[AttemptFailed] = []
-            for w in watched:
-                self._drain(w)
-                failure = self._check(w)
-                if failure is not None:
-                    failures.append(failure)
-            if failures:
-                self._check_stopped(run_id)  # tasks that down killed are not a failure
-                raise _primary(failures)
-            if all(w.exit_code == 0 for w in watched):
-                return {w.plan.key: w.finished or _empty_finish(w) for w in watched}
-            if self.clock() - launched > startup_s:
-                late = [w.plan.key for w in watched if not w.reached_step]
-                if late:
-                    raise AttemptFailed(
-                        Cause.STARTUP_TIMEOUT,
-                        late[0],
-                        f"{', '.join(late)} did not reach the first step within {startup_s:.0f}s"
-                        " (a peer that never connected, or a slow start)",
-                    )
-            time.sleep(self.poll_s)
+    def _on_event(self, run_id: str, number: int, plan: ClusterPlan, w: Watched,
+                  event: Event) -> None:
+        if event.kind == "checkpoint" and w.key == plan.chief_key and self._mirror is not None \
+                and _machines(plan) > 1:
+            self._mirror.request(plan, int(event.get("step", 0)))
+        if event.kind == "progress" and number > 1 and w.key == plan.chief_key and \
+                number not in self._recovered:
+            self._recovered.add(number)
+            self._record_recovery(run_id, number, w)
 
-    def _drain(self, w: _Watched) -> None:
-        runner = self.provider.runner(w.plan.host)
-        data, w.offset = runner.read_log(w.handle, w.offset)
-        for line in w.buffer.feed(data):
-            event = parse_line(line)
-            if event is None:
-                if line.strip():
-                    w.tail.append(line)
-                continue
-            self._on_event(w, event)
-
-    def _on_event(self, w: _Watched, event: Event) -> None:
-        view = self.view.tasks[w.plan.key]
-        view.last_event = event.kind
-        if event.kind in ("training", "resumed"):
-            self._start_steps[w.plan.key] = int(event.get("step", 0))
-        if event.kind == "progress":
-            self._first_progress.setdefault(w.plan.key, time.time())
-        if event.kind in STEP_EVENTS:
-            w.reached_step = True
-            view.state = "training"
-            view.step = int(event.get("step", view.step))
-            self.view.total_steps = event.get("total_steps", self.view.total_steps)
-        if event.kind == "started" and isinstance(self.spec.job, CommandJob):
-            w.reached_step = True  # command mode reports no steps: being up is all we see
-            view.state = "running"
-        if event.kind == "progress":
-            view.loss = event.get("loss")
-            view.steps_per_s = event.get("steps_per_s")
-            view.metrics = dict(event.get("metrics") or {})
-        elif event.kind == "error":
-            w.error = event
-            view.state = "error"
-        elif event.kind == "finished":
-            w.finished = event
-            view.state = "finished"
-            view.metrics = dict(event.get("metrics") or {})
-        elif event.kind == "connected":
-            view.state = "connected"
-        self.listener(self.view, event)
-
-    def _check(self, w: _Watched) -> AttemptFailed | None:
-        if w.exit_code is not None:
-            return None
-        status = self.provider.runner(w.plan.host).poll(w.handle)
-        if status.state is TaskState.RUNNING:
-            return None
-        self._drain(w)  # the last lines it wrote before ending
-        if status.state is TaskState.LOST:
-            w.exit_code = -1
-            return AttemptFailed(
-                Cause.CRASHED, w.plan.key, "its process group vanished without an exit code "
-                "(killed as a whole, or its host lost it)"
-            )
-        w.exit_code = status.exit_code
-        if w.exit_code == 0:
-            return None
-        self.view.tasks[w.plan.key].state = "failed"
-        return self._classify(w)
-
-    def _classify(self, w: _Watched) -> AttemptFailed:
-        code = w.exit_code
-        text = "\n".join(w.tail) + "\n" + str(w.error.get("message", "") if w.error else "")
-        if any(mark in text for mark in PORT_CONFLICT_MARKS):
-            return AttemptFailed(Cause.PORT_CONFLICT, w.plan.key,
-                                 f"its gRPC port {w.plan.port} was taken", code)
-        if w.error is not None:
-            kind, message = str(w.error.get("type", "")), str(w.error.get("message", ""))
-            detail = f"{kind.rsplit('.', 1)[-1]}: {message}".strip()
-            if w.error.get("phase") == "build" and not kind.endswith(PEER_ERRORS):
-                return AttemptFailed(Cause.USER_ERROR, w.plan.key, detail, code)
-            return AttemptFailed(Cause.CRASHED, w.plan.key, f"exited {code}: {detail}", code)
-        if code is not None and code > 128:
-            return AttemptFailed(Cause.CRASHED, w.plan.key,
-                                 f"killed by signal {code - 128} (exit {code})", code)
-        return AttemptFailed(Cause.CRASHED, w.plan.key, f"exited {code}", code)
-
-    def _stop_all(self, watched: list[_Watched]) -> None:
+    # -- after a failure -------------------------------------------------------------------
+    def _stop_all(self, watched: list[Watched], watch: AttemptWatch) -> None:
         grace = self.spec.timeouts.stop_grace_s
 
-        def stop(w: _Watched) -> None:
-            self.provider.runner(w.plan.host).stop(w.handle, grace_s=grace)
+        def stop(w: Watched) -> None:
+            if w.unreachable is None:
+                try:
+                    w.runner.stop(w.handle, grace_s=grace)
+                except OrchestratorError:
+                    w.unreachable = "did not answer when it was being stopped"
 
         with ThreadPoolExecutor(max_workers=min(32, len(watched))) as pool:
             list(pool.map(stop, watched))
-        for w in watched:
-            self._drain(w)
+        watch.drain()
 
-    def _end_attempt(
-        self, run_id: str, number: int, watched: list[_Watched], status: str,
-        failure: AttemptFailed | None,
-    ) -> None:
+    def _confirm(self, failure: AttemptFailed) -> AttemptFailed:
+        """Ask the provider about a lost host (preempted?), and spot code failing the same way."""
+        if failure.cause is Cause.HOST_LOST and failure.host:
+            host = next(h for h in self.provider.hosts() if h.name == failure.host)
+            health = self.provider.host_health(host)
+            self._broken_hosts.add(host.name)
+            if health is HostHealth.PREEMPTED:
+                failure.cause = Cause.PREEMPTED
+                failure.detail = f"{host.name} was preempted (spot VM reclaimed); " + failure.detail
+        if failure.before_first_step and failure.cause is Cause.CRASHED:
+            if failure.signature == self._last_prestep_failure:
+                failure.cause = Cause.USER_ERROR
+                failure.detail = "fails the same way before the first step every time: " + \
+                    failure.detail
+            self._last_prestep_failure = failure.signature
+        if failure.cause is Cause.PORT_CONFLICT and failure.port:
+            self._bad_ports.add(failure.port)
+        if failure.cause in RETRYABLE:
+            self._causes[failure.cause] += 1
+        return failure
+
+    def _repair_hosts(self) -> None:
+        broken, self._broken_hosts = sorted(self._broken_hosts), set()
+        for name in broken:
+            host = next(h for h in self.provider.hosts() if h.name == name)
+            self._say(f"repairing {name}: waiting up to {self.spec.timeouts.repair_s:.0f}s")
+            self.provider.repair(host, self.spec.timeouts.repair_s)
+            self._say(f"{name} is back")
+
+    def _restore_checkpoint(self, plan: ClusterPlan) -> None:
+        """Make the newest checkpoint that restores the one every task starts from."""
+        chief = plan.chief.host
+        runner = self.provider.runner(chief)
+        paths = plan.paths[chief.name]
+        directory = f"{paths.checkpoint_dir}/chief"
+        mirror = self._mirror
+        present = runner.run(["test", "-f", f"{directory}/checkpoint"], check=False).ok
+        if mirror is not None and _machines(plan) > 1:
+            mirror.wait()
+            if not present and mirror.has_checkpoint():
+                mirror.push(chief, directory, paths.run_dir)
+                present = True
+                self._say(f"restored the chief's checkpoint on {chief.name} from this machine's "
+                          f"copy (step {mirror.step})")
+        if not present:
+            self._say("no checkpoint yet: the group starts from step 0")
+            return
+        report = verify_on(runner, self.provider.python(chief), f"{chief.root}/lib", directory)
+        for bad in report["rejected"]:
+            self._say(f"checkpoint {bad['path']} does not restore ({bad['problem']}): "
+                      "falling back to the one before")
+        if not report["ok"]:
+            self._say("no checkpoint restores: the group starts from step 0")
+        if _machines(plan) > 1:
+            self._say(f"copying the chief's checkpoint to {_machines(plan) - 1} other host(s)")
+            copied = share_chief_checkpoint(plan, self.provider.runner)
+            if copied:
+                self._say(f"copied the chief's checkpoint to {', '.join(copied)}")
+
+    def _fetch_model(self, run_id: str, remote_path: str) -> str:
+        """The chief's saved model, downloaded to this machine when the chief is remote."""
+        chief = self._chief_host
+        if not remote_path or chief is None or chief.is_local:
+            return remote_path
+        path = fetch_file(chief, self.provider.runner(chief), remote_path,
+                          self._run_home(run_id) / "model")
+        self._say(f"fetched the model from {chief.name} to {path}")
+        return path
+
+    # -- records ---------------------------------------------------------------------------
+    def _end_attempt(self, run_id: str, number: int, watched: list[Watched], status: str,
+                     failure: AttemptFailed | None, detected_at: float | None) -> None:
         chief = watched[0]
-        first_steps = list(self._first_progress.values())
+        firsts = [w.first_progress_at for w in watched if w.first_progress_at is not None]
         self.store.update_attempt(
-            run_id,
-            number,
-            status=status,
-            ended_at=time.time(),
+            run_id, number, status=status, ended_at=time.time(),
             cause=failure.cause.value if failure else "",
             detail=(failure.detail if failure else "")[:4000],
             failed_task=failure.task if failure else "",
             exit_code=failure.exit_code if failure else None,
-            resumed_from_step=self._start_steps.get(chief.plan.key),
-            last_step=max((self.view.tasks[w.plan.key].step for w in watched), default=0),
-            first_step_at=min(first_steps) if first_steps else None,
+            evidence=(failure.evidence if failure else "")[-8000:],
+            failed_at=failure.failed_at if failure else None,
+            detected_at=detected_at,
+            resumed_from_step=chief.start_step,
+            last_step=max((w.step for w in watched), default=0),
+            first_step_at=min(firsts) if firsts else None,
             tasks=[_task_record(w) for w in watched],
         )
         if failure is not None:
-            self._say(f"attempt {number} {status}: {failure.cause.value}: "
-                      f"{failure.task}: {failure.detail}")
+            self._say(f"attempt {number} {status}: {failure.cause.value} in {failure.task}: "
+                      f"{failure.detail}")
 
-    # -- view --------------------------------------------------------------------------
-    def _reset_view(self, plan: ClusterPlan) -> None:
-        self.view.attempt = plan.attempt
-        self.view.tasks = {
-            t.key: TaskView(key=t.key, host=t.host.name, endpoint=t.endpoint) for t in plan.tasks
-        }
-        self._first_progress = {}
-        self._start_steps = {}
-        self.listener(self.view, None)
+    def _record_recovery(self, run_id: str, number: int, chief: Watched) -> None:
+        """Time from the last failure to this attempt's first step, and the steps redone."""
+        previous = self.store.attempts(run_id)[number - 2]
+        if previous.failed_at is None or chief.first_progress_at is None:
+            return
+        recovery = chief.first_progress_at - previous.failed_at
+        lost = max(0, (previous.last_step or 0) - (chief.start_step or 0))
+        self.store.update_attempt(run_id, number - 1, recovery_s=recovery, steps_lost=lost)
+        self._say(f"recovered in {recovery:.1f}s from {previous.cause}; {lost} step(s) redone")
+
+    def report(self, run_id: str) -> str:
+        attempts = self.store.attempts(run_id)
+        lines = [f"run {run_id} failed after {len(attempts)} attempt(s):"]
+        for a in attempts:
+            lines.append(f"  attempt {a.number}: {a.cause or a.status} in {a.failed_task}: "
+                         f"{a.detail}" + (f" (exit {a.exit_code})" if a.exit_code else ""))
+        last = attempts[-1] if attempts else None
+        if last is not None and last.evidence:
+            lines.append(f"  last output of {last.failed_task}:")
+            lines += [f"    {line}" for line in last.evidence.splitlines()[-20:]]
+        return "\n".join(lines)
 
     def _say(self, message: str) -> None:
         self.view.messages.append(message)
         self.listener(self.view, None)
 
-    def report(self, run_id: str, last: AttemptFailed) -> str:
-        lines = [f"run {run_id} failed after {len(self.store.attempts(run_id))} attempt(s):"]
-        for a in self.store.attempts(run_id):
-            lines.append(f"  attempt {a.number}: {a.cause or a.status} in {a.failed_task}: "
-                         f"{a.detail}")
-        return "\n".join(lines)
+    def _run_home(self, run_id: str) -> Path:
+        return home() / "clusters" / self.spec.name / "runs" / run_id
 
 
-def _primary(failures: list[AttemptFailed]) -> AttemptFailed:
-    """The failure that caused the others: peers of a dead task fail with UnavailableError."""
-    def secondary(f: AttemptFailed) -> bool:
-        return any(name in f.detail for name in PEER_ERRORS)
-
-    return sorted(failures, key=secondary)[0]
+def _machines(plan: ClusterPlan) -> int:
+    return len({t.host.machine for t in plan.tasks})
 
 
 def _advice(failure: AttemptFailed) -> str:
     if failure.cause is Cause.USER_ERROR:
-        return "fix the error in your training code above; it fails before training starts"
+        return "fix the error in your training code shown above; it fails before training starts"
     if failure.cause is Cause.STARTUP_TIMEOUT:
-        return "check that every host can reach every other host's port, or raise timeouts.startup_s"
-    return (
-        "read the task logs with 'orchestrate logs', then raise retry.max_restarts "
-        "if the cause was transient"
-    )
+        return ("check that every host can reach every other host's port "
+                "('orchestrate doctor'), or raise timeouts.startup_s")
+    if failure.cause in (Cause.HOST_LOST, Cause.PREEMPTED):
+        return "check the hosts named above, or raise retry.max_restarts / timeouts.repair_s"
+    if failure.cause is Cause.HUNG:
+        return "look for a stuck task in 'orchestrate logs', or raise timeouts.hang_s"
+    return ("read the task logs with 'orchestrate logs', then raise retry.max_restarts "
+            "if the cause was transient")
 
 
-def _empty_finish(w: _Watched) -> Event:
-    return Event("finished", w.plan.key, 0, 0.0, {})
-
-
-def _task_record(w: _Watched) -> dict[str, object]:
+def _task_record(w: Watched) -> dict[str, object]:
     return {
-        "task": w.plan.key,
-        "host": w.plan.host.name,
-        "endpoint": w.plan.endpoint,
-        "pgid": w.handle.pgid,
-        "log": w.plan.log_path,
-        "rc": w.plan.rc_path,
+        "task": w.key, "host": w.plan.host.name, "endpoint": w.plan.endpoint,
+        "pgid": w.handle.pgid, "log": w.plan.log_path, "rc": w.plan.rc_path,
         "exit_code": w.exit_code,
     }

@@ -18,6 +18,11 @@ sshd on port 22 with a fresh ed25519 host key, and its own user (a uid-0 alias
 whose home is in the lab's temp dir). ``hostlab.client_key_path`` is authorised
 on every host; ``hostlab.known_hosts_path`` holds every host key.
 
+A cloud-style login: ``hostlab.shared_user()`` names one user (made on first use)
+that every host lets in with the keys given to ``LabHost.authorize(line)``, and
+whose ``$HOME`` on each host is that host's home, as if each host had its own
+account of that name (a cloud guest agent creating the user of ``ssh-keys``).
+
 Fault tools on a :class:`LabHost`: ``kill()`` (SIGKILL every process in the
 namespace, sshd included), ``restart_sshd()``, ``cut()``/``restore()`` (link
 down/up), ``rotate_host_key()``, and ``run(cmd)`` (a command inside the host).
@@ -60,7 +65,7 @@ from orchestrator.hosts import SSHEndpoint
 
 FORCE_LOOPBACK_ENV = "ORCHESTRATE_LAB_FORCE_LOOPBACK"
 SSHD = "/usr/sbin/sshd"
-STALE_NAME = re.compile(r"^orch(\d+)[a-z](?:br|t|[hpnu]\d+)$")
+STALE_NAME = re.compile(r"^orch(\d+)[a-z](?:br|t|g|[hpnu]\d+)$")
 STALE_DIR = re.compile(r"^orchlab-(\d+)[a-z]-")
 _LAB_SERIAL = itertools.count()
 _OPEN_LABS: set[HostLab] = set()
@@ -267,6 +272,16 @@ class LabHost:
         fields.update(overrides)
         return SSHEndpoint(**fields)
 
+    @property
+    def authorized_keys_path(self) -> str:
+        """This host's own authorized keys (the lab's file applies as well)."""
+        return str(self.dir / "authorized_keys")
+
+    def authorize(self, pubkey_line: str) -> None:
+        """Let this host's user and the lab's shared user log in with ``pubkey_line``."""
+        with open(self.authorized_keys_path, "a", encoding="utf-8") as f:
+            f.write(pubkey_line.strip() + "\n")
+
     def run(self, cmd: Sequence[str] | str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """Run ``cmd`` (argv, or a shell script) inside the host, as root, without SSH."""
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
@@ -420,6 +435,14 @@ class HostLab:
                 host.heal()
         return chosen
 
+    def shared_user(self) -> str:
+        """A user every host lets in (see the module docstring); created on the first call."""
+        user = f"{self.tag}g"
+        with self._lock:
+            if user not in self.created["user"]:
+                self._add_user(user, str(self.dir))
+        return user
+
     def require_partition(self) -> None:
         """Skip the calling test, with the reason, where hosts cannot be cut off or killed."""
         if not self.can_partition:
@@ -527,8 +550,8 @@ class HostLab:
             "ListenAddress": host.address,
             "HostKey": str(host.dir / "ssh_host_ed25519_key"),
             "PidFile": str(host.dir / "sshd.pid"),
-            "AuthorizedKeysFile": self.authorized_keys_path,
-            "AllowUsers": host.user,
+            "AuthorizedKeysFile": f"{self.authorized_keys_path} {host.authorized_keys_path}",
+            "AllowUsers": f"{host.user} {self.tag}g",
             "PasswordAuthentication": "no",
             "KbdInteractiveAuthentication": "no",
             "PubkeyAuthentication": "yes",
@@ -539,7 +562,8 @@ class HostLab:
             "PrintMotd": "no",
             "Subsystem": "sftp internal-sftp",
         }
-        return "".join(f"{key} {value}\n" for key, value in settings.items())
+        shared = f"Match User {self.tag}g\n    SetEnv HOME={host.home}\n"
+        return "".join(f"{key} {value}\n" for key, value in settings.items()) + shared
 
     # -- teardown --------------------------------------------------------
     def close(self) -> None:

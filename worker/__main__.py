@@ -1,4 +1,4 @@
-"""`python -m worker managed --job JSON` or `python -m worker command -- ARGV...`: a task's entrypoint."""
+"""`python -m worker managed|command|verify-checkpoint ...`: what the controller runs on a host."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     managed.add_argument("--job", required=True, help="the job as JSON (from the cluster plan)")
     command = sub.add_parser("command", help="run an unmodified training script")
     command.add_argument("argv", nargs=argparse.REMAINDER)
+    verify = sub.add_parser("verify-checkpoint", help="find the newest checkpoint that restores")
+    verify.add_argument("--dir", required=True)
     args = parser.parse_args(argv)
+
+    if args.mode == "verify-checkpoint":
+        from worker.checkpoints import main as verify_main
+
+        return verify_main(args.dir)
 
     if args.mode == "managed":
         from worker.runtime import run_managed

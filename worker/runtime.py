@@ -28,7 +28,7 @@ def run_managed(job: dict[str, Any]) -> int:
         import tensorflow as tf
 
         _seed(tf, job)
-        strategy = create_strategy(tf)
+        strategy = create_strategy(tf, job.get("collective_timeout_s"))
         phase = "build"
         emit("connected", replicas=strategy.num_replicas_in_sync, tf_version=tf.__version__)
         model, dataset, global_batch = _build(tf, strategy, job)
@@ -49,10 +49,15 @@ def run_managed(job: dict[str, Any]) -> int:
         return 1
 
 
-def create_strategy(tf: Any) -> Any:
-    """MWMS with gRPC RING collectives; must run before any other TF op."""
+def create_strategy(tf: Any, collective_timeout_s: float | None = None) -> Any:
+    """MWMS with gRPC RING collectives; must run before any other TF op.
+
+    With ``collective_timeout_s``, a collective that waits longer (a stuck peer) fails
+    the task instead of hanging it forever.
+    """
     options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+        timeout_seconds=collective_timeout_s,
     )
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 
@@ -90,16 +95,32 @@ def _build(tf: Any, strategy: Any, job: dict[str, Any]) -> tuple[Any, Any, int]:
     # would sum it over replicas, so per-batch logs would read replicas x the true loss.
     model.distribute_reduction_method = "first"
     dataset = dataset_fn(global_batch_size=global_batch, seed=job.get("seed"))
+    done = steps_already_trained(tf, int(job["steps_per_epoch"]))
+    if done and job.get("deterministic"):
+        # fit() restores its step counters but starts the input afresh: skip the batches the
+        # restored weights have already seen, so the data lines up with an unbroken run.
+        dataset = dataset.skip(done)
     emit("built", global_batch_size=global_batch, learning_rate=lr, replicas=replicas,
          parameters=int(model.count_params()))
     return model, dataset, global_batch
+
+
+def steps_already_trained(tf: Any, steps_per_epoch: int) -> int:
+    """The step the chief's latest checkpoint resumes at (0 without one)."""
+    from worker.checkpoints import saved_step
+
+    latest = tf.train.latest_checkpoint(os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"],
+                                                     "chief"))
+    return saved_step(tf, latest, steps_per_epoch) if latest else 0
 
 
 def _fit(tf: Any, model: Any, dataset: Any, job: dict[str, Any], global_batch: int) -> Any:
     import tf_keras
 
     from worker.callbacks import make_callbacks
+    from worker.checkpoints import keep_more_checkpoints
 
+    keep_more_checkpoints()
     callbacks = make_callbacks(
         tf_keras,
         checkpoint_dir=os.environ["ORCHESTRATE_CHECKPOINT_DIR"],

@@ -1,4 +1,4 @@
-"""Where hosts come from: `local` and `static`; one module per provider, chosen by provider.kind."""
+"""Where hosts come from: `local`, `static` and `gcp`; one module per provider, chosen by provider.kind."""
 
 from __future__ import annotations
 
@@ -20,7 +20,11 @@ def for_spec(spec: ClusterSpec, spec_path: Path) -> Provider:
         from orchestrator.providers.static import StaticProvider
 
         return StaticProvider(spec, spec_path)
-    raise ProviderError(f"unknown provider kind {kind!r}", fix="use provider.kind: local or static")
+    if kind == "gcp":
+        from orchestrator.providers.gcp.provider import GcpProvider
+
+        return GcpProvider(spec, spec_path)
+    raise ProviderError(f"unknown provider kind {kind!r}", fix="use provider.kind: local, static or gcp")
 
 
 __all__ = ["DownReport", "HostHealth", "Provider", "for_spec"]

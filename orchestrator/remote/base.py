@@ -70,6 +70,24 @@ class TaskState(enum.Enum):
 class TaskStatus:
     state: TaskState
     exit_code: int | None = None
+    ended_at: float | None = None  # when the exit code was written (the host's clock)
+
+
+# Prints the state letters (R, S, T, Z, ...) of the processes in a process group.
+PROCESS_STATES = (
+    "import os, sys\n"
+    "group = int(sys.argv[1])\n"
+    "states = []\n"
+    "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "    try:\n"
+    "        stat = open(f'/proc/{pid}/stat').read()\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    fields = stat[stat.rindex(')') + 2:].split()\n"
+    "    if int(fields[2]) == group:\n"
+    "        states.append(fields[0])\n"
+    "print(''.join(states))\n"
+)
 
 
 def quote_argv(argv: Sequence[str]) -> str:
@@ -158,12 +176,18 @@ class Runner(ABC):
 
     def poll(self, handle: TaskHandle) -> TaskStatus:
         rc = shlex.quote(handle.rc_path)
+        exited = f"echo exited $(cat {rc}) $(stat -c %Y {rc})"
         script = (
-            f"if [ -f {rc} ]; then echo exited $(cat {rc}); "
+            f"if [ -f {rc} ]; then {exited}; "
             f"elif kill -0 -{handle.pgid} 2>/dev/null; then echo running; "
-            f"elif [ -f {rc} ]; then echo exited $(cat {rc}); else echo lost; fi"
+            f"elif [ -f {rc} ]; then {exited}; else echo lost; fi"
         )
         return _parse_status(self.run(script).stdout)
+
+    def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
+        """State letters of the task's processes ('T' = stopped); empty when none is left."""
+        argv = [python, "-c", PROCESS_STATES, str(handle.pgid)]
+        return self.run(argv, timeout_s=timeout_s).stdout.strip()
 
     def signal(self, handle: TaskHandle, sig: str) -> None:
         self.run(f"kill -{sig} -{handle.pgid} 2>/dev/null; true")
@@ -204,6 +228,7 @@ def _parse_status(text: str) -> TaskStatus:
     words = text.split()
     if words[:1] == ["running"]:
         return TaskStatus(TaskState.RUNNING)
-    if words[:1] == ["exited"] and len(words) == 2 and words[1].lstrip("-").isdigit():
-        return TaskStatus(TaskState.EXITED, int(words[1]))
+    if words[:1] == ["exited"] and len(words) >= 2 and words[1].lstrip("-").isdigit():
+        ended = float(words[2]) if len(words) > 2 and words[2].isdigit() else None
+        return TaskStatus(TaskState.EXITED, int(words[1]), ended)
     return TaskStatus(TaskState.LOST)

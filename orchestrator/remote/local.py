@@ -9,6 +9,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from orchestrator.errors import RemoteError
 from orchestrator.remote.base import ExecResult, Runner, TaskHandle, TaskState, TaskStatus
 
 
@@ -17,14 +18,16 @@ class LocalRunner(Runner):
         super().__init__(host_name)
 
     def _exec(self, script: str, timeout_s: float | None = None) -> ExecResult:
-        proc = subprocess.run(
-            ["sh", "-c", script],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            stdin=subprocess.DEVNULL,
-        )
+        try:
+            proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
+                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise RemoteError(f"command did not finish within {timeout_s}s: {script[:200]}",
+                              host=self.host_name) from None
         return ExecResult(proc.returncode, proc.stdout, proc.stderr)
+
+    def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
+        return "".join(state for _, state in _group_members(handle.pgid))
 
     def put_file(self, local_path: str, remote_path: str, mode: int | None = None) -> None:
         Path(remote_path).parent.mkdir(parents=True, exist_ok=True)
@@ -37,15 +40,12 @@ class LocalRunner(Runner):
         shutil.copyfile(remote_path, local_path)
 
     def poll(self, handle: TaskHandle) -> TaskStatus:
-        code = _read_rc(handle.rc_path)
-        if code is not None:
-            return TaskStatus(TaskState.EXITED, code)
+        exited = _exited(handle.rc_path)
+        if exited is not None:
+            return exited
         if self._group_alive(handle):
             return TaskStatus(TaskState.RUNNING)
-        code = _read_rc(handle.rc_path)  # it may have ended between the two looks
-        if code is not None:
-            return TaskStatus(TaskState.EXITED, code)
-        return TaskStatus(TaskState.LOST)
+        return _exited(handle.rc_path) or TaskStatus(TaskState.LOST)  # it may just have ended
 
     def signal(self, handle: TaskHandle, sig: str) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -64,16 +64,23 @@ class LocalRunner(Runner):
         return data, offset + len(data)
 
 
-def _read_rc(path: str) -> int | None:
+def _exited(rc_path: str) -> TaskStatus | None:
     try:
-        text = Path(path).read_text().strip()
+        text = Path(rc_path).read_text().strip()
+        ended = os.stat(rc_path).st_mtime
     except FileNotFoundError:
         return None
-    return int(text) if text.lstrip("-").isdigit() else None
+    code = int(text) if text.lstrip("-").isdigit() else None
+    return TaskStatus(TaskState.EXITED, code, ended) if code is not None else None
 
 
 def live_group_members(pgid: int) -> list[int]:
     """PIDs in process group ``pgid`` that are not zombies (a zombie still answers kill 0)."""
+    return [pid for pid, state in _group_members(pgid) if state != "Z"]
+
+
+def _group_members(pgid: int) -> list[tuple[int, str]]:
+    """(pid, state letter) of every process in group ``pgid``."""
     members = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -85,6 +92,6 @@ def live_group_members(pgid: int) -> list[int]:
             continue
         # pid (comm) state ppid pgrp ...: comm may hold spaces or parens, so split after the last ')'
         fields = stat[stat.rindex(b")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            members.append(int(entry.name))
+        if int(fields[2]) == pgid:
+            members.append((int(entry.name), fields[0].decode()))
     return members

@@ -1,0 +1,246 @@
+"""A cluster's VMs on Compute Engine: found by label, created in one bulkInsert per zone with zone
+fall-through, started again after preemption, waited on until they run, and deleted."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from orchestrator.errors import ProviderError
+from orchestrator.providers.gcp import config as gce
+from orchestrator.providers.gcp.compute import Compute, ComputeError, OpError, OpRef, Vm
+from orchestrator.remote.fanout import fan_out
+from orchestrator.spec import GcpProvider
+
+STOCKOUT_CODES = frozenset({
+    "ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+    "REGION_RESOURCE_POOL_EXHAUSTED", "RESOURCE_POOL_EXHAUSTED", "GPU_STOCKOUT",
+    "UNSUPPORTED_OPERATION",  # seen when a spot VM is preempted while being created
+})
+QUOTA_CODES = frozenset({"QUOTA_EXCEEDED", "quotaExceeded"})
+RESTARTABLE = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
+POLL_FIRST_S = 0.25
+POLL_MAX_S = 5.0
+
+
+@dataclass(frozen=True)
+class ZoneFailure:
+    """Why one zone could not take the VMs."""
+
+    zone: str
+    code: str
+    message: str
+
+    @property
+    def is_quota(self) -> bool:
+        return self.code in QUOTA_CODES
+
+
+class CapacityError(ProviderError):
+    """No zone of the spec could create the VMs; ``failures`` says why, zone by zone."""
+
+    def __init__(self, message: str, failures: tuple[ZoneFailure, ...], *, fix: str) -> None:
+        super().__init__(message, fix=fix)
+        self.failures = failures
+
+
+class Journal:
+    """Operations in flight, on disk: a ``down`` after an interrupted ``up`` waits for them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def pending(self) -> list[OpRef]:
+        try:
+            return [OpRef(**entry) for entry in json.loads(self.path.read_text())]
+        except (FileNotFoundError, ValueError, TypeError):
+            return []
+
+    def add(self, ref: OpRef) -> None:
+        with self._lock:
+            self._write([*self.pending(), ref])
+
+    def done(self, ref: OpRef) -> None:
+        with self._lock:
+            self._write([r for r in self.pending() if r != ref])
+
+    def _write(self, refs: list[OpRef]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".journal.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump([asdict(r) for r in refs], f)
+        os.replace(tmp, self.path)
+
+
+class Fleet:
+    """The VMs of one cluster.
+
+    Args:
+        compute: the API.
+        config: the spec's provider section.
+        cluster: the cluster's name (the label value and the VM name prefix).
+        journal: where operations in flight are recorded.
+        pause: the wait between polls of VMs that are still booting (real time).
+    """
+
+    def __init__(self, compute: Compute, config: GcpProvider, cluster: str, journal: Journal, *,
+                 pause: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.compute = compute
+        self.config = config
+        self.cluster = cluster
+        self.journal = journal
+        self.pause = pause
+        self.clock = clock
+        self.failures: tuple[ZoneFailure, ...] = ()  # zones that refused the last create
+
+    def find(self) -> dict[str, Vm]:
+        """Every VM with the cluster's label, in any zone, by name."""
+        return {vm.name: vm for vm in self.compute.list_vms(gce.CLUSTER_LABEL, self.cluster)}
+
+    def converge(self, names: Sequence[str], ssh_keys: str, deadline: float) -> list[Vm]:
+        """Make every VM of ``names`` RUNNING: create the missing ones, start the stopped ones.
+
+        Raises:
+            CapacityError: no zone could create the missing VMs.
+            ProviderError: they do not all run by ``deadline`` (of ``clock``), or the API refused.
+        """
+        wait = POLL_FIRST_S
+        while True:
+            found = self.find()
+            missing = [n for n in names if n not in found]
+            stopped = [found[n] for n in names if n in found and found[n].status in RESTARTABLE]
+            if missing:
+                self.create(missing, ssh_keys, prefer=[vm.zone for vm in found.values()])
+            if stopped:
+                self.start(stopped)
+            if not missing and not stopped:
+                if all(found[n].status == "RUNNING" for n in names):
+                    return [found[n] for n in names]
+                self._check_deadline(deadline, [found[n] for n in names])
+                self.pause(wait)
+                wait = min(2 * wait, POLL_MAX_S)
+
+    def create(self, names: list[str], ssh_keys: str, prefer: Iterable[str] = ()) -> str:
+        """Create ``names`` in one bulkInsert, in the first zone (``prefer`` first) that can.
+
+        Returns:
+            The zone that took them; ``self.failures`` holds why the zones before it did not.
+        """
+        zones = self.config.zones
+        order = list(dict.fromkeys([z for z in prefer if z in zones] + list(zones)))
+        failures: list[ZoneFailure] = []
+        for zone in order:
+            failure = self._create_in(zone, names, ssh_keys)
+            if failure is None:
+                self.failures = tuple(failures)
+                return zone
+            failures.append(failure)
+        self.failures = tuple(failures)
+        raise _capacity_error(self.config, len(names), tuple(failures))
+
+    def _create_in(self, zone: str, names: list[str], ssh_keys: str) -> ZoneFailure | None:
+        properties = gce.instance_properties(self.config, self.cluster, zone, ssh_keys)
+        try:
+            ref = self.compute.bulk_insert(zone, gce.bulk_request(properties, names))
+        except ComputeError as exc:
+            if exc.quota:
+                return ZoneFailure(zone, "QUOTA_EXCEEDED", exc.api_message)
+            raise
+        errors = self.wait(ref, f"create {len(names)} VM(s) in {zone}")
+        if not errors:
+            return None
+        first = errors[0]
+        if first.code in STOCKOUT_CODES or first.code in QUOTA_CODES:
+            return ZoneFailure(zone, first.code, first.message)
+        raise ProviderError(
+            f"creating VM(s) {', '.join(names)} in {zone} failed: {first.code}: {first.message}",
+            fix="fix the provider setting the message names and run 'orchestrate up' again",
+        )
+
+    def start(self, vms: Sequence[Vm]) -> None:
+        """Start stopped (e.g. preempted) VMs; one whose zone has no capacity now is deleted,
+        so that the next round re-creates it under the same name wherever there is room."""
+        refs = [(vm, self.compute.start(vm.zone, vm.name)) for vm in vms]
+        for vm, ref in refs:
+            errors = self.wait(ref, f"start VM {vm.name}")
+            if errors and errors[0].code in STOCKOUT_CODES:
+                self.delete([vm])
+            elif errors:
+                raise ProviderError(f"starting VM {vm.name} failed: {_describe(errors)}",
+                                    fix="look at the VM in the console, or delete it and run "
+                                    "'orchestrate up' to re-create it")
+
+    def delete(self, vms: Sequence[Vm]) -> list[str]:
+        """Delete ``vms`` (all requests first, then the waits); returns the names deleted."""
+        started = fan_out(vms, lambda vm: self.compute.delete(vm.zone, vm.name),
+                          name_of=lambda vm: vm.name)
+        started.raise_if_failed("delete VMs")
+        deleted = []
+        for result in started.succeeded:
+            assert result.value is not None
+            errors = self.wait(result.value, f"delete VM {result.name}")
+            if errors:
+                raise ProviderError(f"deleting VM {result.name} failed: {_describe(errors)}",
+                                    fix="run 'orchestrate down' again, or delete it in the console")
+            deleted.append(result.name)
+        return deleted
+
+    def teardown(self) -> list[Vm]:
+        """Wait for operations an interrupted ``up`` left, then delete every labelled VM."""
+        self.settle()
+        removed: list[Vm] = []
+        for _ in range(3):  # a create that was in flight may land after the first listing
+            found = list(self.find().values())
+            if not found:
+                break
+            self.delete(found)
+            removed += found
+        return removed
+
+    def settle(self) -> None:
+        for ref in self.journal.pending():
+            self.wait(ref, f"operation {ref.name} of an earlier command")
+
+    def wait(self, ref: OpRef, what: str) -> tuple[OpError, ...]:
+        """Wait for an operation, recorded in the journal while it runs."""
+        self.journal.add(ref)
+        errors = self.compute.wait(ref, what)
+        self.journal.done(ref)
+        return errors
+
+    def _check_deadline(self, deadline: float, vms: list[Vm]) -> None:
+        if self.clock() < deadline:
+            return
+        states = ", ".join(f"{vm.name}: {vm.status}" for vm in vms if vm.status != "RUNNING")
+        raise ProviderError(
+            f"VMs of {self.cluster} are not running after {self.config.boot_timeout_s:.0f}s "
+            f"({states})",
+            fix="look at them in the console (serial port output), or raise provider.boot_timeout_s",
+        )
+
+
+def _describe(errors: tuple[OpError, ...]) -> str:
+    return "; ".join(f"{e.code}: {e.message}" for e in errors)
+
+
+def _capacity_error(config: GcpProvider, count: int, failures: tuple[ZoneFailure, ...]) -> CapacityError:
+    what = config.machine_type + (f" with {config.accelerator.count} x {config.accelerator.type}"
+                                  if config.accelerator else "")
+    lines = "\n".join(f"  {f.zone}: {f.code}: {f.message}" for f in failures)
+    quotas = [f for f in failures if f.is_quota]
+    if quotas:
+        fix = (f"request more quota ({quotas[0].message.split('.')[0]}) in the console under "
+               "IAM & Admin > Quotas, or add zones of other regions to provider.zones")
+    else:
+        fix = ("add more zones to provider.zones, try again later, or choose another "
+               "provider.machine_type")
+    return CapacityError(f"no zone could create {count} VM(s) of {what}:\n{lines}", failures,
+                         fix=fix)

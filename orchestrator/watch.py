@@ -1,0 +1,378 @@
+"""Watch one attempt: read every task's events, poll it, and say which failure ended it, and why.
+
+Polls run on a thread pool so one host that stops answering cannot stall the others; a
+poll that takes longer than ``timeouts.poll_s`` marks its host lost.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from orchestrator.errors import RemoteError
+from orchestrator.events import Event, LineBuffer, parse_line
+from orchestrator.plan import TaskPlan
+from orchestrator.remote.base import Runner, TaskHandle, TaskState, TaskStatus
+from orchestrator.spec import ClusterSpec, CommandJob
+
+# Errors a task raises because a PEER failed: the task that raised them is not the cause.
+PEER_ERRORS = ("UnavailableError", "CancelledError", "AbortedError", "DeadlineExceededError",
+               "CollectiveOpsError")
+PEER_MARKS = (*PEER_ERRORS, "Connection reset by peer", "failed to connect to all addresses",
+              "Socket closed", "Collective ops is aborted")
+PORT_CONFLICT_MARKS = ("Could not start gRPC server", "Address already in use")
+STEP_EVENTS = ("training", "resumed", "progress")
+SETTLE_S = 3.0  # how long peers' secondary errors wait for the primary failure to show
+
+
+class Cause(str, enum.Enum):
+    CRASHED = "crashed"  # a task exited non-zero or was killed
+    HOST_LOST = "host_lost"  # a host stopped answering (killed, cut off, shut down)
+    PREEMPTED = "preempted"  # the cloud took a spot VM back
+    HUNG = "hung"  # alive but no progress for timeouts.hang_s
+    STARTUP_TIMEOUT = "startup_timeout"  # not every task reached its first step in time
+    PORT_CONFLICT = "port_conflict"  # a task's gRPC port was taken
+    USER_ERROR = "user_error"  # the user's code fails before training: not retried
+    CANCELLED = "cancelled"  # Ctrl-C
+    STOPPED = "stopped"  # 'orchestrate down' (maybe from another process) stopped the run
+
+
+RETRYABLE = {Cause.CRASHED, Cause.HOST_LOST, Cause.PREEMPTED, Cause.HUNG,
+             Cause.STARTUP_TIMEOUT, Cause.PORT_CONFLICT}
+
+
+class AttemptFailed(Exception):
+    """Why an attempt ended, with the evidence a person needs to act on it."""
+
+    def __init__(
+        self, cause: Cause, task: str, detail: str, *, exit_code: int | None = None,
+        evidence: str = "", failed_at: float | None = None, host: str | None = None,
+        port: tuple[str, int] | None = None, before_first_step: bool = False,
+    ) -> None:
+        super().__init__(f"{cause.value}: {task}: {detail}")
+        self.cause = cause
+        self.task = task
+        self.detail = detail
+        self.exit_code = exit_code
+        self.evidence = evidence
+        self.failed_at = failed_at
+        self.host = host  # the host to repair, for host_lost / preempted
+        self.port = port  # the (address, port) to avoid, for port_conflict
+        self.before_first_step = before_first_step
+
+    @property
+    def signature(self) -> str:
+        """Same code failing the same way gives the same signature."""
+        return f"{self.cause.value}|{self.task}|{self.detail[:200]}"
+
+
+@dataclass
+class TaskView:
+    """What the operator sees of one task; updated as events arrive."""
+
+    key: str
+    host: str
+    endpoint: str
+    state: str = "starting"
+    step: int = 0
+    loss: float | None = None
+    steps_per_s: float | None = None
+    last_event: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RunView:
+    run_id: str
+    cluster: str
+    attempt: int = 0
+    total_steps: int | None = None
+    tasks: dict[str, TaskView] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+
+
+Listener = Callable[[RunView, Event | None], None]
+
+
+@dataclass
+class Watched:
+    """One task of the attempt, as the controller knows it."""
+
+    plan: TaskPlan
+    handle: TaskHandle
+    runner: Runner
+    buffer: LineBuffer = field(default_factory=LineBuffer)
+    offset: int = 0
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+    error: Event | None = None
+    finished: Event | None = None
+    status: TaskStatus | None = None
+    reached_step: bool = False
+    step: int = 0
+    start_step: int | None = None
+    first_progress_at: float | None = None
+    last_heard: float = field(default_factory=time.time)
+    unreachable: str | None = None
+    pending: Future[tuple[TaskStatus, bytes]] | None = None
+    pending_since: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return self.plan.key
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.status.exit_code if self.status else None
+
+    @property
+    def ended(self) -> bool:
+        return self.status is not None and self.status.state is not TaskState.RUNNING
+
+
+class AttemptWatch:
+    """Runs the watch loop of one attempt until success (returns) or failure (raises)."""
+
+    def __init__(
+        self, spec: ClusterSpec, watched: list[Watched], view: RunView, listener: Listener,
+        *, on_tick: Callable[[], None], on_event: Callable[[Watched, Event], None],
+        python_for: Callable[[Watched], str], interval_s: float = 0.25,
+    ) -> None:
+        self.spec = spec
+        self.watched = watched
+        self.view = view
+        self.listener = listener
+        self.on_tick = on_tick
+        self.on_event = on_event
+        self.python_for = python_for
+        self.interval_s = interval_s
+        self.started = time.time()
+        self._pool = ThreadPoolExecutor(max_workers=len(watched) + 2,
+                                        thread_name_prefix="orchestrate-poll")
+        self._first_failure_seen: float | None = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def run(self) -> dict[str, Event]:
+        while True:
+            self.on_tick()
+            self._collect()
+            failure = self._failure()
+            if failure is not None:
+                raise failure
+            if all(w.ended and w.exit_code == 0 for w in self.watched):
+                return {w.key: w.finished or Event("finished", w.key, 0, 0.0, {})
+                        for w in self.watched}
+            self._check_startup()
+            self._check_hang()
+            time.sleep(self.interval_s)
+
+    def drain(self) -> None:
+        """Read what every reachable task wrote last (after they were stopped)."""
+        for w in self.watched:
+            if w.unreachable is None:
+                try:
+                    data, w.offset = w.runner.read_log(w.handle, w.offset)
+                except RemoteError:
+                    continue
+                self._feed(w, data)
+
+    # -- polling ---------------------------------------------------------------------------
+    def _io(self, w: Watched) -> tuple[TaskStatus, bytes]:
+        status = w.runner.poll(w.handle)
+        data, w.offset = w.runner.read_log(w.handle, w.offset)  # after the poll: nothing missed
+        return status, data
+
+    def _collect(self) -> None:
+        now = time.time()
+        for w in self.watched:
+            if w.ended or w.unreachable:
+                continue
+            if w.pending is None:
+                w.pending, w.pending_since = self._pool.submit(self._io, w), now
+            if w.pending.done():
+                try:
+                    status, data = w.pending.result()
+                except RemoteError as exc:
+                    w.unreachable = str(exc).splitlines()[0]
+                else:
+                    self._feed(w, data)
+                    if status.state is not TaskState.RUNNING:
+                        w.status = status
+                w.pending = None
+            elif now - w.pending_since > self.spec.timeouts.poll_s:
+                w.unreachable = f"did not answer a status poll for {self.spec.timeouts.poll_s:.0f}s"
+
+    def _feed(self, w: Watched, data: bytes) -> None:
+        if data:
+            w.last_heard = time.time()
+        for line in w.buffer.feed(data):
+            event = parse_line(line)
+            if event is None:
+                if line.strip():
+                    w.tail.append(line)
+                continue
+            self._on_event(w, event)
+
+    def _on_event(self, w: Watched, event: Event) -> None:
+        view = self.view.tasks[w.key]
+        view.last_event = event.kind
+        if event.kind in ("training", "resumed"):
+            w.start_step = int(event.get("step", 0))
+        if event.kind in STEP_EVENTS:
+            w.reached_step = True
+            w.step = max(w.step, int(event.get("step", 0)))
+            view.state, view.step = "training", w.step
+            self.view.total_steps = event.get("total_steps", self.view.total_steps)
+        if event.kind == "started" and isinstance(self.spec.job, CommandJob):
+            w.reached_step = True  # command mode reports no steps: being up is all we see
+            view.state = "running"
+        if event.kind == "progress":
+            if w.first_progress_at is None:
+                w.first_progress_at = time.time()
+            view.loss = event.get("loss")
+            view.steps_per_s = event.get("steps_per_s")
+            view.metrics = dict(event.get("metrics") or {})
+        elif event.kind == "error":
+            w.error = event
+            view.state = "error"
+        elif event.kind == "finished":
+            w.finished = event
+            view.state = "finished"
+            view.metrics = dict(event.get("metrics") or {}) or view.metrics
+        elif event.kind == "connected":
+            view.state = "connected"
+        self.on_event(w, event)
+        self.listener(self.view, event)
+
+    # -- deciding --------------------------------------------------------------------------
+    def _failure(self) -> AttemptFailed | None:
+        failures = [f for f in map(self._task_failure, self.watched) if f is not None]
+        if not failures:
+            return None
+        primary = [f for f in failures if not _secondary(f)]
+        if primary:
+            return sorted(primary, key=_rank)[0]
+        now = time.time()
+        self._first_failure_seen = self._first_failure_seen or now
+        if now - self._first_failure_seen < SETTLE_S and any(not w.ended for w in self.watched):
+            return None  # peers fail within seconds of the real failure: let it show first
+        return failures[0]
+
+    def _task_failure(self, w: Watched) -> AttemptFailed | None:
+        if w.unreachable is not None:
+            self.view.tasks[w.key].state = "lost"
+            return AttemptFailed(
+                Cause.HOST_LOST, w.key, f"host {w.plan.host.name} ({w.plan.host.address}) "
+                f"{w.unreachable}", evidence=self._evidence(w), failed_at=w.last_heard,
+                host=w.plan.host.name, before_first_step=not w.reached_step)
+        if not w.ended or w.exit_code == 0:
+            return None
+        self.view.tasks[w.key].state = "failed"
+        ended_at = min((w.status.ended_at if w.status else None) or time.time(), time.time())
+        make = functools.partial(AttemptFailed, evidence=self._evidence(w), failed_at=ended_at,
+                                 before_first_step=not w.reached_step, exit_code=w.exit_code)
+        if w.status is not None and w.status.state is TaskState.LOST:
+            return make(Cause.CRASHED, w.key, "its process group vanished without an exit code "
+                        "(killed as a whole)")
+        return _classify(w, make)
+
+    def _check_startup(self) -> None:
+        late = [w.key for w in self.watched if not w.reached_step]
+        if late and time.time() - self.started > self.spec.timeouts.startup_s:
+            stuck = self._stuck()
+            culprit = stuck[0] if stuck else late[0]
+            raise AttemptFailed(
+                Cause.HOST_LOST if culprit in self._lost_keys() else Cause.STARTUP_TIMEOUT,
+                culprit,
+                f"{', '.join(late)} did not reach the first step within "
+                f"{self.spec.timeouts.startup_s:.0f}s" + self._stuck_text(stuck),
+                evidence=self._evidence(self._by_key(culprit)), failed_at=self.started,
+                before_first_step=True, host=self._by_key(culprit).plan.host.name,
+            )
+
+    def _check_hang(self) -> None:
+        if not all(w.reached_step for w in self.watched):
+            return
+        heard = max(w.last_heard for w in self.watched if not w.ended)
+        if time.time() - heard <= self.spec.timeouts.hang_s:
+            return
+        stuck = self._stuck()
+        culprit = stuck[0] if stuck else min(self.watched, key=lambda w: w.last_heard).key
+        w = self._by_key(culprit)
+        raise AttemptFailed(
+            Cause.HOST_LOST if culprit in self._lost_keys() else Cause.HUNG, culprit,
+            f"no task reported progress for {self.spec.timeouts.hang_s:.0f}s (last step "
+            f"{max(x.step for x in self.watched)})" + self._stuck_text(stuck),
+            evidence=self._evidence(w), failed_at=heard, host=w.plan.host.name,
+        )
+
+    def _stuck(self) -> list[str]:
+        """Tasks whose processes are stopped (SIGSTOP) or whose host does not answer."""
+        def state(w: Watched) -> str:
+            try:
+                return w.runner.process_states(w.handle, self.python_for(w),
+                                               timeout_s=self.spec.timeouts.poll_s)
+            except RemoteError as exc:
+                w.unreachable = w.unreachable or str(exc).splitlines()[0]
+                return "?"
+
+        states = dict(zip((w.key for w in self.watched),
+                          self._pool.map(state, self.watched), strict=True))
+        self._states = states
+        return [k for k, s in states.items() if "T" in s or s == "?"]
+
+    def _lost_keys(self) -> set[str]:
+        return {w.key for w in self.watched if w.unreachable}
+
+    def _stuck_text(self, stuck: list[str]) -> str:
+        if not stuck:
+            return ""
+        parts = [f"{k} is unreachable" if self._states.get(k) == "?" else f"{k} is stopped "
+                 "(state T: SIGSTOP, or a debugger)" for k in stuck]
+        return "; " + "; ".join(parts)
+
+    def _by_key(self, key: str) -> Watched:
+        return next(w for w in self.watched if w.key == key)
+
+    @staticmethod
+    def _evidence(w: Watched) -> str:
+        lines = list(w.tail)[-15:]
+        if w.error is not None and w.error.get("traceback"):
+            lines += ["--- traceback (tail) ---", *str(w.error.get("traceback")).splitlines()[-12:]]
+        return "\n".join(lines)
+
+
+def _classify(w: Watched, make: Callable[..., AttemptFailed]) -> AttemptFailed:
+    code = w.exit_code
+    message = str(w.error.get("message", "")) if w.error else ""
+    text = "\n".join(w.tail) + "\n" + message
+    if any(mark in text for mark in PORT_CONFLICT_MARKS):
+        return make(Cause.PORT_CONFLICT, w.key,
+                    f"its gRPC port {w.plan.port} on {w.plan.host.address} was taken",
+                    port=(w.plan.host.address, w.plan.port))
+    if w.error is not None:
+        kind = str(w.error.get("type", "")).rsplit(".", 1)[-1]
+        first_line = message.splitlines()[0] if message else ""
+        if w.error.get("phase") == "build" and not kind.endswith(PEER_ERRORS):
+            return make(Cause.USER_ERROR, w.key, f"{kind}: {message}"[:2000])
+        return make(Cause.CRASHED, w.key, f"exited {code}: {kind}: {first_line}".strip())
+    if code is not None and code > 128:
+        return make(Cause.CRASHED, w.key, f"killed by signal {code - 128} (exit {code})")
+    return make(Cause.CRASHED, w.key, f"exited {code}")
+
+
+def _secondary(failure: AttemptFailed) -> bool:
+    """A peer's error: it failed because another task (or host) went away first."""
+    return failure.cause is Cause.CRASHED and any(
+        mark in failure.detail or mark in failure.evidence for mark in PEER_MARKS)
+
+
+def _rank(failure: AttemptFailed) -> int:
+    order = [Cause.HOST_LOST, Cause.USER_ERROR, Cause.PORT_CONFLICT, Cause.CRASHED]
+    return order.index(failure.cause) if failure.cause in order else len(order)

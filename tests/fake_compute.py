@@ -1,0 +1,822 @@
+"""An HTTP fake of the Compute Engine REST API subset the gcp provider uses, with failure switches.
+
+It speaks the real JSON shapes (``selfLink``, ``targetLink``, ``networkInterfaces[].networkIP``,
+``accessConfigs[].natIP``, ``labels``, ``status``, ``scheduling``, errors as
+``{"error": {"code", "message", "errors": [{"reason", ...}]}}``) and the real long-running
+operations: every mutation returns an Operation that goes PENDING -> RUNNING -> DONE, failing
+with ``error.errors[].code`` (``ZONE_RESOURCE_POOL_EXHAUSTED``, ``QUOTA_EXCEEDED``, ...), and
+``operations/NAME/wait`` long-polls. Drive it with the real google-cloud-compute client::
+
+    with FakeCompute(latency_s=0.2) as fake:
+        client = compute_v1.InstancesClient(credentials=AnonymousCredentials(),
+                                            client_options={"api_endpoint": fake.url})
+
+Switches a test flips: ``fail_next(n, status)`` (429/503 bursts), ``exhaust(zone)``,
+``set_quota(region, metric, limit)``, ``deny(permission)``, ``withhold(zone, machine_type)``,
+``preempt(name)``, and ``latency_s`` (per operation) and ``boot_s`` (STAGING -> RUNNING).
+
+Backing: ``FakeCompute(backing=[LabBacking(h) for h in hostlab.hosts(3)])`` gives each new
+instance the next free lab host: its IP becomes the instance's internal (and external) IP,
+its host key is published as the guest attributes ``hostkeys/<type>`` once the instance runs
+(with ``enable-guest-attributes``), and the keys of the ``ssh-keys`` metadata are authorised on
+it, as Google's guest agent does. Preemption and deletion kill the lab host; a start heals it;
+a lab host handed to a second instance gets a new host key and an empty home (a new disk).
+Instances without backing get addresses in 10.128.0.0/16 and a generated host key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from hostlab import LabHost
+
+API = "https://www.googleapis.com/compute/v1"
+ROUTE = re.compile(r"^/compute/v1/projects/(?P<project>[a-z][-a-z0-9]*)/(?P<rest>.+)$")
+WAIT_CAP_S = 20.0  # the real API answers a wait after at most ~2 minutes
+STOPPED = ("TERMINATED", "STOPPED", "SUSPENDED")
+HTTP_UNAVAILABLE = (503, "SERVICE UNAVAILABLE")
+HTTP_STATUS_OF = {"QUOTA_EXCEEDED": (403, "FORBIDDEN"), "RESOURCE_ALREADY_EXISTS": (409, "CONFLICT")}
+Json = dict[str, Any]
+
+PERMISSIONS = {
+    "instances.aggregatedList": "compute.instances.list",
+    "instances.list": "compute.instances.list",
+    "instances.bulkInsert": "compute.instances.create",
+    "instances.get": "compute.instances.get",
+    "instances.delete": "compute.instances.delete",
+    "instances.start": "compute.instances.start",
+    "instances.setMetadata": "compute.instances.setMetadata",
+    "instances.getGuestAttributes": "compute.instances.getGuestAttributes",
+    "zoneOperations.get": "compute.zoneOperations.get",
+    "zoneOperations.wait": "compute.zoneOperations.get",
+    "firewalls.insert": "compute.firewalls.create",
+    "firewalls.get": "compute.firewalls.get",
+    "firewalls.delete": "compute.firewalls.delete",
+    "globalOperations.get": "compute.globalOperations.get",
+    "globalOperations.wait": "compute.globalOperations.get",
+}
+
+
+class Backing(Protocol):
+    """A machine that plays a fake instance: reachable at ``address``, with an sshd."""
+
+    address: str
+
+    def host_key_line(self) -> str: ...
+
+    def authorize(self, pubkey_line: str) -> None: ...
+
+    def power_off(self) -> None: ...
+
+    def power_on(self) -> None: ...
+
+    def new_disk(self) -> None: ...
+
+
+class LabBacking:
+    """A hostlab host as the machine of a fake instance."""
+
+    def __init__(self, host: LabHost) -> None:
+        self.host = host
+        self.address = host.address
+
+    def host_key_line(self) -> str:
+        return self.host.host_key_line
+
+    def authorize(self, pubkey_line: str) -> None:
+        self.host.authorize(pubkey_line)
+
+    def power_off(self) -> None:
+        self.host.kill()
+
+    def power_on(self) -> None:
+        self.host.heal()
+
+    def new_disk(self) -> None:
+        """Empty the home and give the host a new host key, as a re-created VM has."""
+        for entry in Path(self.host.home).iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        self.host.rotate_host_key()
+
+
+class ApiError(Exception):
+    """An error answer, in the API's JSON shape."""
+
+    def __init__(self, status: int, message: str, reason: str, domain: str = "global") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"code": status, "message": message, "errors": [
+            {"message": message, "domain": domain, "reason": reason}]}}
+
+
+@dataclass
+class _Burst:
+    remaining: int
+    status: int
+    method: str | None
+
+
+@dataclass
+class _Vm:
+    project: str
+    zone: str
+    body: Json
+    backing: Backing | None = None
+    host_key: str = ""
+    guest_attributes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Op:
+    body: Json
+    scope: str  # "zones/Z" or "global"
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """What an operation does when it starts running (may fail it) and when it is done."""
+
+    start: Callable[[], Json | None] = lambda: None
+    finish: Callable[[], None] = lambda: None
+    after: Callable[[], None] = lambda: None  # after DONE, e.g. the boot to RUNNING
+
+
+class FakeCompute:
+    """The fake server; see the module docstring. Use as a context manager, or start()/stop()."""
+
+    def __init__(self, *, latency_s: float = 0.0, boot_s: float = 0.0,
+                 backing: list[Backing] | None = None) -> None:
+        self.latency_s = latency_s
+        self.boot_s = boot_s
+        self.calls: Counter[str] = Counter()
+        self.requests: list[tuple[str, str]] = []  # (method name, path) in arrival order
+        self._pool = list(backing or [])
+        self._used: set[int] = set()
+        self._busy: dict[int, str] = {}  # pool index -> instance name
+        self._vms: dict[tuple[str, str, str], _Vm] = {}
+        self._firewalls: dict[tuple[str, str], Json] = {}
+        self._ops: dict[tuple[str, str, str], _Op] = {}
+        self._bursts: list[_Burst] = []
+        self._exhausted: set[str] = set()
+        self._quota: dict[str, tuple[str, int]] = {}
+        self._denied: set[str] = set()
+        self._withheld: set[tuple[str, str]] = set()
+        self._ips = itertools.count(2)
+        self._cv = threading.Condition()
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._server: ThreadingHTTPServer | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> FakeCompute:
+        handler = type("Handler", (_Handler,), {"fake": self})
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        thread = threading.Thread(target=self._server.serve_forever, name="fake-compute",
+                                  daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and end every operation thread."""
+        self._closed.set()
+        with self._cv:
+            self._cv.notify_all()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+    def __enter__(self) -> FakeCompute:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None, "start() the fake first"
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    # -- switches ------------------------------------------------------------------------
+    def fail_next(self, count: int, status: int = 429, method: str | None = None) -> None:
+        """Answer the next ``count`` requests (of ``method``, e.g. 'instances.bulkInsert') with ``status``."""
+        with self._cv:
+            self._bursts.append(_Burst(count, status, method))
+
+    def exhaust(self, zone: str, exhausted: bool = True) -> None:
+        """Creates and starts in ``zone`` fail with ZONE_RESOURCE_POOL_EXHAUSTED."""
+        with self._cv:
+            (self._exhausted.add if exhausted else self._exhausted.discard)(zone)
+
+    def set_quota(self, region: str, metric: str, limit: int) -> None:
+        """At most ``limit`` instances in ``region``; more fail with QUOTA_EXCEEDED of ``metric``."""
+        with self._cv:
+            self._quota[region] = (metric, limit)
+
+    def deny(self, permission: str) -> None:
+        """Requests that need ``permission`` (e.g. compute.instances.create) get 403."""
+        with self._cv:
+            self._denied.add(permission)
+
+    def withhold(self, zone: str, machine_type: str) -> None:
+        """``machine_type`` does not exist in ``zone``: creating one there is a 400."""
+        with self._cv:
+            self._withheld.add((zone, machine_type))
+
+    def preempt(self, name: str) -> None:
+        """Take a spot VM back: its machine dies and it is TERMINATED, as Compute Engine does."""
+        with self._cv:
+            vm = self._find(name)
+            scheduling = vm.body.get("scheduling", {})
+            assert scheduling.get("provisioningModel") == "SPOT" or scheduling.get("preemptible"), \
+                f"{name} is not a spot VM"
+            vm.body["status"] = "TERMINATED"
+            vm.body["lastStopTimestamp"] = _now()
+            self._record_op(vm.project, f"zones/{vm.zone}", "compute.instances.preempted",
+                            vm.body["selfLink"], done=True)
+        if vm.backing is not None:
+            vm.backing.power_off()
+
+    # -- inspection ----------------------------------------------------------------------
+    def instances(self, label: tuple[str, str] | None = None) -> list[Json]:
+        """Every instance (with ``label`` = (key, value), if given), as the API shows it."""
+        with self._cv:
+            return [json.loads(json.dumps(vm.body)) for vm in self._vms.values()
+                    if label is None or vm.body.get("labels", {}).get(label[0]) == label[1]]
+
+    def firewalls(self) -> list[Json]:
+        with self._cv:
+            return [dict(f) for f in self._firewalls.values()]
+
+    def operations(self, kind: str | None = None) -> list[Json]:
+        with self._cv:
+            return [dict(o.body) for o in self._ops.values()
+                    if kind is None or o.body["operationType"] == kind]
+
+    def pending_operations(self) -> int:
+        with self._cv:
+            return sum(not o.done for o in self._ops.values())
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Block until no operation is in flight."""
+        with self._cv:
+            assert self._cv.wait_for(lambda: self.pending_operations() == 0, timeout), \
+                "operations still running"
+
+    # -- request handling ----------------------------------------------------------------
+    def handle(self, verb: str, path: str, query: dict[str, str], body: Json) -> tuple[int, Json]:
+        match = ROUTE.match(path)
+        if match is None:
+            return 404, ApiError(404, f"no such path {path}", "notFound").body
+        project, rest = match["project"], match["rest"]
+        try:
+            method, action = self._route(verb, project, rest, query, body)
+            self._count(method, path)
+            self._gate(method, project, rest)
+            return 200, action()
+        except ApiError as exc:
+            return exc.status, exc.body
+
+    def _route(self, verb: str, project: str, rest: str, query: dict[str, str],
+               body: Json) -> tuple[str, Callable[[], Json]]:
+        parts = rest.split("/")
+        table: list[tuple[str, str, Callable[[], Json]]] = []
+        if parts[:2] == ["aggregated", "instances"] and len(parts) == 2:
+            table = [("GET", "instances.aggregatedList",
+                      lambda: self._aggregated(project, query.get("filter", "")))]
+        elif parts[0] == "zones" and len(parts) >= 3:
+            table = self._zonal_routes(project, parts[1], parts[2:], query, body)
+        elif parts[:2] == ["global", "firewalls"]:
+            table = self._firewall_routes(project, parts[2:], body)
+        elif parts[:2] == ["global", "operations"] and len(parts) >= 3:
+            table = self._op_routes("globalOperations", project, "global", parts[2:])
+        for want_verb, method, action in table:
+            if want_verb == verb:
+                return method, action
+        raise ApiError(404, f"no method {verb} /{rest}", "notFound")
+
+    def _zonal_routes(self, project: str, zone: str, parts: list[str], query: dict[str, str],
+                      body: Json) -> list[tuple[str, str, Callable[[], Json]]]:
+        if parts[0] == "operations" and len(parts) >= 2:
+            return self._op_routes("zoneOperations", project, f"zones/{zone}", parts[1:])
+        if parts[0] != "instances":
+            return []
+        if len(parts) == 1:
+            return [("GET", "instances.list",
+                     lambda: self._list(project, zone, query.get("filter", "")))]
+        if parts[1] == "bulkInsert":
+            return [("POST", "instances.bulkInsert", lambda: self._bulk_insert(project, zone, body))]
+        name = parts[1]
+        verbs: dict[tuple[str, ...], list[tuple[str, str, Callable[[], Json]]]] = {
+            (): [("GET", "instances.get", lambda: self._get(project, zone, name)),
+                 ("DELETE", "instances.delete", lambda: self._delete(project, zone, name))],
+            ("start",): [("POST", "instances.start", lambda: self._start(project, zone, name))],
+            ("setMetadata",): [("POST", "instances.setMetadata",
+                                lambda: self._set_metadata(project, zone, name, body))],
+            ("getGuestAttributes",): [("GET", "instances.getGuestAttributes",
+                                       lambda: self._guest_attributes(project, zone, name, query))],
+        }
+        return verbs.get(tuple(parts[2:]), [])
+
+    def _firewall_routes(self, project: str, parts: list[str],
+                         body: Json) -> list[tuple[str, str, Callable[[], Json]]]:
+        if not parts:
+            return [("POST", "firewalls.insert", lambda: self._insert_firewall(project, body))]
+        name = parts[0]
+        return [("GET", "firewalls.get", lambda: self._get_firewall(project, name)),
+                ("DELETE", "firewalls.delete", lambda: self._delete_firewall(project, name))]
+
+    def _op_routes(self, kind: str, project: str, scope: str,
+                   parts: list[str]) -> list[tuple[str, str, Callable[[], Json]]]:
+        name = parts[0]
+        if parts[1:] == ["wait"]:
+            return [("POST", f"{kind}.wait", lambda: self._wait(project, scope, name))]
+        return [("GET", f"{kind}.get", lambda: self._get_op(project, scope, name))]
+
+    def _count(self, method: str, path: str) -> None:
+        with self._cv:
+            self.calls[method] += 1
+            self.requests.append((method, path))
+
+    def _gate(self, method: str, project: str, rest: str) -> None:
+        """Injected bursts first, then permissions."""
+        with self._cv:
+            for burst in self._bursts:
+                if burst.remaining > 0 and burst.method in (None, method):
+                    burst.remaining -= 1
+                    raise _burst_error(burst.status)
+            permission = PERMISSIONS[method]
+            if permission in self._denied:
+                raise ApiError(403, f"Required '{permission}' permission for "
+                               f"'projects/{project}/{rest}'", "forbidden")
+
+    # -- instances -----------------------------------------------------------------------
+    def _aggregated(self, project: str, filter_: str) -> Json:
+        test = _filter(filter_)
+        with self._cv:
+            zones = sorted({vm.zone for vm in self._vms.values() if vm.project == project})
+            items: Json = {}
+            for zone in zones:
+                found = [vm.body for vm in self._vms.values()
+                         if vm.project == project and vm.zone == zone and test(vm.body)]
+                items[f"zones/{zone}"] = {"instances": found} if found else _no_results(zone)
+            return {"kind": "compute#instanceAggregatedList",
+                    "id": f"projects/{project}/aggregated/instances", "items": items,
+                    "selfLink": f"{API}/projects/{project}/aggregated/instances"}
+
+    def _list(self, project: str, zone: str, filter_: str) -> Json:
+        test = _filter(filter_)
+        with self._cv:
+            found = [vm.body for vm in self._vms.values()
+                     if vm.project == project and vm.zone == zone and test(vm.body)]
+        return {"kind": "compute#instanceList", "id": f"projects/{project}/zones/{zone}/instances",
+                "items": found, "selfLink": f"{API}/projects/{project}/zones/{zone}/instances"}
+
+    def _get(self, project: str, zone: str, name: str) -> Json:
+        with self._cv:
+            return dict(self._vm(project, zone, name).body)
+
+    def _bulk_insert(self, project: str, zone: str, body: Json) -> Json:
+        names = list(body.get("perInstanceProperties", {}))
+        count = int(body.get("count", len(names)))
+        props = body.get("instanceProperties", {})
+        machine_type = _last(props.get("machineType", ""))
+        if not names or count != len(names):
+            raise ApiError(400, "Invalid value for field 'resource.count': "
+                           f"'{count}'. count must equal the number of perInstanceProperties.",
+                           "invalid")
+        if (zone, machine_type) in self._withheld or not machine_type:
+            raise ApiError(400, "Invalid value for field 'resource.instanceProperties.machineType':"
+                           f" '{machine_type}'. Machine type with name '{machine_type}' does not "
+                           f"exist in zone '{zone}'.", "invalid")
+        target = f"{API}/projects/{project}/zones/{zone}/instances/{names[0]}"
+        steps = _Steps(start=lambda: self._create(project, zone, names, props),
+                       finish=lambda: self._set_status(project, zone, names, "STAGING"),
+                       after=lambda: self._boot(project, zone, names))
+        op = self._launch(project, f"zones/{zone}", "bulkInsert", target, steps)
+        op["instancesBulkInsertOperationMetadata"] = {"perLocationStatus": {
+            f"zones/{zone}": {"targetVmCount": count, "status": "CREATING"}}}
+        return op
+
+    def _create(self, project: str, zone: str, names: list[str], props: Json) -> Json | None:
+        """Called when the bulkInsert starts running: all instances, or an error and none."""
+        with self._cv:
+            if zone in self._exhausted:
+                return _stockout(project, zone)
+            region = zone.rsplit("-", 1)[0]
+            if region in self._quota:
+                metric, limit = self._quota[region]
+                used = sum(vm.zone.rsplit("-", 1)[0] == region for vm in self._vms.values())
+                if used + len(names) > limit:
+                    return _quota_error(metric, limit, region)
+            taken = [n for n in names if (project, zone, n) in self._vms or self._named(n)]
+            if taken:
+                return {"errors": [{"code": "RESOURCE_ALREADY_EXISTS", "message":
+                                    f"The resource 'projects/{project}/zones/{zone}/instances/"
+                                    f"{taken[0]}' already exists"}]}
+            for name in names:
+                self._vms[(project, zone, name)] = self._new_vm(project, zone, name, props)
+        return None
+
+    def _new_vm(self, project: str, zone: str, name: str, props: Json) -> _Vm:
+        vm = _Vm(project, zone, {}, backing=self._take_backing(name))
+        n = next(self._ips)
+        internal = vm.backing.address if vm.backing else f"10.128.{n // 250}.{n % 250 + 2}"
+        vm.host_key = vm.backing.host_key_line() if vm.backing else _host_key()
+        vm.body = _instance_json(project, zone, name, props, internal,
+                                 vm.backing.address if vm.backing else f"34.1.{n // 250}.{n % 250}")
+        return vm
+
+    def _take_backing(self, name: str) -> Backing | None:
+        free = [i for i in range(len(self._pool)) if i not in self._busy]
+        if not free:
+            return None
+        i = free[0]
+        self._busy[i] = name
+        backing = self._pool[i]
+        if i in self._used:
+            backing.new_disk()
+        self._used.add(i)
+        return backing
+
+    def _release_backing(self, vm: _Vm) -> None:
+        for i, backing in enumerate(self._pool):
+            if backing is vm.backing:
+                self._busy.pop(i, None)
+
+    def _set_status(self, project: str, zone: str, names: list[str], status: str) -> None:
+        with self._cv:
+            for name in names:
+                vm = self._vms.get((project, zone, name))
+                if vm is not None:
+                    vm.body["status"] = status
+
+    def _boot(self, project: str, zone: str, names: list[str]) -> None:
+        """STAGING -> RUNNING after boot_s; then the guest agent publishes keys."""
+        if self._closed.wait(self.boot_s):
+            return
+        for name in names:
+            with self._cv:
+                vm = self._vms.get((project, zone, name))
+                if vm is None or vm.body["status"] != "STAGING":
+                    continue
+            if vm.backing is not None:
+                vm.backing.power_on()
+            with self._cv:
+                vm.body["status"] = "RUNNING"
+                vm.body["lastStartTimestamp"] = _now()
+                self._guest_agent(vm)
+
+    def _guest_agent(self, vm: _Vm) -> None:
+        """What Google's guest agent does at boot: host keys out, ssh-keys in."""
+        metadata = {i["key"]: i.get("value", "") for i in vm.body["metadata"].get("items", [])}
+        if metadata.get("enable-guest-attributes", "").upper() == "TRUE":
+            kind, b64 = vm.host_key.split()[:2]
+            vm.guest_attributes[f"hostkeys/{kind}"] = b64
+        if vm.backing is not None:
+            for line in metadata.get("ssh-keys", "").splitlines():
+                if ":" in line:
+                    vm.backing.authorize(line.split(":", 1)[1])
+
+    def _delete(self, project: str, zone: str, name: str) -> Json:
+        with self._cv:
+            vm = self._vm(project, zone, name)
+
+        def start() -> Json | None:
+            with self._cv:
+                vm.body["status"] = "STOPPING"
+            return None
+
+        def finish() -> None:
+            if vm.backing is not None:
+                vm.backing.power_off()
+            with self._cv:
+                self._vms.pop((project, zone, name), None)
+                self._release_backing(vm)
+
+        return self._launch(project, f"zones/{zone}", "delete", vm.body["selfLink"],
+                            _Steps(start=start, finish=finish))
+
+    def _start(self, project: str, zone: str, name: str) -> Json:
+        with self._cv:
+            vm = self._vm(project, zone, name)
+
+        def start() -> Json | None:
+            with self._cv:
+                if vm.body["status"] not in STOPPED:
+                    return None
+                if zone in self._exhausted:
+                    return _stockout(project, zone)
+                vm.body["status"] = "STAGING"
+            return None
+
+        return self._launch(project, f"zones/{zone}", "start", vm.body["selfLink"],
+                            _Steps(start=start, after=lambda: self._boot(project, zone, [name])))
+
+    def _set_metadata(self, project: str, zone: str, name: str, body: Json) -> Json:
+        with self._cv:
+            vm = self._vm(project, zone, name)
+            if body.get("fingerprint") != vm.body["metadata"]["fingerprint"]:
+                raise ApiError(412, "Supplied fingerprint does not match current metadata "
+                               "fingerprint.", "conditionNotMet")
+
+        def finish() -> None:
+            with self._cv:
+                vm.body["metadata"] = {"kind": "compute#metadata", "fingerprint": _fingerprint(),
+                                       "items": body.get("items", [])}
+                if vm.body["status"] == "RUNNING":
+                    self._guest_agent(vm)
+
+        return self._launch(project, f"zones/{zone}", "setMetadata", vm.body["selfLink"],
+                            _Steps(finish=finish))
+
+    def _guest_attributes(self, project: str, zone: str, name: str,
+                          query: dict[str, str]) -> Json:
+        path = query.get("queryPath", "")
+        with self._cv:
+            vm = self._vm(project, zone, name)
+            items = [{"namespace": k.split("/")[0], "key": k.split("/", 1)[1], "value": v}
+                     for k, v in sorted(vm.guest_attributes.items()) if k.startswith(path)]
+        if not items:
+            raise ApiError(404, f"The resource 'projects/{project}/zones/{zone}/instances/{name}"
+                           f"/guestAttributes/{path}' was not found", "notFound")
+        return {"kind": "compute#guestAttributes", "queryPath": path,
+                "queryValue": {"items": items},
+                "selfLink": f"{API}/projects/{project}/zones/{zone}/instances/{name}"
+                            f"/guestAttributes/{path}"}
+
+    def _vm(self, project: str, zone: str, name: str) -> _Vm:
+        vm = self._vms.get((project, zone, name))
+        if vm is None:
+            raise ApiError(404, f"The resource 'projects/{project}/zones/{zone}/instances/{name}' "
+                           "was not found", "notFound")
+        return vm
+
+    def _named(self, name: str) -> bool:
+        return any(key[2] == name for key in self._vms)
+
+    def _find(self, name: str) -> _Vm:
+        found = [vm for key, vm in self._vms.items() if key[2] == name]
+        assert found, f"no instance named {name}"
+        return found[0]
+
+    # -- firewalls -----------------------------------------------------------------------
+    def _insert_firewall(self, project: str, body: Json) -> Json:
+        name = body.get("name", "")
+        with self._cv:
+            if (project, name) in self._firewalls:
+                raise ApiError(409, f"The resource 'projects/{project}/global/firewalls/{name}' "
+                               "already exists", "alreadyExists")
+        link = f"{API}/projects/{project}/global/firewalls/{name}"
+        rule = {**body, "kind": "compute#firewall", "id": str(uuid.uuid4().int % 10**18),
+                "creationTimestamp": _now(), "selfLink": link,
+                "network": _network_url(project, body.get("network", "default"))}
+
+        def finish() -> None:
+            with self._cv:
+                self._firewalls[(project, name)] = rule
+
+        return self._launch(project, "global", "insert", link, _Steps(finish=finish))
+
+    def _get_firewall(self, project: str, name: str) -> Json:
+        with self._cv:
+            if (project, name) not in self._firewalls:
+                raise ApiError(404, f"The resource 'projects/{project}/global/firewalls/{name}' "
+                               "was not found", "notFound")
+            return dict(self._firewalls[(project, name)])
+
+    def _delete_firewall(self, project: str, name: str) -> Json:
+        link = self._get_firewall(project, name)["selfLink"]
+
+        def finish() -> None:
+            with self._cv:
+                self._firewalls.pop((project, name), None)
+
+        return self._launch(project, "global", "delete", link, _Steps(finish=finish))
+
+    # -- operations ----------------------------------------------------------------------
+    def _launch(self, project: str, scope: str, kind: str, target: str, steps: _Steps) -> Json:
+        with self._cv:
+            op = self._record_op(project, scope, kind, target)
+        thread = threading.Thread(target=self._progress, args=(op, steps), daemon=True,
+                                  name=f"fake-op-{op.body['name']}")
+        with self._cv:
+            self._threads.append(thread)
+        thread.start()
+        return dict(op.body)
+
+    def _record_op(self, project: str, scope: str, kind: str, target: str,
+                   done: bool = False) -> _Op:
+        name = f"operation-{int(time.time() * 1000)}-{uuid.uuid4().hex[:12]}"
+        base = f"{API}/projects/{project}/{scope}"
+        body: Json = {"kind": "compute#operation", "id": str(uuid.uuid4().int % 10**18),
+                      "name": name, "operationType": kind, "targetLink": target,
+                      "status": "DONE" if done else "PENDING", "user": "anonymous@fake.example",
+                      "progress": 100 if done else 0, "insertTime": _now(),
+                      "selfLink": f"{base}/operations/{name}"}
+        if scope != "global":
+            body["zone"] = base
+        op = _Op(body, scope, done=done)
+        self._ops[(project, scope, name)] = op
+        return op
+
+    def _progress(self, op: _Op, steps: _Steps) -> None:
+        if self._closed.wait(self.latency_s / 2):
+            return
+        with self._cv:
+            op.body.update(status="RUNNING", startTime=_now(), progress=50)
+        error = steps.start()
+        if error is None and not self._closed.wait(self.latency_s / 2):
+            steps.finish()
+        with self._cv:
+            op.body.update(status="DONE", endTime=_now(), progress=100)
+            if error is not None:
+                status, text = HTTP_STATUS_OF.get(error["errors"][0]["code"], HTTP_UNAVAILABLE)
+                op.body.update(error=error, httpErrorStatusCode=status, httpErrorMessage=text)
+            op.done = True
+            self._cv.notify_all()
+        if error is None:
+            steps.after()
+
+    def _get_op(self, project: str, scope: str, name: str) -> Json:
+        with self._cv:
+            return dict(self._op(project, scope, name).body)
+
+    def _wait(self, project: str, scope: str, name: str) -> Json:
+        with self._cv:
+            op = self._op(project, scope, name)
+            self._cv.wait_for(lambda: op.done or self._closed.is_set(), WAIT_CAP_S)
+            return dict(op.body)
+
+    def _op(self, project: str, scope: str, name: str) -> _Op:
+        op = self._ops.get((project, scope, name))
+        if op is None:
+            raise ApiError(404, f"The resource 'projects/{project}/{scope}/operations/{name}' "
+                           "was not found", "notFound")
+        return op
+
+
+class _Handler(BaseHTTPRequestHandler):
+    fake: FakeCompute
+    protocol_version = "HTTP/1.1"
+
+    def _serve(self) -> None:
+        parts = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw.strip() else {}
+        status, payload = self.fake.handle(self.command, parts.path, query, body)
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_DELETE = _serve
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: tests read ``fake.requests`` instead."""
+
+
+# -- JSON shapes -------------------------------------------------------------------------
+def _instance_json(project: str, zone: str, name: str, props: Json, internal: str,
+                   external: str) -> Json:
+    zone_url = f"{API}/projects/{project}/zones/{zone}"
+    nics = []
+    for i, nic in enumerate(props.get("networkInterfaces") or [{}]):
+        access = [{"kind": "compute#accessConfig", "type": "ONE_TO_ONE_NAT", "name": "External NAT",
+                   "natIP": external, "networkTier": a.get("networkTier", "PREMIUM")}
+                  for a in nic.get("accessConfigs", [])]
+        nics.append({"kind": "compute#networkInterface", "name": f"nic{i}",
+                     "network": _network_url(project, nic.get("network", "default")),
+                     "subnetwork": nic.get("subnetwork", ""), "networkIP": internal,
+                     "accessConfigs": access, "fingerprint": _fingerprint(), "stackType": "IPV4_ONLY"})
+    disks = [{"kind": "compute#attachedDisk", "type": "PERSISTENT", "mode": "READ_WRITE",
+              "source": f"{zone_url}/disks/{name}", "deviceName": "persistent-disk-0", "index": 0,
+              "boot": d.get("boot", False), "autoDelete": d.get("autoDelete", False),
+              "diskSizeGb": d.get("initializeParams", {}).get("diskSizeGb", "10"),
+              "interface": "SCSI"} for d in props.get("disks", [])]
+    accelerators = [{"acceleratorType": f"{zone_url}/acceleratorTypes/{_last(a['acceleratorType'])}",
+                     "acceleratorCount": a.get("acceleratorCount", 1)}
+                    for a in props.get("guestAccelerators", [])]
+    scheduling = {"onHostMaintenance": "MIGRATE", "automaticRestart": True, "preemptible": False,
+                  "provisioningModel": "STANDARD", **props.get("scheduling", {})}
+    return {
+        "kind": "compute#instance", "id": str(uuid.uuid4().int % 10**18),
+        "creationTimestamp": _now(), "name": name, "description": props.get("description", ""),
+        "tags": {"items": props.get("tags", {}).get("items", []), "fingerprint": _fingerprint()},
+        "machineType": f"{zone_url}/machineTypes/{_last(props['machineType'])}",
+        "status": "PROVISIONING", "zone": zone_url, "canIpForward": False,
+        "networkInterfaces": nics, "disks": disks, "guestAccelerators": accelerators,
+        "metadata": {"kind": "compute#metadata", "fingerprint": _fingerprint(),
+                     "items": props.get("metadata", {}).get("items", [])},
+        "serviceAccounts": props.get("serviceAccounts", []),
+        "selfLink": f"{zone_url}/instances/{name}", "scheduling": scheduling,
+        "cpuPlatform": "Intel Cascade Lake", "labels": props.get("labels", {}),
+        "labelFingerprint": _fingerprint(), "startRestricted": False, "deletionProtection": False,
+        "fingerprint": _fingerprint(),
+    }
+
+
+def _stockout(project: str, zone: str) -> Json:
+    return {"errors": [{"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "message":
+                        f"The zone 'projects/{project}/zones/{zone}' does not have enough resources "
+                        "available to fulfill the request.  Try a different zone, or try again "
+                        "later."}]}
+
+
+def _quota_error(metric: str, limit: int, region: str) -> Json:
+    return {"errors": [{
+        "code": "QUOTA_EXCEEDED",
+        "message": f"Quota '{metric}' exceeded.  Limit: {limit:.1f} in region {region}.",
+        "errorDetails": [{"quotaInfo": {
+            "metricName": f"compute.googleapis.com/{metric.lower()}",
+            "limitName": f"{metric}-per-project-region", "dimensions": {"region": region},
+            "limit": limit}}]}]}
+
+
+def _burst_error(status: int) -> ApiError:
+    if status == 429:
+        return ApiError(429, "Rate Limit Exceeded", "rateLimitExceeded", "usageLimits")
+    return ApiError(status, "The service is currently unavailable.", "backendError")
+
+
+def _no_results(zone: str) -> Json:
+    return {"warning": {"code": "NO_RESULTS_ON_PAGE",
+                        "message": f"There are no results for scope 'zones/{zone}' on this page.",
+                        "data": [{"key": "scope", "value": f"zones/{zone}"}]}}
+
+
+FILTER_TERM = re.compile(
+    r'^\(?\s*(labels\.[a-z][-_a-z0-9]*|name|status)\s*(=|!=|eq|ne)\s*"?([^"()]*)"?\s*\)?$')
+
+
+def _filter(text: str) -> Callable[[Json], bool]:
+    """The API's filter: ``labels.KEY = VALUE``, ``name = X``, ``status != Y``, joined by AND."""
+    terms = [t for t in re.split(r"\s+AND\s+", text.strip()) if t]
+    tests = []
+    for term in terms:
+        match = FILTER_TERM.match(term.strip())
+        if match is None:
+            raise ApiError(400, f"Invalid value for field 'filter': '{text}'. Invalid list filter "
+                           "expression.", "invalid")
+        tests.append(_term(*match.groups()))
+    return lambda body: all(t(body) for t in tests)
+
+
+def _term(field_: str, op: str, value: str) -> Callable[[Json], bool]:
+    def read(body: Json) -> str:
+        if field_.startswith("labels."):
+            return str(body.get("labels", {}).get(field_[len("labels."):], ""))
+        return str(body.get(field_, ""))
+
+    negate = op in ("!=", "ne")
+    return lambda body: (read(body) == value.strip()) != negate
+
+
+def _network_url(project: str, network: str) -> str:
+    if network.startswith(API):
+        return network
+    return f"{API}/projects/{project}/global/networks/{_last(network)}"
+
+
+def _host_key() -> str:
+    key = ed25519.Ed25519PrivateKey.generate().public_key()
+    return key.public_bytes(serialization.Encoding.OpenSSH,
+                            serialization.PublicFormat.OpenSSH).decode()
+
+
+def _last(link: str) -> str:
+    return link.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _fingerprint() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000-00:00", time.gmtime())

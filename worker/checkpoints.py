@@ -1,0 +1,76 @@
+"""Checkpoint checks run on a host: find the newest checkpoint that really restores."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# tf_keras' WorkerTrainingState keeps one checkpoint; keep a few so that a corrupt newest
+# one can fall back to the one before.
+KEEP = 3
+EPOCH_KEY = "ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE"
+BATCH_KEY = "ckpt_saved_batch/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def keep_more_checkpoints() -> None:
+    from tf_keras.src.distribute import worker_training_state
+
+    worker_training_state.MAX_CHECKPOINT_TO_KEEP = KEEP
+
+
+def saved_step(tf: Any, path: str, steps_per_epoch: int) -> int:
+    """The global step a BackupAndRestore checkpoint resumes at."""
+    reader = tf.train.load_checkpoint(path)
+    epoch = int(reader.get_tensor(EPOCH_KEY))
+    batch = int(reader.get_tensor(BATCH_KEY))
+    if epoch < 0:
+        return 0
+    return epoch * steps_per_epoch + (batch + 1 if batch >= 0 else steps_per_epoch)
+
+
+def restores(tf: Any, path: str) -> str | None:
+    """None if every tensor of the checkpoint at ``path`` reads back; else why not."""
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for key in reader.get_variable_to_shape_map():
+            reader.get_tensor(key)
+    except Exception as exc:  # any read failure makes the checkpoint unusable
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    return None
+
+
+def verify(directory: str) -> dict[str, Any]:
+    """Check the checkpoints in ``directory``, newest first; point the index at the newest good one.
+
+    Corrupt or partial ones newer than it leave the index and their files are deleted, so
+    every task restores from the same good checkpoint. Names in the index stay relative:
+    the directory is copied between hosts whose home directories differ.
+    """
+    import tensorflow as tf
+
+    state = tf.train.get_checkpoint_state(directory)
+    if state is None:
+        return {"ok": True, "path": None, "rejected": []}
+    names = [os.path.basename(p) for p in
+             (state.all_model_checkpoint_paths or [state.model_checkpoint_path])]
+    rejected: list[dict[str, str]] = []
+    for i in range(len(names) - 1, -1, -1):
+        path = os.path.join(directory, names[i])
+        problem = restores(tf, path)
+        if problem is None:
+            if rejected:
+                tf.train.update_checkpoint_state(directory, names[i],
+                                                 all_model_checkpoint_paths=names[: i + 1])
+                for bad in rejected:
+                    for leftover in tf.io.gfile.glob(bad["path"] + ".*"):
+                        tf.io.gfile.remove(leftover)
+            return {"ok": True, "path": path, "rejected": rejected}
+        rejected.append({"path": path, "problem": problem})
+    return {"ok": False, "path": None, "rejected": rejected}
+
+
+def main(directory: str) -> int:
+    result = verify(directory)
+    print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 3
