@@ -45,6 +45,6 @@ def test_logs_follow_prints_every_task_line_until_the_run_ends(tmp_path: Path,
 
 def test_status_of_an_unknown_cluster_is_one_clear_error(orchestrate_home: Path) -> None:
     proc = cli("status", "nope", home=orchestrate_home)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "Traceback" not in err
     assert err.splitlines()[0] == "error: no cluster named 'nope'"
