@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from orchestrator.remote.base import TaskHandle, TaskState
 from orchestrator.spec import ClusterSpec
 from orchestrator.state import ClusterRecord, RunRecord, Store
 from orchestrator.supervisor import Listener, RunResult, Supervisor
+
+HEARTBEAT_STALE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,43 @@ class Cluster:
             local_workdir=str(self.workdir),
         )
 
-    def train(self, *, listener: Listener | None = None, wait: bool = True) -> Run:
-        """Run the job, restarting the whole group on failure; with ``wait=False``, in a thread."""
-        self.up()  # idempotent: re-syncs only what changed since the last up
+    def train(self, *, listener: Listener | None = None, wait: bool = True,
+              attach: bool = False) -> Run:
+        """Run the job, restarting the whole group on failure; with ``wait=False``, in a thread.
+
+        With ``attach``, take over the cluster's running run whose controller died (its
+        tasks kept training) and supervise it to the end.
+
+        Raises:
+            StateError: a run is already in progress (attach to it or stop it), or
+                ``attach`` found nothing to attach to.
+        """
+        active = [r for r in self.store.runs(self.name, limit=20) if r.status == "running"]
+        live = [r for r in active if _controller_alive(r)]
+        if live:
+            raise StateError(
+                f"run {live[0].id} of cluster {self.name!r} is being supervised by a live "
+                f"controller (pid {live[0].controller_pid})",
+                fix=f"follow it with 'orchestrate logs {self.name} -f', or stop it with "
+                f"'orchestrate down {self.spec_path.name}'",
+            )
+        if attach and not active:
+            raise StateError(f"cluster {self.name!r} has no running run to attach to",
+                             fix=f"start one with 'orchestrate train {self.spec_path.name}'")
+        if active and not attach:
+            raise StateError(
+                f"run {active[0].id} of cluster {self.name!r} has no live controller; "
+                "its tasks may still be training",
+                fix=f"take it over with 'orchestrate train {self.spec_path.name} --attach', "
+                f"or stop it with 'orchestrate down {self.spec_path.name}'",
+            )
+        if not attach:
+            self.up()  # idempotent: re-syncs only what changed since the last up
         supervisor = Supervisor(
             self.spec, self.provider, self.store, workdir=self.workdir, listener=listener
         )
-        run = Run(self, supervisor, self.store.new_run(self.name))
+        run = Run(self, supervisor, active[0].id if attach else self.store.new_run(self.name),
+                  attach=attach)
         if wait:
             run._run()
         else:
@@ -207,20 +240,40 @@ class Cluster:
         self.down()
 
 
+def _controller_alive(run: RunRecord) -> bool:
+    """A controller heartbeats every 2 s; one silent for 10 s, or whose pid is gone, is dead.
+
+    The store is per user and per machine, so the recorded pid is one of this machine's.
+    """
+    if run.heartbeat_at is None or time.time() - run.heartbeat_at >= HEARTBEAT_STALE_S:
+        return False
+    if run.controller_pid is None or run.controller_pid == os.getpid():
+        return run.controller_pid is not None
+    try:
+        os.kill(run.controller_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Run:
     """One training run; ``wait()`` for its result, or inspect it while it runs."""
 
-    def __init__(self, cluster: Cluster, supervisor: Supervisor, run_id: str) -> None:
+    def __init__(self, cluster: Cluster, supervisor: Supervisor, run_id: str,
+                 attach: bool = False) -> None:
         self.cluster = cluster
         self.supervisor = supervisor
         self.id = run_id
+        self.attach = attach
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
         try:
-            self._result = self.supervisor.run(self.id)
+            self._result = self.supervisor.run(self.id, attach=self.attach)
         except BaseException as exc:
             self._error = exc
             if self._thread is None:

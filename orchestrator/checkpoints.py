@@ -72,9 +72,11 @@ class CheckpointMirror:
     rename, so the mirror is never half-written.
     """
 
-    def __init__(self, directory: Path, runner_for: RunnerFor) -> None:
+    def __init__(self, directory: Path, runner_for: RunnerFor,
+                 on_mirrored: Callable[[int], None] = lambda step: None) -> None:
         self.directory = directory
         self.runner_for = runner_for
+        self.on_mirrored = on_mirrored
         self.step: int | None = None
         self._wanted: tuple[ClusterPlan, int] | None = None
         self._lock = threading.Lock()
@@ -110,6 +112,7 @@ class CheckpointMirror:
             with contextlib.suppress(OrchestratorError):
                 self.pull(plan)
                 self.step = step
+                self.on_mirrored(step)
 
     def pull(self, plan: ClusterPlan) -> None:
         chief = plan.chief.host

@@ -81,6 +81,8 @@ def up(spec_file: SpecArg) -> None:
 def train(
     spec_file: SpecArg,
     plain: Annotated[bool, typer.Option(help="Plain lines even on a terminal.")] = False,
+    attach: Annotated[bool, typer.Option(
+        help="Take over a running run whose controller died; its tasks kept training.")] = False,
 ) -> None:
     """Launch every task, stream progress, recover from failures, print the result."""
     from orchestrator.api import Cluster
@@ -89,9 +91,9 @@ def train(
     cluster = Cluster.from_spec(spec_file)
     if out.is_terminal and not plain:
         with LiveProgress(out) as live:
-            run = cluster.train(listener=live)
+            run = cluster.train(listener=live, attach=attach)
     else:
-        run = cluster.train(listener=PlainProgress(out))
+        run = cluster.train(listener=PlainProgress(out), attach=attach)
     summary(out, run.wait())
 
 
@@ -140,9 +142,9 @@ def status(
                       f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(r['started_at']))} "
                       f"{json.dumps(r['metrics']) if r['metrics'] else ''}")
             for a in r["attempts"]:
-                why = f"{a['cause']} in {a['failed_task']}: {a['detail']}" if a["cause"] else ""
                 out.print(f"    attempt {a['number']}: {a['status']} from step "
-                          f"{a['resumed_from_step'] or 0} to {a['last_step'] or 0} {why}")
+                          f"{a['resumed_from_step'] or 0} to {a['last_step'] or 0}"
+                          f"{_attempt_figures(a)}", markup=False)
 
 
 @app.command()
@@ -164,6 +166,19 @@ def logs(
     cluster = Cluster.from_spec(record.spec_path)
     for key, line in cluster.logs(run, task=task, attempt=attempt, follow=follow):
         out.print(f"[cyan]\\[{key}][/] {line}", markup=True, highlight=False, soft_wrap=True)
+
+
+def _attempt_figures(a: dict[str, Any]) -> str:
+    if not a["cause"]:
+        return ""
+    parts = [f"{a['cause']} in {a['failed_task']}: {a['detail'].splitlines()[0][:160]}"]
+    if a["failed_at"] is not None and a["detected_at"] is not None:
+        parts.append(f"detected in {max(0.0, a['detected_at'] - a['failed_at']):.1f}s")
+    if a["recovery_s"] is not None:
+        parts.append(f"back to training {a['recovery_s']:.1f}s after the failure")
+    if a["steps_lost"] is not None:
+        parts.append(f"{a['steps_lost']} step(s) redone")
+    return "; " + "; ".join(parts)
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ failure stops ALL tasks and relaunches ALL of them from the chief's latest good 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -76,7 +77,7 @@ class Supervisor:
         self.provider = provider
         self.store = store
         self.workdir = workdir
-        self.listener = listener or (lambda view, event: None)
+        self._listener = listener or (lambda view, event: None)
         self.backoff_sleep = backoff_sleep
         self.clock = clock
         self.poll_s = poll_s
@@ -84,11 +85,13 @@ class Supervisor:
         self._causes: Counter[Cause] = Counter()
         self._bad_ports: set[tuple[str, int]] = set()
         self._broken_hosts: set[str] = set()
+        self._orphans: list[tuple[str, TaskHandle]] = []  # tasks left on unreachable hosts
         self._last_prestep_failure = ""
         self._chief_host: Host | None = None
         self._mirror: CheckpointMirror | None = None
         self._beat = 0.0
         self._recovered: set[int] = set()  # attempts whose recovery figures are recorded
+        self._notify_lock = threading.RLock()  # the mirror thread notifies the listener too
 
     # -- the run ---------------------------------------------------------------------------
     def run(self, run_id: str, *, attach: bool = False) -> RunResult:
@@ -99,7 +102,8 @@ class Supervisor:
         """
         started = self.clock()
         self.view.run_id = run_id
-        self._mirror = CheckpointMirror(self._run_home(run_id) / "mirror", self.provider.runner)
+        self._mirror = CheckpointMirror(self._run_home(run_id) / "mirror", self.provider.runner,
+                                        on_mirrored=self._mirrored)
         previous = self.store.attempts(run_id) if attach else []
         self._causes.update(Cause(a.cause) for a in previous if a.cause in Cause._value2member_map_)
         base = len(previous)
@@ -131,6 +135,10 @@ class Supervisor:
         except KeyboardInterrupt:
             self.store.finish_run(run_id, status="cancelled", message="interrupted by the user")
             raise
+        except OrchestratorError as exc:  # repair, restore or launch failed: the run cannot go on
+            message = f"run {run_id} failed: {exc.message}"
+            self.store.finish_run(run_id, status="failed", message=message)
+            raise RunFailed(message, run_id=run_id, fix=exc.fix) from exc
         return self._succeed(run_id, finished, started)
 
     def _succeed(self, run_id: str, finished: dict[str, Event], started: float) -> RunResult:
@@ -194,13 +202,13 @@ class Supervisor:
         self._chief_host = plan.chief.host
         self.view.attempt = number
         self.view.tasks = {t.key: TaskView(t.key, t.host.name, t.endpoint) for t in plan.tasks}
-        self.listener(self.view, None)
+        self._notify(self.view, None)
         return plan
 
     def _supervise(self, run_id: str, number: int, plan: ClusterPlan,
                    watched: list[Watched]) -> dict[str, Event]:
         watch = AttemptWatch(
-            self.spec, watched, self.view, self.listener,
+            self.spec, watched, self.view, self._notify,
             on_tick=lambda: self._tick(run_id),
             on_event=lambda w, e: self._on_event(run_id, number, plan, w, e),
             python_for=lambda w: self.provider.python(w.plan.host), interval_s=self.poll_s,
@@ -263,8 +271,10 @@ class Supervisor:
             if w.unreachable is None:
                 try:
                     w.runner.stop(w.handle, grace_s=grace)
+                    return
                 except OrchestratorError:
                     w.unreachable = "did not answer when it was being stopped"
+            self._orphans.append((w.plan.host.name, w.handle))  # stopped once its host is back
 
         with ThreadPoolExecutor(max_workers=min(32, len(watched))) as pool:
             list(pool.map(stop, watched))
@@ -298,6 +308,13 @@ class Supervisor:
             self._say(f"repairing {name}: waiting up to {self.spec.timeouts.repair_s:.0f}s")
             self.provider.repair(host, self.spec.timeouts.repair_s)
             self._say(f"{name} is back")
+        orphans, self._orphans = self._orphans, []
+        for host_name, handle in orphans:
+            host = next(h for h in self.provider.hosts() if h.name == host_name)
+            try:  # a task that was cut off with its host may still run there, holding its port
+                self.provider.runner(host).stop(handle, grace_s=self.spec.timeouts.stop_grace_s)
+            except OrchestratorError as exc:
+                self._say(f"could not stop an earlier task on {host_name}: {exc}")
 
     def _restore_checkpoint(self, plan: ClusterPlan) -> None:
         """Make the newest checkpoint that restores the one every task starts from."""
@@ -384,9 +401,18 @@ class Supervisor:
             lines += [f"    {line}" for line in last.evidence.splitlines()[-20:]]
         return "\n".join(lines)
 
+    def _notify(self, view: RunView, event: Event | None) -> None:
+        """Call the listener; the watch loop and the mirror thread both do, one at a time."""
+        with self._notify_lock:
+            self._listener(view, event)
+
+    def _mirrored(self, step: int) -> None:
+        self.view.mirrored_step = step
+        self._notify(self.view, None)
+
     def _say(self, message: str) -> None:
         self.view.messages.append(message)
-        self.listener(self.view, None)
+        self._notify(self.view, None)
 
     def _run_home(self, run_id: str) -> Path:
         return home() / "clusters" / self.spec.name / "runs" / run_id

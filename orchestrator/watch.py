@@ -67,8 +67,9 @@ class AttemptFailed(Exception):
 
     @property
     def signature(self) -> str:
-        """Same code failing the same way gives the same signature."""
-        return f"{self.cause.value}|{self.task}|{self.detail[:200]}"
+        """Same code failing the same way gives the same signature, whichever task shows it."""
+        last_lines = "\n".join(self.evidence.splitlines()[-3:])
+        return f"{self.cause.value}|{self.detail[:200]}|{last_lines}"
 
 
 @dataclass
@@ -94,6 +95,7 @@ class RunView:
     total_steps: int | None = None
     tasks: dict[str, TaskView] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)
+    mirrored_step: int | None = None  # newest chief checkpoint copied to this machine
 
 
 Listener = Callable[[RunView, Event | None], None]
@@ -260,9 +262,26 @@ class AttemptWatch:
             return sorted(primary, key=_rank)[0]
         now = time.time()
         self._first_failure_seen = self._first_failure_seen or now
-        if now - self._first_failure_seen < SETTLE_S and any(not w.ended for w in self.watched):
+        running = [w for w in self.watched if not w.ended]
+        if now - self._first_failure_seen < SETTLE_S and running:
             return None  # peers fail within seconds of the real failure: let it show first
-        return failures[0]
+        return self._stuck_failure(running, failures[0]) or failures[0]
+
+    def _stuck_failure(self, running: list[Watched], peer: AttemptFailed) -> AttemptFailed | None:
+        """Peers failed (e.g. TF's heartbeat timeout) because a task still 'running' is stuck."""
+        if not running:
+            return None
+        stuck = self._stuck()
+        if not stuck:
+            return None
+        w = self._by_key(stuck[0])
+        lost = stuck[0] in self._lost_keys()
+        return AttemptFailed(
+            Cause.HOST_LOST if lost else Cause.HUNG, w.key,
+            f"its peers failed ({peer.task}: {peer.detail[:200]})" + self._stuck_text(stuck),
+            evidence=self._evidence(w), failed_at=w.last_heard, host=w.plan.host.name,
+            before_first_step=not w.reached_step,
+        )
 
     def _task_failure(self, w: Watched) -> AttemptFailed | None:
         if w.unreachable is not None:

@@ -3,55 +3,31 @@ training over gRPC between them, driven the way a user drives it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from hostlab import HostLab, LabHost
+from helpers import REPO, events_in, namespace_commands, write_spec
+from hostlab import HostLab
 
 from orchestrator.api import Cluster
 from orchestrator.errors import AuthError, HostKeyError, RemoteError, RunFailed
-from orchestrator.events import Event, parse_line
+from orchestrator.events import Event
 from orchestrator.state import Store
 from orchestrator.supervisor import RunView
 
 pytestmark = pytest.mark.ssh
-REPO = Path(__file__).resolve().parent.parent
-
-
-def write_spec(tmp_path: Path, lab: HostLab, hosts: list[LabHost], body: str,
-               provider_extra: str = "", known_hosts: str | None = None) -> Path:
-    host_lines = "".join(
-        f"    - {{address: {h.address}, ssh_port: {h.port}, user: {h.user}, "
-        f"key_file: {lab.client_key_path}}}\n" for h in hosts
-    )
-    path = tmp_path / "cluster.yaml"
-    path.write_text(
-        f"workdir: {REPO}\nworkers: {len(hosts)}\n"
-        f"provider:\n  kind: static\n  python: {sys.executable}\n"
-        f"  known_hosts: {known_hosts or lab.known_hosts_path}\n"
-        f"  connect_timeout_s: 2\n  wait_for_host_s: 4\n{provider_extra}"
-        f"  hosts:\n{host_lines}" + textwrap.dedent(body)
-    )
-    return path
 
 
 def cli(*args: str, home: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "ORCHESTRATE_HOME": str(home)})
-
-
-def events_in(host: LabHost, path: str) -> list[Event]:
-    text = host.run(["cat", path]).stdout
-    return [e for e in map(parse_line, text.splitlines()) if e is not None]
 
 
 @pytest.mark.tf
@@ -238,16 +214,6 @@ def test_hostile_strings_in_spec_fields_reach_the_task_literally(hostlab: HostLa
     assert not Path(marker).exists()
     assert host.run(["test", "-e", marker]).returncode != 0
     cluster.down()
-
-
-def namespace_commands(host: LabHost) -> set[str]:
-    pids = subprocess.run(["ip", "netns", "pids", str(host.namespace)], capture_output=True,
-                          text=True, check=True).stdout.split()
-    names = set()
-    for pid in pids:
-        with contextlib.suppress(FileNotFoundError):
-            names.add(Path(f"/proc/{pid}/comm").read_text().strip())
-    return names
 
 
 def test_down_from_another_process_stops_a_running_job_for_good(

@@ -60,8 +60,8 @@ def verify(directory: str) -> dict[str, Any]:
         problem = restores(tf, path)
         if problem is None:
             if rejected:
-                tf.train.update_checkpoint_state(directory, names[i],
-                                                 all_model_checkpoint_paths=names[: i + 1])
+                tf.compat.v1.train.update_checkpoint_state(
+                    directory, names[i], all_model_checkpoint_paths=names[: i + 1])
                 for bad in rejected:
                     for leftover in tf.io.gfile.glob(bad["path"] + ".*"):
                         tf.io.gfile.remove(leftover)

@@ -1,0 +1,50 @@
+"""Small helpers shared by the end-to-end tests: spec files for lab hosts, events on a host."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from hostlab import HostLab, LabHost
+
+from orchestrator.events import Event, parse_line
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_spec(tmp_path: Path, lab: HostLab, hosts: list[LabHost], body: str,
+               provider_extra: str = "", known_hosts: str | None = None) -> Path:
+    """A static-provider spec for ``hosts`` (workers = len(hosts)) followed by ``body``."""
+    host_lines = "".join(
+        f"    - {{address: {h.address}, ssh_port: {h.port}, user: {h.user}, "
+        f"key_file: {lab.client_key_path}}}\n" for h in hosts
+    )
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        f"workdir: {REPO}\nworkers: {len(hosts)}\n"
+        f"provider:\n  kind: static\n  python: {sys.executable}\n"
+        f"  known_hosts: {known_hosts or lab.known_hosts_path}\n"
+        f"  connect_timeout_s: 2\n  wait_for_host_s: 4\n{provider_extra}"
+        f"  hosts:\n{host_lines}" + textwrap.dedent(body)
+    )
+    return path
+
+
+def events_in(host: LabHost, path: str) -> list[Event]:
+    """The worker events in a log file on ``host``."""
+    text = host.run(["cat", path]).stdout
+    return [e for e in map(parse_line, text.splitlines()) if e is not None]
+
+
+def namespace_commands(host: LabHost) -> set[str]:
+    """The names of the processes running in ``host``'s network namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", str(host.namespace)], capture_output=True,
+                          text=True, check=True).stdout.split()
+    names = set()
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+    return names

@@ -1,0 +1,236 @@
+"""The fault matrix on the namespace test cluster: each way a multi-worker run fails is detected,
+classified, recovered and measured, with real TensorFlow across real hosts."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from helpers import namespace_commands, write_spec
+from hostlab import HostLab, LabHost
+
+from orchestrator.api import Cluster
+from orchestrator.errors import RunFailed
+from orchestrator.events import Event
+from orchestrator.state import AttemptRecord, Store
+from orchestrator.supervisor import RunResult, RunView
+
+pytestmark = [pytest.mark.ssh, pytest.mark.tf]
+EVERY = 10  # checkpoint interval, in steps
+BODY = """\
+name: {name}
+job: {{module: examples.digits, epochs: 2, steps_per_epoch: 40, progress_every_steps: 1}}
+checkpoint: {{every_steps: 10}}
+retry: {{max_restarts: 3, backoff_initial_s: 0.2, backoff_max_s: 1}}
+timeouts: {{stop_grace_s: 1, poll_s: 4, hang_s: 10, startup_s: {startup_s}, repair_s: 90}}
+"""
+
+
+@dataclass
+class Fault:
+    """What a fault injector knows: the hosts and each task's pid, per attempt."""
+
+    hosts: list[LabHost]
+    pids: dict[tuple[int, str], int] = field(default_factory=dict)
+    last_checkpoint: int | None = None
+    fired: list[str] = field(default_factory=list)
+    timers: list[threading.Timer] = field(default_factory=list)
+
+    def host_of(self, task: str) -> LabHost:
+        return self.hosts[int(task.split(":")[1])]
+
+    def later(self, seconds: float, action: Callable[[], None]) -> None:
+        timer = threading.Timer(seconds, action)
+        timer.start()
+        self.timers.append(timer)
+
+
+Trigger = Callable[[Fault, RunView, Event | None], bool]
+Action = Callable[[Fault, RunView, Event | None], None]
+
+
+def progress_of(task: str, step: int = 15) -> Trigger:
+    def trigger(fault: Fault, view: RunView, event: Event | None) -> bool:
+        return (event is not None and event.attempt == 1 and event.kind == "progress" and event.task == task
+                and int(event.get("step")) >= step)
+    return trigger
+
+
+def train_with_fault(hostlab: HostLab, tmp_path: Path, name: str, trigger: Trigger,
+                     action: Action, *, startup_s: int = 120,
+                     cluster_hook: Callable[[Cluster, Fault], None] | None = None,
+                     ) -> tuple[RunResult, Fault]:
+    hosts = hostlab.hosts(3)
+    path = write_spec(tmp_path, hostlab, hosts, BODY.format(name=name, startup_s=startup_s))
+    cluster = Cluster.from_spec(path)
+    fault = Fault(hosts)
+    if cluster_hook is not None:
+        cluster_hook(cluster, fault)
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if event is not None and event.kind == "started":
+            fault.pids[(event.attempt, event.task)] = int(event.get("pid"))
+        if event is not None and event.kind == "checkpoint" and event.attempt == 1:
+            fault.last_checkpoint = int(event.get("step"))
+        if not fault.fired and trigger(fault, view, event):
+            fault.fired.append(f"{event.kind} {event.task} step {event.get('step')}" if event
+                               else f"mirrored step {view.mirrored_step}")
+            action(fault, view, event)
+
+    try:
+        result = cluster.train(listener=listener).wait()
+    finally:
+        for timer in fault.timers:
+            timer.join()
+        for h in hosts:
+            h.heal()
+        cluster.down()
+    assert fault.fired, "the fault was never injected"
+    return result, fault
+
+
+def assert_recovered(result: RunResult, cause: str, task: str) -> AttemptRecord:
+    assert result.status == "succeeded"
+    assert len(set(result.digests.values())) == 1  # every worker ends with the same weights
+    first = result.attempts[0]
+    assert (first.cause, first.failed_task) == (cause, task), first
+    assert first.detect_s is not None and first.recovery_s is not None and first.recovery_s > 0
+    assert first.steps_lost is not None and 0 <= first.steps_lost <= EVERY
+    assert result.attempts[-1].status == "succeeded"
+    assert result.attempts[1].resumed_from_step == (first.last_step or 0) - first.steps_lost
+    assert Store().get_run(result.run_id).attempts[0].cause == cause
+    return first
+
+
+def kill_task(signal: str) -> Action:
+    def action(fault: Fault, view: RunView, event: Event | None) -> None:
+        assert event is not None
+        host = fault.host_of(event.task)
+        host.run(["kill", f"-{signal}", str(fault.pids[(1, event.task)])])
+    return action
+
+
+def test_worker_process_killed(hostlab: HostLab, tmp_path: Path) -> None:
+    result, _ = train_with_fault(hostlab, tmp_path, "f-crash", progress_of("worker:2"),
+                                 kill_task("KILL"))
+    first = assert_recovered(result, "crashed", "worker:2")
+    assert first.exit_code == 137 and "signal 9" in first.detail
+    assert (first.resumed_from_step or 0) == 0 and (result.attempts[1].resumed_from_step or 0) > 0
+
+
+def test_chief_host_lost_with_its_disk_resumes_from_the_controllers_copy(
+        hostlab: HostLab, tmp_path: Path) -> None:
+    def mirrored_the_latest(fault: Fault, view: RunView, event: Event | None) -> bool:
+        """The chief's newest checkpoint (step 20 or later) has reached this machine."""
+        return view.attempt == 1 and (view.mirrored_step or 0) >= 20 and \
+            view.mirrored_step == fault.last_checkpoint
+
+    def lose_chief_host(fault: Fault, view: RunView, event: Event | None) -> None:
+        chief = fault.hosts[0]
+        chief.kill()  # every process on it, sshd included
+        chief.run(["rm", "-rf", f"{chief.home}/.orchestrate/clusters/f-chief/runs"])
+        fault.later(4.0, chief.heal)  # the machine comes back, its disk empty
+
+    result, _ = train_with_fault(hostlab, tmp_path, "f-chief", mirrored_the_latest,
+                                 lose_chief_host)
+    assert_recovered(result, "host_lost", "worker:0")
+    # the chief's runs/ directory was wiped: only this machine's copy can give a step >= 20
+    assert (result.attempts[1].resumed_from_step or 0) >= 20
+
+
+def test_host_cut_off_from_the_network(hostlab: HostLab, tmp_path: Path) -> None:
+    def cut(fault: Fault, view: RunView, event: Event | None) -> None:
+        fault.hosts[1].cut()
+        fault.later(8.0, fault.hosts[1].restore)
+
+    result, fault = train_with_fault(hostlab, tmp_path, "f-cut", progress_of("worker:1"), cut)
+    first = assert_recovered(result, "host_lost", "worker:1")
+    assert fault.hosts[1].address in first.detail
+    # the task that was cut off with its host was stopped once the host came back
+    assert namespace_commands(fault.hosts[1]) <= {"sshd", "sshd-session"}
+
+
+def test_hung_worker_is_caught_by_the_progress_watchdog(hostlab: HostLab, tmp_path: Path) -> None:
+    result, _ = train_with_fault(hostlab, tmp_path, "f-hang", progress_of("worker:1"),
+                                 kill_task("STOP"))
+    first = assert_recovered(result, "hung", "worker:1")
+    assert "worker:1 is stopped" in first.detail
+
+
+def test_peer_that_never_connects_hits_the_startup_timeout(hostlab: HostLab,
+                                                           tmp_path: Path) -> None:
+    def never_connects(fault: Fault, view: RunView, event: Event | None) -> bool:
+        return (event is not None and event.attempt == 1 and event.kind == "started"
+                and event.task == "worker:2")
+
+    result, _ = train_with_fault(hostlab, tmp_path, "f-start", never_connects, kill_task("STOP"),
+                                 startup_s=25)
+    assert result.status == "succeeded"
+    first = result.attempts[0]
+    assert (first.cause, first.failed_task) == ("startup_timeout", "worker:2")
+    assert "did not reach the first step" in first.detail and "worker:2 is stopped" in first.detail
+    assert (result.attempts[1].resumed_from_step or 0) == 0
+
+
+def test_taken_port_is_avoided_on_the_next_attempt(hostlab: HostLab, tmp_path: Path) -> None:
+    squatters: list[subprocess.Popen[bytes]] = []
+
+    def squat_after_the_probe(cluster: Cluster, fault: Fault) -> None:
+        probe = cluster.provider.busy_ports
+
+        def busy_ports(hosts: object) -> set[tuple[str, int]]:
+            found = probe(hosts)  # type: ignore[arg-type]
+            if not squatters:  # another program grabs the port between probe and launch
+                host = fault.hosts[1]
+                code = ("import socket, time; s = socket.socket(); s.bind(('', 23456)); "
+                        "s.listen(); print('bound', flush=True); time.sleep(600)")
+                argv = ["ip", "netns", "exec", str(host.namespace), sys.executable, "-c", code]
+                squatters.append(subprocess.Popen(argv, stdout=subprocess.PIPE))
+                assert squatters[0].stdout is not None and squatters[0].stdout.readline()
+            return found
+
+        cluster.provider.busy_ports = busy_ports  # type: ignore[method-assign]
+
+    def never(fault: Fault, view: RunView, event: Event | None) -> bool:
+        fault.fired.append("squatter")  # the fault is the squatter itself
+        return False
+
+    try:
+        result, _ = train_with_fault(hostlab, tmp_path, "f-port", never, kill_task("KILL"),
+                                     cluster_hook=squat_after_the_probe)
+    finally:
+        for proc in squatters:
+            proc.kill()
+            proc.wait()
+    assert result.status == "succeeded"
+    first, second = result.attempts[:2]
+    assert (first.cause, first.failed_task) == ("port_conflict", "worker:1")
+    assert first.tasks[1]["endpoint"].endswith(":23456")
+    assert not second.tasks[1]["endpoint"].endswith(":23456")
+
+
+def test_broken_user_code_fails_fast_with_its_traceback(hostlab: HostLab, tmp_path: Path) -> None:
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "broken.py").write_text(
+        "def build_model():\n    return undefined_layer_factory()\n"
+        "def make_dataset(global_batch_size, seed=None):\n    return None\n")
+    hosts = hostlab.hosts(2)
+    path = write_spec(tmp_path, hostlab, hosts, "name: f-user\njob: {module: broken}\n"
+                      "retry: {max_restarts: 3}\n")
+    path.write_text(path.read_text().replace(f"workdir: {Path(__file__).parent.parent}",
+                                             f"workdir: {shlex.quote(str(code))}"))
+    cluster = Cluster.from_spec(path)
+    with pytest.raises(RunFailed) as info:
+        cluster.train()
+    cluster.down()
+    report = str(info.value)
+    assert "user_error" in report and "NameError" in report
+    assert "undefined_layer_factory" in report  # the traceback tail is in the report
+    assert len(Store().get_run(info.value.run_id).attempts) == 1  # not retried
