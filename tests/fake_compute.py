@@ -55,7 +55,6 @@ Json = dict[str, Any]
 
 PERMISSIONS = {
     "instances.aggregatedList": "compute.instances.list",
-    "instances.list": "compute.instances.list",
     "instances.bulkInsert": "compute.instances.create",
     "instances.get": "compute.instances.get",
     "instances.delete": "compute.instances.delete",
@@ -168,7 +167,7 @@ class FakeCompute:
         self.latency_s = latency_s
         self.boot_s = boot_s
         self.calls: Counter[str] = Counter()
-        self.requests: list[tuple[str, str]] = []  # (method name, path) in arrival order
+        self.requests: list[tuple[str, str, Json]] = []  # (method name, path, body), in order
         self._pool = list(backing or [])
         self._used: set[int] = set()
         self._busy: dict[int, str] = {}  # pool index -> instance name
@@ -293,7 +292,7 @@ class FakeCompute:
         project, rest = match["project"], match["rest"]
         try:
             method, action = self._route(verb, project, rest, query, body)
-            self._count(method, path)
+            self._count(method, path, body)
             self._gate(method, project, rest)
             return 200, action()
         except ApiError as exc:
@@ -324,8 +323,7 @@ class FakeCompute:
         if parts[0] != "instances":
             return []
         if len(parts) == 1:
-            return [("GET", "instances.list",
-                     lambda: self._list(project, zone, query.get("filter", "")))]
+            return []
         if parts[1] == "bulkInsert":
             return [("POST", "instances.bulkInsert", lambda: self._bulk_insert(project, zone, body))]
         name = parts[1]
@@ -355,10 +353,10 @@ class FakeCompute:
             return [("POST", f"{kind}.wait", lambda: self._wait(project, scope, name))]
         return [("GET", f"{kind}.get", lambda: self._get_op(project, scope, name))]
 
-    def _count(self, method: str, path: str) -> None:
+    def _count(self, method: str, path: str, body: Json) -> None:
         with self._cv:
             self.calls[method] += 1
-            self.requests.append((method, path))
+            self.requests.append((method, path, body))
 
     def _gate(self, method: str, project: str, rest: str) -> None:
         """Injected bursts first, then permissions."""
@@ -385,14 +383,6 @@ class FakeCompute:
             return {"kind": "compute#instanceAggregatedList",
                     "id": f"projects/{project}/aggregated/instances", "items": items,
                     "selfLink": f"{API}/projects/{project}/aggregated/instances"}
-
-    def _list(self, project: str, zone: str, filter_: str) -> Json:
-        test = _filter(filter_)
-        with self._cv:
-            found = [vm.body for vm in self._vms.values()
-                     if vm.project == project and vm.zone == zone and test(vm.body)]
-        return {"kind": "compute#instanceList", "id": f"projects/{project}/zones/{zone}/instances",
-                "items": found, "selfLink": f"{API}/projects/{project}/zones/{zone}/instances"}
 
     def _get(self, project: str, zone: str, name: str) -> Json:
         with self._cv:
@@ -772,11 +762,11 @@ def _no_results(zone: str) -> Json:
 
 
 FILTER_TERM = re.compile(
-    r'^\(?\s*(labels\.[a-z][-_a-z0-9]*|name|status)\s*(=|!=|eq|ne)\s*"?([^"()]*)"?\s*\)?$')
+    r'^\(?\s*(labels\.[a-z][-_a-z0-9]*|name)\s*(=|!=|eq|ne)\s*"?([^"()]*)"?\s*\)?$')
 
 
 def _filter(text: str) -> Callable[[Json], bool]:
-    """The API's filter: ``labels.KEY = VALUE``, ``name = X``, ``status != Y``, joined by AND."""
+    """The API's filter, in the forms used here: ``labels.KEY = VALUE``, ``name != X``, AND."""
     terms = [t for t in re.split(r"\s+AND\s+", text.strip()) if t]
     tests = []
     for term in terms:

@@ -1,5 +1,4 @@
-"""Compute Engine calls of the gcp provider: the google-cloud-compute clients, retries on 429 and
-5xx with backoff and a deadline, operation waits, and errors that say how to fix them."""
+"""Compute Engine calls: the google-cloud-compute clients, retries on 429/5xx, operation waits, fixes."""
 
 from __future__ import annotations
 

@@ -1,44 +1,21 @@
-"""What the gcp provider asks Compute Engine for: names, labels, and the VM and firewall requests."""
+"""What the gcp provider asks Compute Engine for: the VM and the firewall rule, as API requests."""
 
 from __future__ import annotations
 
 from orchestrator.providers.gcp.compute import compute_v1
+from orchestrator.providers.gcp.names import (
+    CLUSTER_LABEL,
+    firewall_description,
+    firewall_name,
+    network_tag,
+)
 from orchestrator.spec import GcpProvider, PortRange
 
-CLUSTER_LABEL = "orchestrate-cluster"
 GPU_MACHINE_FAMILIES = ("a2-", "a3-", "a4-", "g2-", "g4-")  # machine types with GPUs built in
-
-
-def instance_name(cluster: str, index: int) -> str:
-    """The VM of task ``index``: deterministic, so a second ``up`` finds it."""
-    return f"{cluster}-{index}"
-
-
-def index_of(cluster: str, name: str) -> int | None:
-    """The task index of VM ``name`` of ``cluster``, or None for a VM not named by us."""
-    prefix, _, suffix = name.rpartition("-")
-    return int(suffix) if prefix == cluster and suffix.isdigit() else None
-
-
-def network_tag(cluster: str) -> str:
-    return f"orchestrate-{cluster}"
-
-
-def firewall_name(cluster: str) -> str:
-    return f"orchestrate-{cluster}-grpc"
-
-
-def firewall_description(cluster: str) -> str:
-    return f"{CLUSTER_LABEL}={cluster}: gRPC between the cluster's VMs only"
 
 
 def has_gpus(config: GcpProvider) -> bool:
     return config.accelerator is not None or config.machine_type.startswith(GPU_MACHINE_FAMILIES)
-
-
-def ssh_keys_value(config: GcpProvider, public_line: str, cluster: str) -> str:
-    """The ``ssh-keys`` metadata line: ``user:ssh-ed25519 AAAA... comment``."""
-    return f"{config.ssh_user}:{public_line} orchestrate-{cluster}"
 
 
 def instance_properties(
@@ -51,7 +28,7 @@ def instance_properties(
         description=f"orchestrate cluster {cluster}",
         labels=labels,
         tags=compute_v1.Tags(items=[network_tag(cluster), *config.tags]),
-        metadata=compute_v1.Metadata(items=_metadata(config, ssh_keys)),
+        metadata=compute_v1.Metadata(items=metadata_items(config, ssh_keys)),
         disks=[_boot_disk(config, labels)],
         network_interfaces=[_network_interface(config, zone)],
         guest_accelerators=_accelerators(config),
@@ -89,7 +66,8 @@ def firewall_rule(config: GcpProvider, cluster: str, ports: PortRange) -> comput
     )
 
 
-def _metadata(config: GcpProvider, ssh_keys: str) -> list[compute_v1.Items]:
+def metadata_items(config: GcpProvider, ssh_keys: str) -> list[compute_v1.Items]:
+    """The instance metadata: the user's, the cluster key, guest attributes on (for host keys)."""
     items = {**config.metadata, "ssh-keys": ssh_keys, "enable-guest-attributes": "TRUE"}
     if has_gpus(config):
         items.setdefault("install-nvidia-driver", "True")  # Deep Learning VM images honour it

@@ -1,22 +1,24 @@
-"""A cluster's VMs on Compute Engine: found by label, created in one bulkInsert per zone with zone
-fall-through, started again after preemption, waited on until they run, and deleted."""
+"""A cluster's VMs: found by label, bulk-created with zone fall-through, restarted, awaited, deleted."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from orchestrator.errors import ProviderError
 from orchestrator.providers.gcp import config as gce
+from orchestrator.providers.gcp import names
 from orchestrator.providers.gcp.compute import Compute, ComputeError, OpError, OpRef, Vm
 from orchestrator.remote.fanout import fan_out
-from orchestrator.spec import GcpProvider
+from orchestrator.spec import GcpProvider, PortRange
 
 STOCKOUT_CODES = frozenset({
     "ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
@@ -25,6 +27,7 @@ STOCKOUT_CODES = frozenset({
 })
 QUOTA_CODES = frozenset({"QUOTA_EXCEEDED", "quotaExceeded"})
 RESTARTABLE = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
+QUOTA_NAME = re.compile(r"Quota '([^']+)' exceeded.*? in region ([a-z0-9-]+)")
 POLL_FIRST_S = 0.25
 POLL_MAX_S = 5.0
 
@@ -103,10 +106,10 @@ class Fleet:
 
     def find(self) -> dict[str, Vm]:
         """Every VM with the cluster's label, in any zone, by name."""
-        return {vm.name: vm for vm in self.compute.list_vms(gce.CLUSTER_LABEL, self.cluster)}
+        return {vm.name: vm for vm in self.compute.list_vms(names.CLUSTER_LABEL, self.cluster)}
 
-    def converge(self, names: Sequence[str], ssh_keys: str, deadline: float) -> list[Vm]:
-        """Make every VM of ``names`` RUNNING: create the missing ones, start the stopped ones.
+    def converge(self, wanted: Sequence[str], ssh_keys: str, deadline: float) -> list[Vm]:
+        """Make every VM of ``wanted`` RUNNING: create the missing ones, start the stopped ones.
 
         Raises:
             CapacityError: no zone could create the missing VMs.
@@ -115,21 +118,21 @@ class Fleet:
         wait = POLL_FIRST_S
         while True:
             found = self.find()
-            missing = [n for n in names if n not in found]
-            stopped = [found[n] for n in names if n in found and found[n].status in RESTARTABLE]
+            missing = [n for n in wanted if n not in found]
+            stopped = [found[n] for n in wanted if n in found and found[n].status in RESTARTABLE]
             if missing:
                 self.create(missing, ssh_keys, prefer=[vm.zone for vm in found.values()])
             if stopped:
                 self.start(stopped)
             if not missing and not stopped:
-                if all(found[n].status == "RUNNING" for n in names):
-                    return [found[n] for n in names]
-                self._check_deadline(deadline, [found[n] for n in names])
+                if all(found[n].status == "RUNNING" for n in wanted):
+                    return [found[n] for n in wanted]
+                self._check_deadline(deadline, [found[n] for n in wanted])
                 self.pause(wait)
                 wait = min(2 * wait, POLL_MAX_S)
 
-    def create(self, names: list[str], ssh_keys: str, prefer: Iterable[str] = ()) -> str:
-        """Create ``names`` in one bulkInsert, in the first zone (``prefer`` first) that can.
+    def create(self, vm_names: list[str], ssh_keys: str, prefer: Iterable[str] = ()) -> str:
+        """Create ``vm_names`` in one bulkInsert, in the first zone (``prefer`` first) that can.
 
         Returns:
             The zone that took them; ``self.failures`` holds why the zones before it did not.
@@ -138,30 +141,30 @@ class Fleet:
         order = list(dict.fromkeys([z for z in prefer if z in zones] + list(zones)))
         failures: list[ZoneFailure] = []
         for zone in order:
-            failure = self._create_in(zone, names, ssh_keys)
+            failure = self._create_in(zone, vm_names, ssh_keys)
             if failure is None:
                 self.failures = tuple(failures)
                 return zone
             failures.append(failure)
         self.failures = tuple(failures)
-        raise _capacity_error(self.config, len(names), tuple(failures))
+        raise _capacity_error(self.config, len(vm_names), tuple(failures))
 
-    def _create_in(self, zone: str, names: list[str], ssh_keys: str) -> ZoneFailure | None:
+    def _create_in(self, zone: str, vm_names: list[str], ssh_keys: str) -> ZoneFailure | None:
         properties = gce.instance_properties(self.config, self.cluster, zone, ssh_keys)
         try:
-            ref = self.compute.bulk_insert(zone, gce.bulk_request(properties, names))
+            ref = self.compute.bulk_insert(zone, gce.bulk_request(properties, vm_names))
         except ComputeError as exc:
             if exc.quota:
                 return ZoneFailure(zone, "QUOTA_EXCEEDED", exc.api_message)
             raise
-        errors = self.wait(ref, f"create {len(names)} VM(s) in {zone}")
+        errors = self.wait(ref, f"create {len(vm_names)} VM(s) in {zone}")
         if not errors:
             return None
         first = errors[0]
         if first.code in STOCKOUT_CODES or first.code in QUOTA_CODES:
             return ZoneFailure(zone, first.code, first.message)
         raise ProviderError(
-            f"creating VM(s) {', '.join(names)} in {zone} failed: {first.code}: {first.message}",
+            f"creating VM(s) {', '.join(vm_names)} in {zone} failed: {first.code}: {first.message}",
             fix="fix the provider setting the message names and run 'orchestrate up' again",
         )
 
@@ -178,20 +181,23 @@ class Fleet:
                                     fix="look at the VM in the console, or delete it and run "
                                     "'orchestrate up' to re-create it")
 
-    def delete(self, vms: Sequence[Vm]) -> list[str]:
-        """Delete ``vms`` (all requests first, then the waits); returns the names deleted."""
-        started = fan_out(vms, lambda vm: self.compute.delete(vm.zone, vm.name),
-                          name_of=lambda vm: vm.name)
+    def delete(self, vms: Sequence[Vm]) -> None:
+        """Delete ``vms``: every request first, then the waits. A VM already gone is fine."""
+        started = fan_out(vms, self._request_delete, name_of=lambda vm: vm.name)
         started.raise_if_failed("delete VMs")
-        deleted = []
         for result in started.succeeded:
-            assert result.value is not None
-            errors = self.wait(result.value, f"delete VM {result.name}")
+            errors = self.wait(result.value, f"delete VM {result.name}") if result.value else ()
             if errors:
                 raise ProviderError(f"deleting VM {result.name} failed: {_describe(errors)}",
                                     fix="run 'orchestrate down' again, or delete it in the console")
-            deleted.append(result.name)
-        return deleted
+
+    def _request_delete(self, vm: Vm) -> OpRef | None:
+        try:
+            return self.compute.delete(vm.zone, vm.name)
+        except ComputeError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def teardown(self) -> list[Vm]:
         """Wait for operations an interrupted ``up`` left, then delete every labelled VM."""
@@ -205,6 +211,39 @@ class Fleet:
             removed += found
         return removed
 
+    def refresh_keys(self, vms: Sequence[Vm], public_line: str, ssh_keys: str) -> None:
+        """VMs made with another key (the local key pair was lost) get the current one."""
+        for vm in vms:
+            if public_line not in vm.ssh_keys:
+                items = gce.metadata_items(self.config, ssh_keys)
+                self.wait_ok(self.compute.set_metadata(vm, items), f"set the SSH key of {vm.name}")
+
+    def ensure_firewall(self, ports: PortRange) -> None:
+        """One rule for the gRPC port range, from and to the cluster's network tag only."""
+        rule = gce.firewall_rule(self.config, self.cluster, ports)
+        found = self.compute.get_firewall(rule.name)
+        if found is not None and found.description != rule.description:
+            raise ProviderError(
+                f"firewall rule {rule.name} exists in project {self.config.project} and is not "
+                f"this cluster's (its description: {found.description!r})",
+                fix="delete or rename that rule, or give the cluster another name")
+        if found is not None and list(found.allowed) == list(rule.allowed):
+            return
+        if found is not None:  # the spec's port range changed since the rule was made
+            self.wait_ok(self.compute.delete_firewall(rule.name), f"replace {rule.name}")
+        self.wait_ok(self.compute.insert_firewall(rule), f"create firewall rule {rule.name}")
+
+    def delete_firewall(self) -> Literal["deleted", "absent", "foreign"]:
+        """Delete the cluster's rule; a rule of that name that is not ours is left alone."""
+        name = names.firewall_name(self.cluster)
+        rule = self.compute.get_firewall(name)
+        if rule is None:
+            return "absent"
+        if rule.description != names.firewall_description(self.cluster):
+            return "foreign"
+        self.wait_ok(self.compute.delete_firewall(name), f"delete firewall rule {name}")
+        return "deleted"
+
     def settle(self) -> None:
         for ref in self.journal.pending():
             self.wait(ref, f"operation {ref.name} of an earlier command")
@@ -216,14 +255,20 @@ class Fleet:
         self.journal.done(ref)
         return errors
 
+    def wait_ok(self, ref: OpRef, what: str) -> None:
+        errors = self.wait(ref, what)
+        if errors:
+            raise ProviderError(f"{what} failed: {_describe(errors)}",
+                                fix="fix what the message names and run the command again")
+
     def _check_deadline(self, deadline: float, vms: list[Vm]) -> None:
         if self.clock() < deadline:
             return
         states = ", ".join(f"{vm.name}: {vm.status}" for vm in vms if vm.status != "RUNNING")
         raise ProviderError(
-            f"VMs of {self.cluster} are not running after {self.config.boot_timeout_s:.0f}s "
-            f"({states})",
-            fix="look at them in the console (serial port output), or raise provider.boot_timeout_s",
+            f"VMs of {self.cluster} are not running in time ({states})",
+            fix="look at them in the console (serial port output); raise provider.boot_timeout_s "
+            "(for up) or timeouts.repair_s (for recovery during train)",
         )
 
 
@@ -237,8 +282,10 @@ def _capacity_error(config: GcpProvider, count: int, failures: tuple[ZoneFailure
     lines = "\n".join(f"  {f.zone}: {f.code}: {f.message}" for f in failures)
     quotas = [f for f in failures if f.is_quota]
     if quotas:
-        fix = (f"request more quota ({quotas[0].message.split('.')[0]}) in the console under "
-               "IAM & Admin > Quotas, or add zones of other regions to provider.zones")
+        named = QUOTA_NAME.search(quotas[0].message)
+        quota = f"{named[1]} quota in region {named[2]}" if named else "quota"
+        fix = (f"request more {quota} (console: IAM & Admin > Quotas), or add zones of other "
+               "regions to provider.zones")
     else:
         fix = ("add more zones to provider.zones, try again later, or choose another "
                "provider.machine_type")

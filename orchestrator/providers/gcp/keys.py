@@ -1,4 +1,4 @@
-"""The per-cluster SSH key pair: the private half stays on this machine, the public half goes to the VMs."""
+"""The per-cluster SSH key pair: the private half stays here, the public half goes to the VMs."""
 
 from __future__ import annotations
 

@@ -1,0 +1,123 @@
+"""The gcp provider end to end: fake Compute Engine VMs backed by namespace hosts, real sshd and TF."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_compute import FakeCompute, LabBacking
+from hostlab import HostLab, LabHost
+
+from orchestrator.api import Cluster
+from orchestrator.events import Event
+from orchestrator.providers.gcp.compute import ENDPOINT_ENV
+from orchestrator.providers.gcp.provider import GcpProvider
+from orchestrator.supervisor import RunView
+
+pytestmark = [pytest.mark.ssh, pytest.mark.netns]
+REPO = Path(__file__).resolve().parent.parent
+LABEL = ("orchestrate-cluster", "gcp-e2e")
+
+
+@pytest.fixture
+def lab_hosts(hostlab: HostLab) -> list[LabHost]:
+    return hostlab.hosts(3)
+
+
+@pytest.fixture
+def fake(lab_hosts: list[LabHost], monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCompute]:
+    with FakeCompute(latency_s=0.1, boot_s=0.1,
+                     backing=[LabBacking(h) for h in lab_hosts]) as server:
+        monkeypatch.setenv(ENDPOINT_ENV, server.url)
+        yield server
+
+
+def write_spec(tmp_path: Path, lab: HostLab, workers: int = 3, **extra: object) -> Path:
+    path = tmp_path / "gcp-e2e.yaml"
+    path.write_text(json.dumps({
+        "name": "gcp-e2e", "workers": workers, "workdir": str(REPO),
+        "provider": {"kind": "gcp", "project": "test-project", "zones": ["us-central1-a"],
+                     "spot": True, "ssh_user": lab.shared_user(), "python": sys.executable,
+                     "connect_timeout_s": 2, "boot_timeout_s": 60},
+        **extra,
+    }))
+    return path
+
+
+def cli(*args: str, home: Path, endpoint: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ORCHESTRATE_HOME": str(home), ENDPOINT_ENV: endpoint})
+
+
+def test_up_reaches_each_vm_with_its_published_host_key_and_a_second_up_attaches(
+        hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path) -> None:
+    path = write_spec(tmp_path, hostlab, job={"module": "examples.digits"})
+    hosts = Cluster.from_spec(path).up()
+    labs = {lab.address: lab for lab in lab_hosts}
+    assert [h.name for h in hosts] == ["gcp-e2e-0", "gcp-e2e-1", "gcp-e2e-2"]  # the chief first
+    assert sorted(labs) == sorted(h.address for h in hosts)
+    for host in hosts:  # strict host keys: the one each VM published, no trust on first use
+        lab = labs[host.address]
+        assert host.ssh and host.ssh.host_keys == (lab.host_key_line,)
+        assert not host.ssh.trust_on_first_use and host.root.startswith(lab.home)
+        code = f"{host.root}/code/examples/digits.py"  # in the VM's own home, as on its own disk
+        assert lab.run(["test", "-f", code]).returncode == 0
+
+    assert Cluster.from_spec(path).up() == hosts
+    assert fake.calls["instances.bulkInsert"] == 1
+
+    cluster = Cluster.from_spec(path)
+    provider = cluster.provider
+    assert isinstance(provider, GcpProvider)
+    old_key = labs[hosts[1].address].host_key_line
+    provider.compute.wait(provider.compute.delete("us-central1-a", "gcp-e2e-1"), "delete a VM")
+    again = cluster.up()
+    creates = [body for method, _, body in fake.requests if method == "instances.bulkInsert"]
+    assert [sorted(body["perInstanceProperties"]) for body in creates] == [
+        ["gcp-e2e-0", "gcp-e2e-1", "gcp-e2e-2"], ["gcp-e2e-1"]]
+    new_key = labs[again[1].address].host_key_line  # a re-created VM is a new machine
+    assert again[1].ssh and again[1].ssh.host_keys == (new_key,) and new_key != old_key
+    cluster.down()
+    assert fake.instances() == [] and fake.firewalls() == []
+
+
+@pytest.mark.tf
+def test_up_train_preempt_recover_down(hostlab: HostLab, lab_hosts: list[LabHost],
+                                       fake: FakeCompute, tmp_path: Path,
+                                       orchestrate_home: Path) -> None:
+    path = write_spec(tmp_path, hostlab,
+                      job={"module": "examples.digits", "epochs": 2, "steps_per_epoch": 40,
+                           "progress_every_steps": 1},
+                      checkpoint={"every_steps": 10},
+                      retry={"max_restarts": 2, "backoff_initial_s": 0.5, "backoff_max_s": 2},
+                      timeouts={"stop_grace_s": 2})
+    up = cli("up", str(path), home=orchestrate_home, endpoint=fake.url)
+    assert up.returncode == 0, up.stdout + up.stderr
+    preempted: list[int] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if (event is not None and event.kind == "progress" and event.task == "worker:2"
+                and event.attempt == 1 and event.get("step") >= 25 and not preempted):
+            preempted.append(event.get("step"))
+            fake.preempt("gcp-e2e-2")
+
+    cluster = Cluster.from_spec(path)
+    result = cluster.train(listener=listener).wait()
+    assert preempted and result.status == "succeeded"
+    first, second = result.attempts[:2]
+    assert (first.cause, first.failed_task) == ("preempted", "worker:2")
+    assert second.resumed_from_step and second.resumed_from_step > 0
+    assert len(set(result.digests.values())) == 1
+    assert fake.calls["instances.start"] == 1 and fake.calls["instances.bulkInsert"] == 1
+    assert len(fake.operations("compute.instances.preempted")) == 1
+
+    down = cli("down", str(path), home=orchestrate_home, endpoint=fake.url)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "removed VM us-central1-a/gcp-e2e-2" in down.stdout
+    assert fake.instances(LABEL) == [] and fake.firewalls() == []
