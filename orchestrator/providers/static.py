@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
-import shlex
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import worker as worker_package
 from orchestrator import spec as specs
 from orchestrator.errors import ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
+from orchestrator.providers import hostprep
 from orchestrator.providers.base import DownReport, Provider
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import sync_dir
 from orchestrator.spec import ClusterSpec
-
-SETUP_STAMP = ".orchestrate-setup"
-PORT_PROBE = (
-    "import socket, sys\n"
-    "start, end, want = map(int, sys.argv[1:4])\n"
-    "free = 0\n"
-    "for port in range(start, end + 1):\n"
-    "    if free >= want:\n"
-    "        break\n"
-    "    s = socket.socket()\n"
-    "    try:\n"
-    "        s.bind(('', port)); free += 1\n"
-    "    except OSError:\n"
-    "        print(port)\n"
-    "    finally:\n"
-    "        s.close()\n"
-)
 
 
 class StaticProvider(Provider):
@@ -110,35 +90,12 @@ class StaticProvider(Provider):
 
     def prepare(self, host: Host) -> bool:
         """Idempotent: returns whether anything changed on the host."""
-        runner = self.runner(host)
-        workdir = specs.workdir_of(self.spec, self.spec_path)
-        code_changed = sync_dir(runner, str(workdir), f"{host.root}/code",
-                                self.config.sync_excludes)
-        lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent),
-                               f"{host.root}/lib/worker", ("__pycache__", "*.pyc"))
-        stamp = hashlib.sha256("\n".join(self.config.setup).encode()).hexdigest()
-        stamp_path = shlex.quote(f"{host.root}/{SETUP_STAMP}")
-        current = runner.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
-        if not self.config.setup or (current == stamp and not code_changed):
-            return code_changed or lib_changed
-        code_dir = shlex.quote(f"{host.root}/code")
-        for command in self.config.setup:
-            # Setup commands are the user's own shell, run as written in the synced code dir.
-            runner.run(f"cd {code_dir} && {command}", timeout_s=3600)
-        runner.run(f"echo {stamp} > {stamp_path}")
-        return True
+        return hostprep.prepare(self.runner(host), host,
+                                workdir=specs.workdir_of(self.spec, self.spec_path),
+                                excludes=self.config.sync_excludes, setup=self.config.setup)
 
     def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
-        start, end = self.spec.ports.start, self.spec.ports.end
-
-        def probe(host: Host) -> list[int]:
-            argv = [self.config.python, "-c", PORT_PROBE, str(start), str(end), "4"]
-            out = self.runner(host).run(argv, timeout_s=30).stdout
-            return [int(p) for p in out.split()]
-
-        result = fan_out(hosts, probe, name_of=lambda h: h.name)
-        by_name = {h.name: h for h in hosts}
-        return {(by_name[r.name].address, p) for r in result.succeeded for p in r.value or []}
+        return hostprep.busy_ports(hosts, self.runner, self.config.python, self.spec.ports)
 
     def down(self) -> DownReport:
         """Remove this cluster's directory on every host; nothing else is touched."""

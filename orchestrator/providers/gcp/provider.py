@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shlex
 import tempfile
 import threading
 import time
@@ -14,17 +12,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import worker as worker_package
 from orchestrator import spec as specs
 from orchestrator.errors import AuthError, HostUnreachableError, ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
+from orchestrator.providers import hostprep
 from orchestrator.providers.base import DownReport, HostHealth, Provider
 from orchestrator.providers.gcp import names
 from orchestrator.providers.gcp.keys import PRIVATE_NAME, KeyPair, ensure_key_pair, remove_key_pair
-from orchestrator.providers.static import PORT_PROBE, SETUP_STAMP
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import sync_dir
 from orchestrator.spec import ClusterSpec
 from orchestrator.state import home
 
@@ -237,34 +233,13 @@ class GcpProvider(Provider):
         return self.config.python
 
     def prepare(self, host: Host) -> bool:
-        """Sync the code and the worker package, run setup when it or the code changed."""
-        runner = self.runner(host)
-        workdir = specs.workdir_of(self.spec, self.spec_path)
-        code_changed = sync_dir(runner, str(workdir), f"{host.root}/code", self.config.sync_excludes)
-        lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent),
-                               f"{host.root}/lib/worker", ("__pycache__", "*.pyc"))
-        stamp = hashlib.sha256("\n".join(self.config.setup).encode()).hexdigest()
-        stamp_path = shlex.quote(f"{host.root}/{SETUP_STAMP}")
-        current = runner.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
-        if not self.config.setup or (current == stamp and not code_changed):
-            return code_changed or lib_changed
-        code_dir = shlex.quote(f"{host.root}/code")
-        for command in self.config.setup:
-            # Setup commands are the user's own shell, run as written in the synced code dir.
-            runner.run(f"cd {code_dir} && {command}", timeout_s=3600)
-        runner.run(f"echo {stamp} > {stamp_path}")
-        return True
+        """Idempotent: returns whether anything changed on the host."""
+        return hostprep.prepare(self.runner(host), host,
+                                workdir=specs.workdir_of(self.spec, self.spec_path),
+                                excludes=self.config.sync_excludes, setup=self.config.setup)
 
     def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
-        start, end = self.spec.ports.start, self.spec.ports.end
-
-        def probe(host: Host) -> list[int]:
-            argv = [self.config.python, "-c", PORT_PROBE, str(start), str(end), "4"]
-            return [int(p) for p in self.runner(host).run(argv, timeout_s=30).stdout.split()]
-
-        result = fan_out(hosts, probe, name_of=lambda h: h.name)
-        by_name = {h.name: h for h in hosts}
-        return {(by_name[r.name].address, p) for r in result.succeeded for p in r.value or []}
+        return hostprep.busy_ports(hosts, self.runner, self.config.python, self.spec.ports)
 
     def host_health(self, host: Host) -> HostHealth:
         """From the API: gone, preempted (a stopped spot VM), booting; if running, over SSH."""
