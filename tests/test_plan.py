@@ -137,3 +137,10 @@ def test_loopback_hosts_on_one_machine_get_distinct_ports() -> None:
     hosts = [remote("a", "127.0.0.2"), remote("b", "127.0.0.3")]
     p = build(make_spec(2), hosts)
     assert [t.endpoint for t in p.tasks] == ["127.0.0.2:23456", "127.0.0.3:23457"]
+
+
+def test_collective_timeout_reaches_the_worker_job() -> None:
+    p = build(make_spec(1, extra="timeouts: {collective_s: 45}\n"), local_hosts(1))
+    assert json.loads(p.tasks[0].argv[5])["collective_timeout_s"] == 45
+    p = build(make_spec(1), local_hosts(1))
+    assert json.loads(p.tasks[0].argv[5])["collective_timeout_s"] is None

@@ -54,3 +54,30 @@ def test_corrupt_store_gives_a_fix(orchestrate_home: Path) -> None:
     (orchestrate_home / "state.db").write_bytes(b"not a database" * 100)
     with pytest.raises(StateError, match="move the file aside"):
         Store()
+
+
+def test_a_store_from_before_the_recovery_columns_is_migrated(orchestrate_home: Path) -> None:
+    import sqlite3
+
+    orchestrate_home.mkdir(parents=True)
+    old = sqlite3.connect(orchestrate_home / "state.db")
+    old.executescript(
+        "CREATE TABLE runs (id TEXT PRIMARY KEY, cluster TEXT NOT NULL, status TEXT NOT NULL,"
+        " started_at REAL NOT NULL, ended_at REAL, metrics_json TEXT NOT NULL DEFAULT '{}',"
+        " model_path TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT '',"
+        " controller_pid INTEGER);"
+        "CREATE TABLE attempts (run_id TEXT NOT NULL, number INTEGER NOT NULL,"
+        " status TEXT NOT NULL, started_at REAL NOT NULL, ended_at REAL,"
+        " cause TEXT NOT NULL DEFAULT '', detail TEXT NOT NULL DEFAULT '',"
+        " failed_task TEXT NOT NULL DEFAULT '', exit_code INTEGER, resumed_from_step INTEGER,"
+        " last_step INTEGER, first_step_at REAL, tasks_json TEXT NOT NULL DEFAULT '[]',"
+        " PRIMARY KEY (run_id, number));"
+        "INSERT INTO runs (id, cluster, status, started_at) VALUES ('r0', 'c', 'succeeded', 1.0);"
+        "INSERT INTO attempts (run_id, number, status, started_at) VALUES ('r0', 1, 'ok', 1.0);"
+    )
+    old.close()
+    store = Store()
+    record = store.get_run("r0")
+    assert record.heartbeat_at is None and record.attempts[0].recovery_s is None
+    store.update_attempt("r0", 1, recovery_s=2.5, steps_lost=3)
+    assert store.attempts("r0")[0].recovery_s == 2.5
