@@ -95,13 +95,14 @@ def train_with_fault(hostlab: HostLab, tmp_path: Path, name: str, trigger: Trigg
     return result, fault
 
 
-def assert_recovered(result: RunResult, cause: str, task: str) -> AttemptRecord:
+def assert_recovered(result: RunResult, cause: str, task: str,
+                     max_lost: int = EVERY) -> AttemptRecord:
     assert result.status == "succeeded"
     assert len(set(result.digests.values())) == 1  # every worker ends with the same weights
     first = result.attempts[0]
     assert (first.cause, first.failed_task) == (cause, task), first
     assert first.detect_s is not None and first.recovery_s is not None and first.recovery_s > 0
-    assert first.steps_lost is not None and 0 <= first.steps_lost <= EVERY
+    assert first.steps_lost is not None and 0 <= first.steps_lost <= max_lost
     assert result.attempts[-1].status == "succeeded"
     assert result.attempts[1].resumed_from_step == (first.last_step or 0) - first.steps_lost
     assert Store().get_run(result.run_id).attempts[0].cause == cause
@@ -139,7 +140,10 @@ def test_chief_host_lost_with_its_disk_resumes_from_the_controllers_copy(
 
     result, _ = train_with_fault(hostlab, tmp_path, "f-chief", mirrored_the_latest,
                                  lose_chief_host)
-    assert_recovered(result, "host_lost", "worker:0")
+    # The chief's disk is gone, so the resume comes from this machine's copy, which trails the
+    # chief by one background pull: a checkpoint written just before the host vanished (and
+    # not yet seen here) is lost with it, so up to two intervals may be redone.
+    assert_recovered(result, "host_lost", "worker:0", max_lost=2 * EVERY)
     # the chief's runs/ directory was wiped: only this machine's copy can give a step >= 20
     assert (result.attempts[1].resumed_from_step or 0) >= 20
 

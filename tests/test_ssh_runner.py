@@ -117,7 +117,8 @@ def test_launch_spec_argv_env_and_cwd_arrive_literally(
         rc_path=f"{cwd}/task.rc",
         env={"HOSTILE_VAR": hostile},
     )
-    assert wait_for_exit(runner, runner.start(spec)) == TaskStatus(TaskState.EXITED, 0)
+    status = wait_for_exit(runner, runner.start(spec))
+    assert (status.state, status.exit_code) == (TaskState.EXITED, 0)
     for name, expected in (("argv.out", hostile), ("env.out", hostile), ("cwd.out", cwd + "\n")):
         runner.get_file(f"{cwd}/{name}", str(tmp_path / name))
         assert (tmp_path / name).read_bytes() == expected.encode()
@@ -155,7 +156,9 @@ def test_task_output_is_read_as_raw_bytes_and_its_exit_code_recorded(
 ) -> None:
     spec = task(host, "sh", "-c", "printf 'héllo ✓\\n'; sleep 0.2; printf 'second\\n'; exit 3")
     handle = runner.start(spec)
-    assert wait_for_exit(runner, handle) == TaskStatus(TaskState.EXITED, 3)
+    status = wait_for_exit(runner, handle)
+    assert (status.state, status.exit_code) == (TaskState.EXITED, 3)
+    assert status.ended_at is not None and abs(status.ended_at - time.time()) < 120
     expected = "héllo ✓\nsecond\n".encode()
     assert runner.read_log(handle, 0) == (expected, len(expected))
     assert runner.read_log(handle, 2) == (expected[2:], len(expected))  # inside 'é'
