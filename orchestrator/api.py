@@ -5,32 +5,126 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from orchestrator import doctor as doctoring
 from orchestrator import plan as planning
 from orchestrator import spec as specs
+from orchestrator.doctor import DoctorReport, TensorFlowImport
 from orchestrator.errors import StateError
-from orchestrator.events import LineBuffer, parse_line
+from orchestrator.events import Event, LineBuffer, parse_line
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.providers import DownReport, Provider, for_spec
-from orchestrator.remote.base import TaskHandle, TaskState
+from orchestrator.remote.base import Runner, TaskHandle, TaskState
 from orchestrator.spec import ClusterSpec
-from orchestrator.state import ClusterRecord, RunRecord, Store
-from orchestrator.supervisor import Listener, RunResult, Supervisor
+from orchestrator.state import AttemptRecord, ClusterRecord, RunRecord, Store
+from orchestrator.supervisor import Listener, RunResult, RunView, Supervisor
+
+if TYPE_CHECKING:
+    from orchestrator.console import NotebookProgress
 
 HEARTBEAT_STALE_S = 10.0
 
 
 @dataclass(frozen=True)
 class ClusterStatus:
+    """A cluster as the state store knows it, with its newest runs first."""
+
     name: str
     record: ClusterRecord | None
     runs: list[RunRecord]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape of ``orchestrate status --json`` (one entry of its "clusters")."""
+        record = self.record
+        return {
+            "name": self.name,
+            "provider": record.provider if record else None,
+            "status": record.status if record else "unknown",
+            "spec_path": record.spec_path if record else None,
+            "updated_at": record.updated_at if record else None,
+            "hosts": list(record.hosts) if record else [],
+            "runs": [_run_dict(r) for r in self.runs],
+        }
+
+
+def statuses(name: str | None = None, store: Store | None = None) -> list[ClusterStatus]:
+    """Every cluster in the store (or the one named), each with its runs.
+
+    Raises:
+        StateError: ``name`` is not a cluster the store knows.
+    """
+    store = store or Store()
+    found = [ClusterStatus(c.name, c, store.runs(c.name)) for c in store.clusters()
+             if name in (None, c.name)]
+    if name and not found:
+        known = ", ".join(c.name for c in store.clusters())
+        raise StateError(f"no cluster named {name!r}",
+                         fix=f"known clusters: {known}" if known else "no cluster has been "
+                         "used yet: start with 'orchestrate train SPEC'")
+    return found
+
+
+def _run_dict(run: RunRecord) -> dict[str, Any]:
+    return {
+        "id": run.id, "status": run.status, "started_at": run.started_at,
+        "ended_at": run.ended_at,
+        "seconds": round((run.ended_at or time.time()) - run.started_at, 3),
+        "controller_pid": run.controller_pid, "controller_alive": _controller_alive(run),
+        "metrics": run.metrics, "model_path": run.model_path, "message": run.message,
+        "restarts": max(0, len(run.attempts) - 1),
+        "attempts": [_attempt_dict(a) for a in run.attempts],
+    }
+
+
+def _attempt_dict(a: AttemptRecord) -> dict[str, Any]:
+    fields = asdict(a)
+    fields.pop("run_id")
+    fields["detect_s"] = a.detect_s
+    fields["tasks"] = [{k: t.get(k) for k in ("task", "host", "endpoint", "exit_code", "log")}
+                       for t in a.tasks]
+    return fields
+
+
+SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+def spec_schema() -> dict[str, Any]:
+    """The JSON Schema of spec files, for editors to validate and complete them."""
+    return {"$schema": SCHEMA_DIALECT, **ClusterSpec.model_json_schema()}
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """The global batch size and learning rate for a number of replicas in sync.
+
+    ``replicas_known`` is False when the number is assumed: one replica per task, as on
+    CPU hosts (a task with N GPUs runs N replicas; ``Cluster.doctor()`` counts them).
+    """
+
+    replicas: int
+    replicas_known: bool
+    per_replica_batch_size: int | None
+    global_batch_size: int | None
+    learning_rate: float | None
+    scaled_learning_rate: float | None
+    scale_learning_rate: bool
+
+    @classmethod
+    def of(cls, plan: ClusterPlan, replicas: int | None = None) -> Scaling:
+        n = replicas or len(plan.tasks)
+        per, lr = plan.per_replica_batch_size, plan.learning_rate
+        return cls(
+            replicas=n, replicas_known=replicas is not None, per_replica_batch_size=per,
+            global_batch_size=per * n if per is not None else None, learning_rate=lr,
+            scaled_learning_rate=lr * n if lr is not None and plan.scale_learning_rate else lr,
+            scale_learning_rate=plan.scale_learning_rate,
+        )
 
 
 class Cluster:
@@ -81,8 +175,8 @@ class Cluster:
         return hosts
 
     def plan(self) -> ClusterPlan:
-        """What ``train`` would launch, without touching any host."""
-        hosts = self.provider.hosts()
+        """What ``train`` would launch, without touching any host or cloud API."""
+        hosts = self.provider.planned_hosts()
         return planning.build(
             self.spec,
             hosts,
@@ -91,17 +185,83 @@ class Cluster:
             local_workdir=str(self.workdir),
         )
 
+    def doctor(self, *, tensorflow: TensorFlowImport = "auto") -> DoctorReport:
+        """Check every host in parallel: SSH, Python, TensorFlow, GPUs, disk, ports, and every
+        host's TCP connection to every other host's task port. What it finds is in the report
+        (``report.blocking``, ``report.raise_if_blocking()``); it raises for none of it.
+
+        Args:
+            tensorflow: "auto" imports TensorFlow only on hosts with GPUs (to see the GPUs it
+                sees); "always" everywhere (seconds per host); "never".
+        """
+        plan = self.plan()
+        machines = doctoring.machines_of(plan, self.provider.python)
+        own: dict[str, Runner] = {}
+
+        def runner(host: Host) -> Runner:
+            if host.ssh is None:
+                return self.provider.runner(host)
+            if host.name not in own:
+                from orchestrator.remote.ssh import SSHRunner
+
+                own[host.name] = SSHRunner(host.name, host.ssh,
+                                           connect_deadline_s=host.ssh.connect_timeout_s)
+            return own[host.name]
+
+        for machine in machines:  # made here, not in the checks' threads
+            runner(machine.host)
+        try:
+            return doctoring.examine(self.spec, self.provider.kind, plan, machines, runner,
+                                     tensorflow=tensorflow)
+        finally:
+            for r in own.values():
+                r.close()
+
+    def scaling(self, replicas: int | None = None) -> Scaling:
+        """Global batch size and learning rate, for ``replicas`` (default: one per task)."""
+        return Scaling.of(self.plan(), replicas)
+
     def train(self, *, listener: Listener | None = None, wait: bool = True,
-              attach: bool = False) -> Run:
+              attach: bool = False, doctor: bool = True, progress: bool | None = None,
+              on_doctor: Callable[[DoctorReport], None] | None = None) -> Run:
         """Run the job, restarting the whole group on failure; with ``wait=False``, in a thread.
 
-        With ``attach``, take over the cluster's running run whose controller died (its
-        tasks kept training) and supervise it to the end.
+        Args:
+            listener: called with the run view and each event (drives a display).
+            attach: take over the cluster's running run whose controller died (its tasks
+                kept training) and supervise it to the end.
+            doctor: check every host once it is up (``doctor()``: after setup, which may
+                install TensorFlow) and refuse to start on a blocking problem.
+            progress: show the live view in a Jupyter notebook; default: when running in one
+                and no ``listener`` is given.
+            on_doctor: called with the doctor's report before anything starts.
 
         Raises:
+            DoctorFailed: the doctor found a blocking problem (the report lists them).
             StateError: a run is already in progress (attach to it or stop it), or
                 ``attach`` found nothing to attach to.
         """
+        active = self._active_runs(attach)
+        if not attach:
+            self.up()  # idempotent: re-syncs only what changed since the last up
+        if doctor and not attach:
+            report = self.doctor()
+            if on_doctor is not None:
+                on_doctor(report)
+            report.raise_if_blocking()
+        display = _notebook_display(listener, progress)
+        supervisor = Supervisor(self.spec, self.provider, self.store, workdir=self.workdir,
+                                listener=_both(display, listener))
+        run = Run(self, supervisor, active[0].id if attach else self.store.new_run(self.name),
+                  attach=attach, display=display)
+        if wait:
+            run._run()
+        else:
+            run._start_thread()
+        return run
+
+    def _active_runs(self, attach: bool) -> list[RunRecord]:
+        """Runs still marked running; refuses to start beside a live one."""
         active = [r for r in self.store.runs(self.name, limit=20) if r.status == "running"]
         live = [r for r in active if _controller_alive(r)]
         if live:
@@ -121,18 +281,7 @@ class Cluster:
                 fix=f"take it over with 'orchestrate train {self.spec_path.name} --attach', "
                 f"or stop it with 'orchestrate down {self.spec_path.name}'",
             )
-        if not attach:
-            self.up()  # idempotent: re-syncs only what changed since the last up
-        supervisor = Supervisor(
-            self.spec, self.provider, self.store, workdir=self.workdir, listener=listener
-        )
-        run = Run(self, supervisor, active[0].id if attach else self.store.new_run(self.name),
-                  attach=attach)
-        if wait:
-            run._run()
-        else:
-            run._start_thread()
-        return run
+        return active
 
     def down(self) -> DownReport:
         """Stop every task this cluster started, then remove what ``up`` made."""
@@ -191,6 +340,10 @@ class Cluster:
         attempt from ``attempt`` (default: the last) on, as it is written, until the run ends.
         """
         record = self.run(run_id)
+        known = sorted({str(t["task"]) for a in record.attempts for t in a.tasks})
+        if task is not None and known and task not in known:
+            raise StateError(f"run {record.id} has no task {task!r} (its tasks: "
+                             f"{', '.join(known)})", fix=f"name one of them, e.g. --task {known[-1]}")
         hosts = {h.name: h for h in self.provider.hosts()}
         readers: dict[tuple[int, str], tuple[int, LineBuffer]] = {}
         first = attempt or max(len(record.attempts), 1)
@@ -240,6 +393,24 @@ class Cluster:
         self.down()
 
 
+def _notebook_display(listener: Listener | None, progress: bool | None) -> NotebookProgress | None:
+    from orchestrator.console import NotebookProgress, in_notebook
+
+    wanted = progress if progress is not None else listener is None and in_notebook()
+    return NotebookProgress() if wanted else None
+
+
+def _both(first: Listener | None, second: Listener | None) -> Listener | None:
+    if first is None or second is None:
+        return first or second
+
+    def call(view: RunView, event: Event | None) -> None:
+        first(view, event)
+        second(view, event)
+
+    return call
+
+
 def _controller_alive(run: RunRecord) -> bool:
     """A controller heartbeats every 2 s; one silent for 10 s, or whose pid is gone, is dead.
 
@@ -262,11 +433,12 @@ class Run:
     """One training run; ``wait()`` for its result, or inspect it while it runs."""
 
     def __init__(self, cluster: Cluster, supervisor: Supervisor, run_id: str,
-                 attach: bool = False) -> None:
+                 attach: bool = False, display: NotebookProgress | None = None) -> None:
         self.cluster = cluster
         self.supervisor = supervisor
         self.id = run_id
         self.attach = attach
+        self._display = display
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -278,6 +450,9 @@ class Run:
             self._error = exc
             if self._thread is None:
                 raise
+        finally:
+            if self._display is not None:
+                self._display.finish(self.supervisor.view, self._result)
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="orchestrate-run", daemon=True)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -47,23 +47,39 @@ def validate(spec_file: SpecArg) -> None:
 @app.command()
 def plan(spec_file: SpecArg,
          as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False) -> None:
-    """Show every task's host, port, TF_CONFIG and command, touching nothing."""
-    from orchestrator.api import Cluster
+    """Show the hosts, every task's address, port, TF_CONFIG and command, touching nothing."""
+    from orchestrator.api import Cluster, Scaling
+    from orchestrator.console import plan_document, render_plan
 
-    p = Cluster.from_spec(spec_file).plan()
-    tasks: list[dict[str, Any]] = [
-        {"task": t.key, "host": t.host.name, "endpoint": t.endpoint, "tf_config": t.tf_config,
-         "cwd": t.cwd, "argv": list(t.argv)}
-        for t in p.tasks
-    ]
+    cluster = Cluster.from_spec(spec_file)
+    p = cluster.plan()
+    document = plan_document(cluster, p, Scaling.of(p))
     if as_json:
-        out.print_json(json.dumps({"cluster": p.cluster, "chief": p.chief_key, "tasks": tasks}))
-        return
-    for t in tasks:
-        out.print(f"[bold]{t['task']}[/] on {t['host']} at {t['endpoint']}")
-        out.print(f"  TF_CONFIG={json.dumps(t['tf_config'])}")
-        out.print(f"  cwd: {t['cwd']}")
-        out.print(f"  command: {' '.join(t['argv'][:4])} ...")
+        out.print_json(json.dumps(document))
+    else:
+        render_plan(out, document)
+
+
+@app.command()
+def doctor(
+    spec_file: SpecArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False,
+    import_tf: Annotated[bool, typer.Option(
+        "--import-tf", help="Import TensorFlow on every host (seconds each); by default only "
+        "on hosts with GPUs, to see the GPUs it sees.")] = False,
+) -> None:
+    """Check every host in parallel: SSH, Python, TensorFlow, GPUs, disk, ports, network."""
+    from orchestrator.api import Cluster
+    from orchestrator.console import render_doctor
+
+    cluster = Cluster.from_spec(spec_file)
+    report = cluster.doctor(tensorflow="always" if import_tf else "auto")
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        render_doctor(out, report, cluster.scaling(report.replicas))
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -83,18 +99,25 @@ def train(
     plain: Annotated[bool, typer.Option(help="Plain lines even on a terminal.")] = False,
     attach: Annotated[bool, typer.Option(
         help="Take over a running run whose controller died; its tasks kept training.")] = False,
+    run_doctor: Annotated[bool, typer.Option(
+        "--doctor/--no-doctor", help="Check every host first and stop on a blocking problem.")]
+    = True,
 ) -> None:
-    """Launch every task, stream progress, recover from failures, print the result."""
+    """Launch every task, show live progress, recover from failures, print the result."""
     from orchestrator.api import Cluster
-    from orchestrator.console import LiveProgress, PlainProgress, summary
+    from orchestrator.console import LiveProgress, PlainProgress, doctor_brief
+    from orchestrator.console import summary as show_summary
 
     cluster = Cluster.from_spec(spec_file)
+    train_with = functools.partial(cluster.train, attach=attach, doctor=run_doctor,
+                                   on_doctor=lambda report: doctor_brief(out, report))
     if out.is_terminal and not plain:
         with LiveProgress(out) as live:
-            run = cluster.train(listener=live, attach=attach)
+            run = train_with(listener=live)
     else:
-        run = cluster.train(listener=PlainProgress(out), attach=attach)
-    summary(out, run.wait())
+        run = train_with(listener=PlainProgress(out))
+    show_summary(out, run.wait())
+    out.print(f"  logs: orchestrate logs {cluster.name} --run {run.id}", highlight=False)
 
 
 @app.command()
@@ -115,36 +138,17 @@ def down(spec_file: SpecArg) -> None:
 @app.command()
 def status(
     name: Annotated[str | None, typer.Argument(help="Cluster name; all when omitted.")] = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False,
 ) -> None:
-    """Clusters, their runs and every attempt with its cause."""
-    from dataclasses import asdict
+    """Clusters, their hosts and state, runs with every attempt, its cause and recovery figures."""
+    from orchestrator.api import statuses
+    from orchestrator.console import render_status
 
-    from orchestrator.state import Store
-
-    store = Store()
-    clusters = [c for c in store.clusters() if name in (None, c.name)]
-    if name and not clusters:
-        raise StateError(f"no cluster named {name!r}", fix="see 'orchestrate status'")
-    data: list[dict[str, Any]] = [
-        {"cluster": asdict(c), "runs": [asdict(r) for r in store.runs(c.name)]} for c in clusters
-    ]
+    clusters = [c.to_dict() for c in statuses(name)]
     if as_json:
-        out.print_json(json.dumps(data))
-        return
-    for entry in data:
-        c = entry["cluster"]
-        out.print(f"[bold]{c['name']}[/] ({c['provider']}) {c['status']}, spec {c['spec_path']}")
-        for h in c["hosts"]:
-            out.print(f"  host {h['name']} {h['address']}")
-        for r in entry["runs"]:
-            out.print(f"  run {r['id']} {r['status']} "
-                      f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(r['started_at']))} "
-                      f"{json.dumps(r['metrics']) if r['metrics'] else ''}")
-            for a in r["attempts"]:
-                out.print(f"    attempt {a['number']}: {a['status']} from step "
-                          f"{a['resumed_from_step'] or 0} to {a['last_step'] or 0}"
-                          f"{_attempt_figures(a)}", markup=False)
+        out.print_json(json.dumps({"clusters": clusters}))
+    else:
+        render_status(out, clusters)
 
 
 @app.command()
@@ -156,8 +160,9 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")]
     = False,
 ) -> None:
-    """Each task's output, prefixed with its role and index."""
+    """Every task's output (or one task's), each line prefixed with its role and index."""
     from orchestrator.api import Cluster
+    from orchestrator.console import log_line
     from orchestrator.state import Store
 
     record = Store().get_cluster(name)
@@ -165,20 +170,15 @@ def logs(
         raise StateError(f"no cluster named {name!r}", fix="see 'orchestrate status'")
     cluster = Cluster.from_spec(record.spec_path)
     for key, line in cluster.logs(run, task=task, attempt=attempt, follow=follow):
-        out.print(f"[cyan]\\[{key}][/] {line}", markup=True, highlight=False, soft_wrap=True)
+        log_line(out, key, line)
 
 
-def _attempt_figures(a: dict[str, Any]) -> str:
-    if not a["cause"]:
-        return ""
-    parts = [f"{a['cause']} in {a['failed_task']}: {a['detail'].splitlines()[0][:160]}"]
-    if a["failed_at"] is not None and a["detected_at"] is not None:
-        parts.append(f"detected in {max(0.0, a['detected_at'] - a['failed_at']):.1f}s")
-    if a["recovery_s"] is not None:
-        parts.append(f"back to training {a['recovery_s']:.1f}s after the failure")
-    if a["steps_lost"] is not None:
-        parts.append(f"{a['steps_lost']} step(s) redone")
-    return "; " + "; ".join(parts)
+@app.command()
+def schema() -> None:
+    """Print the spec file's JSON Schema, for editors to validate and complete spec files."""
+    from orchestrator.api import spec_schema
+
+    out.print_json(json.dumps(spec_schema()))
 
 
 def main() -> None:

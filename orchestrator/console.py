@@ -1,23 +1,60 @@
-"""How a run looks to the operator: a live rich table on a terminal, plain lines otherwise."""
+"""How things look to the operator: live views of a run (terminal, notebook, plain lines), and
+the plan, doctor, status and logs renderings of the CLI."""
 
 from __future__ import annotations
 
+import io
+import json
+import shlex
+import sys
 import time
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, Group
-from rich.live import Live
+from rich.console import Console, Group, RenderableType
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from orchestrator.events import Event
 from orchestrator.supervisor import RunResult, RunView
+
+if TYPE_CHECKING:
+    from orchestrator.api import Cluster, Scaling
+    from orchestrator.doctor import DoctorReport, HostCheck
+    from orchestrator.plan import ClusterPlan
+
+TASK_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_green",
+                "bright_magenta")
+STATE_STYLES = {"starting": "dim", "connected": "cyan", "training": "green", "running": "green",
+                "finished": "bold green", "failed": "bold red", "error": "bold red",
+                "lost": "bold magenta"}
+NOTEBOOK_PRE = ("<pre style=\"white-space:pre;overflow-x:auto;line-height:1.25;"
+                "font-family:Menlo,'DejaVu Sans Mono',consolas,monospace\">{code}</pre>")
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def task_style(key: str) -> str:
+    """A colour per task, the same in every command: the chief bold, workers by index."""
+    role, _, index = key.partition(":")
+    if role == "chief":
+        return "bold bright_white"
+    return TASK_COLOURS[int(index) % len(TASK_COLOURS)] if index.isdigit() else "white"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+# -- a run, live -------------------------------------------------------------------------------
 class PlainProgress:
     """One line per notable event; progress at most every ``every_s`` seconds per run."""
 
@@ -43,18 +80,50 @@ class PlainProgress:
                                markup=False, highlight=False)
 
 
-class LiveProgress:
-    """A table with one row per task and an overall bar with ETA, redrawn in place."""
+class RunFrame:
+    """The picture of a run: a row per task, the overall bar with ETA, the latest messages."""
 
-    def __init__(self, console: Console) -> None:
-        self.console = console
+    def __init__(self) -> None:
         self.bar = Progress(
             TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         )
         self._bar_id = self.bar.add_task("steps", total=None)
+
+    def render(self, view: RunView) -> RenderableType:
+        steps = min((t.step for t in view.tasks.values()), default=0)
+        self.bar.update(self._bar_id, completed=steps, total=view.total_steps,
+                        description=f"attempt {view.attempt}")
+        messages = [Text(m, style="dim") for m in view.messages[-4:]]
+        return Group(self.table(view), self.bar, *messages)
+
+    @staticmethod
+    def table(view: RunView) -> Table:
+        title = f"{view.cluster}  run {view.run_id}  attempt {view.attempt}"
+        if view.attempt > 1:
+            title += f" ({view.attempt - 1} restart{'s' if view.attempt > 2 else ''})"
+        table = Table(title=title, expand=False, title_justify="left")
+        for column in ("task", "host", "state", "step", "loss", "steps/s", "last event"):
+            table.add_column(column, justify="right" if column in ("step", "loss", "steps/s")
+                             else "left", no_wrap=True)
+        total = f"/{view.total_steps}" if view.total_steps else ""
+        for t in view.tasks.values():
+            table.add_row(Text(t.key, style=task_style(t.key)), t.host,
+                          Text(t.state, style=STATE_STYLES.get(t.state, "")),
+                          f"{t.step}{total}", _fmt(t.loss, ".4f"), _fmt(t.steps_per_s, ".1f"),
+                          t.last_event)
+        return table
+
+
+class LiveProgress:
+    """The run's frame on a terminal, redrawn in place (rich Live) a few times a second."""
+
+    def __init__(self, console: Console) -> None:
+        from rich.live import Live
+
+        self.console = console
+        self.frame = RunFrame()
         self.live = Live(console=console, refresh_per_second=4, transient=False)
-        self._view: RunView | None = None
 
     def __enter__(self) -> LiveProgress:
         self.live.__enter__()
@@ -64,27 +133,80 @@ class LiveProgress:
         self.live.__exit__(*exc)
 
     def __call__(self, view: RunView, event: Event | None) -> None:
-        self._view = view
-        steps = max((t.step for t in view.tasks.values()), default=0)
-        self.bar.update(self._bar_id, completed=steps, total=view.total_steps,
-                        description=f"attempt {view.attempt}")
-        self.live.update(Group(self._table(view), self.bar, *view.messages[-4:]))
+        self.live.update(self.frame.render(view))
 
-    def _table(self, view: RunView) -> Table:
-        table = Table(title=f"{view.cluster}  run {view.run_id}", expand=False)
-        for column in ("task", "address", "state", "step", "loss", "steps/s", "last event"):
-            table.add_column(column, justify="right" if column in ("step", "loss", "steps/s")
-                             else "left")
-        for t in view.tasks.values():
-            table.add_row(t.key, t.endpoint, t.state, str(t.step), _fmt(t.loss, ".4f"),
-                          _fmt(t.steps_per_s, ".1f"), t.last_event)
-        return table
+
+class NotebookProgress:
+    """The run's frame in a Jupyter notebook: one output updated in place through IPython's
+    display handles (no ipywidgets needed), at most every ``every_s`` seconds."""
+
+    def __init__(self, every_s: float = 0.5, width: int = 110) -> None:
+        self.every_s = every_s
+        self.width = width
+        self.frame = RunFrame()
+        self._handle: Any = None
+        self._last = 0.0
+
+    def __call__(self, view: RunView, event: Event | None) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            self._show(self.frame.render(view))
+
+    def finish(self, view: RunView, result: RunResult | None) -> None:
+        """Show the last state (the throttle may have skipped it) and, on success, the summary."""
+        parts: list[RenderableType] = [self.frame.render(view)]
+        if result is not None:
+            summary_text = Console(file=io.StringIO(), width=self.width, record=True)
+            summary(summary_text, result)
+            parts.append(Text.from_ansi(summary_text.export_text(styles=True)))
+        self._show(Group(*parts))
+
+    def _show(self, renderable: RenderableType) -> None:
+        from IPython.display import display
+
+        show: Any = display
+        snapshot = Snapshot.of(renderable, self.width)
+        if self._handle is None:
+            self._handle = show(snapshot, display_id=True)
+        else:
+            self._handle.update(snapshot)
+
+
+class Snapshot:
+    """A rendered frame as Jupyter shows it: HTML, with plain text for other front ends."""
+
+    def __init__(self, html: str, text: str) -> None:
+        self.html = html
+        self.text = text
+
+    @classmethod
+    def of(cls, renderable: RenderableType, width: int) -> Snapshot:
+        console = Console(file=io.StringIO(), width=width, record=True, force_jupyter=False,
+                          color_system="truecolor")
+        console.print(renderable)
+        text = console.export_text(clear=False)
+        return cls(console.export_html(inline_styles=True, code_format=NOTEBOOK_PRE), text)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return {"text/plain": self.text, "text/html": self.html}
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (JupyterLab, VS Code, Colab); IPython is not imported here."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ in ("ZMQInteractiveShell", "Shell")
 
 
 def summary(console: Console, result: RunResult) -> None:
+    """What a finished run achieved: time, attempts and why each ended, metrics, the model."""
     restarts = len(result.attempts) - 1
-    console.print(f"[bold green]run {result.run_id} succeeded[/] in {result.seconds:.1f}s, "
-                  f"{len(result.attempts)} attempt(s), {restarts} restart(s)")
+    console.print(f"[bold green]run {result.run_id} succeeded[/] in {duration(result.seconds)}, "
+                  f"{len(result.attempts)} attempt(s), {restarts} restart(s)", highlight=False)
     for a in result.attempts:
         if a.cause:
             console.print(f"  attempt {a.number}: {a.cause} in {a.failed_task}: {a.detail}",
@@ -93,7 +215,7 @@ def summary(console: Console, result: RunResult) -> None:
             console.print(f"  attempt {a.number}: {a.status}, started at step "
                           f"{a.resumed_from_step or 0}", highlight=False)
     for name, value in result.metrics.items():
-        console.print(f"  final {name}: {value:.4f}")
+        console.print(f"  final {name}: {value:.4f}", highlight=False)
     if result.model_path:
         console.print(f"  model saved by the chief: {result.model_path}",
                       markup=False, highlight=False, soft_wrap=True)
@@ -115,3 +237,258 @@ def _event_text(event: Event) -> str:
     if event.kind == "error":
         return f"{event.get('type', '')}: {event.get('message', '')}"
     return f"step {event.get('step')}"
+
+
+# -- plan --------------------------------------------------------------------------------------
+def plan_document(cluster: Cluster, plan: ClusterPlan, scaling: Scaling) -> dict[str, Any]:
+    """The shape of ``orchestrate plan --json``."""
+    job = cluster.spec.job
+    return {
+        "cluster": plan.cluster,
+        "provider": cluster.spec.provider.kind,
+        "spec": str(cluster.spec_path),
+        "hosts": [_host_entry(t.host) for t in plan.tasks],
+        "creates": _creates(cluster),
+        "job": job.model_dump(mode="json"),
+        "total_steps": getattr(job, "epochs", 0) * getattr(job, "steps_per_epoch", 0) or None,
+        "scaling": asdict(scaling),
+        "chief": plan.chief_key,
+        "cluster_def": {role: list(eps) for role, eps in plan.cluster_def.items()},
+        "tasks": [
+            {"task": t.key, "role": t.role, "index": t.index, "is_chief": t.key == plan.chief_key,
+             "host": t.host.name, "address": t.host.address, "port": t.port,
+             "endpoint": t.endpoint, "tf_config": t.tf_config, "cwd": t.cwd, "argv": list(t.argv),
+             "command": shlex.join(t.argv), "env": dict(t.env), "log": t.log_path,
+             "checkpoint_dir": plan.paths[t.host.name].checkpoint_dir,
+             "model_dir": plan.paths[t.host.name].model_dir}
+            for t in plan.tasks
+        ],
+    }
+
+
+def _host_entry(host: Any) -> dict[str, Any]:
+    ssh = host.ssh
+    return {"name": host.name, "address": host.address, "root": host.root,
+            "ssh": None if ssh is None else {"user": ssh.user, "address": ssh.address,
+                                             "port": ssh.port},
+            "labels": dict(host.labels)}
+
+
+def _creates(cluster: Cluster) -> dict[str, Any] | None:
+    """What ``up`` would create: GCP VMs (the others create no machines)."""
+    config = cluster.spec.provider
+    if config.kind != "gcp":
+        return None
+    accelerator = config.accelerator.model_dump() if config.accelerator else None
+    return {"vms": [h.name for h in cluster.provider.hosts()], "machine_type": config.machine_type,
+            "accelerator": accelerator, "zones": list(config.zones), "spot": config.spot,
+            "image": config.image, "disk_size_gb": config.disk_size_gb,
+            "firewall_rule": f"orchestrate-{cluster.name}-grpc"}
+
+
+def render_plan(console: Console, document: dict[str, Any]) -> None:
+    say = _printer(console)
+    tasks, scaling = document["tasks"], document["scaling"]
+    console.print(f"[bold]plan for {escape(document['cluster'])}[/]: {len(tasks)} task(s), "
+                  f"{document['provider']} provider; nothing was touched", highlight=False)
+    say("  hosts      " + _hosts_text(document))
+    say("  job        " + _job_text(document))
+    if scaling["per_replica_batch_size"] is not None:
+        say("  batch      " + _batch_text(scaling))
+        say("  learning   " + _lr_text(scaling))
+    for t in tasks:
+        chief = " (chief)" if t["is_chief"] else ""
+        console.print(f"\n[{task_style(t['task'])}]{t['task']}[/]{chief}  {escape(t['host'])}  "
+                      f"{escape(t['endpoint'])}", highlight=False)
+        say(f"  TF_CONFIG  {json.dumps(t['tf_config'])}")
+        say(f"  cwd        {t['cwd']}")
+        say(f"  command    {t['command']}")
+        say(f"  log        {t['log']}")
+    say("\n(--json adds every task's environment)")
+
+
+def _hosts_text(document: dict[str, Any]) -> str:
+    creates = document["creates"]
+    if creates:
+        gpu = creates["accelerator"]
+        gpus = f" + {gpu['count']} x {gpu['type']}" if gpu else ""
+        return (f"GCP VMs {', '.join(creates['vms'])}: {creates['machine_type']}{gpus}"
+                f"{', spot' if creates['spot'] else ''}, zones {' then '.join(creates['zones'])}; "
+                "'up' creates the missing ones")
+    hosts = document["hosts"]
+    if all(h["ssh"] is None for h in hosts):
+        return f"{len(hosts)} process(es) on this machine"
+    listed = ", ".join(f"{h['name']} ({h['ssh']['user']}@{h['ssh']['address']}:{h['ssh']['port']})"
+                       for h in hosts)
+    return f"listed in the spec, reached over SSH: {listed}"
+
+
+def _job_text(document: dict[str, Any]) -> str:
+    job = document["job"]
+    if job["mode"] == "command":
+        return f"command: {shlex.join(job['command'])} (TF_CONFIG set for it)"
+    return (f"managed: {job['module']}, {job['epochs']} epoch(s) x {job['steps_per_epoch']} "
+            f"steps = {document['total_steps']} steps, optimizer {job['optimizer']}")
+
+
+def _batch_text(s: dict[str, Any]) -> str:
+    text = (f"{s['per_replica_batch_size']} per replica x {s['replicas']} replicas = global "
+            f"batch {s['global_batch_size']}")
+    if not s["replicas_known"]:
+        text += (" (assuming 1 replica per task, as on CPU hosts; each GPU of a host is a "
+                 "replica: 'orchestrate doctor' counts them)")
+    return text
+
+
+def _lr_text(s: dict[str, Any]) -> str:
+    if not s["scale_learning_rate"]:
+        return f"{s['learning_rate']:g} (scale_learning_rate: false)"
+    return (f"{s['learning_rate']:g} x {s['replicas']} replicas = {s['scaled_learning_rate']:g} "
+            "(scale_learning_rate: true)")
+
+
+def _printer(console: Console) -> Any:
+    def say(text: str) -> None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    return say
+
+
+# -- doctor ------------------------------------------------------------------------------------
+def render_doctor(console: Console, report: DoctorReport, scaling: Scaling | None = None) -> None:
+    """The host table, the network matrix in one line, then every problem with its fix."""
+    hosts = len(report.hosts)
+    console.print(f"[bold]doctor: {escape(report.cluster)}[/] ({report.provider}), {hosts} "
+                  f"machine(s) checked in {report.seconds:.1f}s", highlight=False)
+    for h in report.hosts:
+        _render_host(console, h)
+    if report.links:
+        console.print(f"network: {_links_text(report)} (every host to every other host's task "
+                      "port)", highlight=False)
+    if scaling is not None and scaling.replicas_known and scaling.per_replica_batch_size:
+        console.print(f"training: {_batch_text(asdict(scaling))}; learning rate "
+                      f"{_lr_text(asdict(scaling))}", highlight=False, soft_wrap=True)
+    render_problems(console, report)
+
+
+def _links_text(report: DoctorReport) -> str:
+    counts = {"open": 0, "blocked": 0, "not checked": 0}
+    for link in report.links:
+        counts["open" if link.ok else "blocked" if link.ok is False else "not checked"] += 1
+    return f"{counts['open']} of {len(report.links)} connections open" + "".join(
+        f", {n} {what}" for what, n in counts.items() if n and what != "open")
+
+
+def render_problems(console: Console, report: DoctorReport) -> None:
+    for p in report.problems:
+        mark = "[bold red]✗ blocking[/]" if p.blocking else "[yellow]! warning[/]"
+        console.print(f"{mark} {p.check}: {escape(p.message)}", highlight=False, soft_wrap=True)
+        console.print(f"    fix: {p.fix}", markup=False, highlight=False, soft_wrap=True)
+    if report.ok:
+        warned = f" ({len(report.warnings)} warning(s))" if report.warnings else ""
+        console.print(f"[bold green]✓ ready to train[/]{warned}", highlight=False)
+    else:
+        console.print(f"[bold red]{len(report.blocking)} blocking problem(s)[/]: training "
+                      "would fail; fix them first", highlight=False)
+
+
+def doctor_brief(console: Console, report: DoctorReport) -> None:
+    """What ``train`` says of its doctor: one line, and any warnings (blocking problems
+    are the error that stops it)."""
+    if report.ok:
+        console.print(doctor_line(report), highlight=False, soft_wrap=True)
+    for p in report.warnings:
+        console.print(f"[yellow]! warning[/] {p.check}: {escape(p.message)}", highlight=False,
+                      soft_wrap=True)
+        console.print(f"    fix: {p.fix}", markup=False, highlight=False, soft_wrap=True)
+
+
+def doctor_line(report: DoctorReport) -> str:
+    """One line for the start of ``train`` when every check passed."""
+    first = next((h for h in report.hosts if h.checked), None)
+    if first is None:
+        return f"doctor: {len(report.hosts)} machine(s) checked"
+    gpus = sum(len(h.gpus) for h in report.hosts)
+    links = f", {_links_text(report)}" if report.links else ""
+    return (f"doctor: {len(report.hosts)} machine(s) ok in {report.seconds:.1f}s: python "
+            f"{first.python_version}, tensorflow {first.tf_version}, "
+            f"{gpus or 'no'} GPU(s){links}")
+
+
+def _render_host(console: Console, h: HostCheck) -> None:
+    from orchestrator.doctor import human_bytes
+
+    say = _printer(console)
+    console.print(f"[bold]{escape(h.name)}[/]  {escape(h.address)}  tasks {', '.join(h.tasks)}",
+                  highlight=False)
+    if not h.checked:
+        console.print(f"  [bold red]{'unreachable' if not h.reachable else 'not checked'}[/]: "
+                      f"{escape(h.error)}", highlight=False, soft_wrap=True)
+        return
+    cuda = f" (built for CUDA {h.tf_cuda})" if h.tf_cuda else ""
+    say(f"  python {h.python_version} ({h.python}), tensorflow {h.tf_version or 'MISSING'}{cuda}, "
+        f"tf_keras {h.tf_keras_version or '-'}")
+    if h.gpus:
+        seen = "" if h.tf_gpus is None else f"; TensorFlow sees {len(h.tf_gpus)}"
+        models = ", ".join(f"{g.name} ({human_bytes((g.memory_mib or 0) << 20)})" for g in h.gpus)
+        say(f"  GPUs: {models}; driver {h.driver}, CUDA {h.driver_cuda}{seen}")
+    else:
+        say(f"  GPUs: none ({h.fact('nvidia', 'error') or 'nvidia-smi lists none'}): tasks "
+            "train on the CPU")
+    free = human_bytes(h.free_bytes) if h.free_bytes is not None else "?"
+    ports = ", ".join(f"{p['port']} {'free' if p['free'] else 'IN USE'}" for p in h.ports)
+    say(f"  disk: {free} free for {h.fact('disk', 'path')}; ports: {ports}")
+
+
+# -- status ------------------------------------------------------------------------------------
+def render_status(console: Console, clusters: Sequence[dict[str, Any]]) -> None:
+    if not clusters:
+        console.print("no clusters yet: start with 'orchestrate train SPEC'", highlight=False)
+    for c in clusters:
+        console.print(f"[bold]{escape(c['name'])}[/] ({c['provider']}) {c['status']}, "
+                      f"spec {escape(str(c['spec_path']))}", highlight=False)
+        if c["hosts"]:
+            console.print("  hosts: " + ", ".join(f"{h['name']} {h['address']}" for h in c["hosts"]),
+                          markup=False, highlight=False, soft_wrap=True)
+        for r in c["runs"]:
+            _render_run(console, r)
+
+
+def _render_run(console: Console, r: dict[str, Any]) -> None:
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["started_at"]))
+    style = {"succeeded": "green", "running": "cyan"}.get(r["status"], "red")
+    attempts = len(r["attempts"])
+    controller = ""
+    if r["status"] == "running":
+        controller = f", controller pid {r['controller_pid']} " + (
+            "alive" if r["controller_alive"] else "gone (train --attach takes over)")
+    metrics = "  " + " ".join(f"{k} {v:.4f}" for k, v in r["metrics"].items()) if r["metrics"] else ""
+    console.print(f"  run {r['id']} [{style}]{r['status']}[/] {when}, {duration(r['seconds'])}, "
+                  f"{attempts} attempt(s), {r['restarts']} restart(s){controller}{escape(metrics)}",
+                  highlight=False)
+    for a in r["attempts"]:
+        console.print(f"    attempt {a['number']}: {a['status']} from step "
+                      f"{a['resumed_from_step'] or 0} to {a['last_step'] or 0}"
+                      f"{attempt_figures(a)}", markup=False, highlight=False, soft_wrap=True)
+    if r["model_path"]:
+        console.print(f"    model: {r['model_path']}", markup=False, highlight=False,
+                      soft_wrap=True)
+
+
+def attempt_figures(a: dict[str, Any]) -> str:
+    if not a["cause"]:
+        return ""
+    parts = [f"{a['cause']} in {a['failed_task']}: {a['detail'].splitlines()[0][:160]}"]
+    if a["detect_s"] is not None:
+        parts.append(f"detected in {a['detect_s']:.1f}s")
+    if a["recovery_s"] is not None:
+        parts.append(f"back to training {a['recovery_s']:.1f}s after the failure")
+    if a["steps_lost"] is not None:
+        parts.append(f"{a['steps_lost']} step(s) redone")
+    return "; " + "; ".join(parts)
+
+
+# -- logs --------------------------------------------------------------------------------------
+def log_line(console: Console, task: str, line: str) -> None:
+    prefix = Text(f"[{task}] ", style=task_style(task))
+    console.print(prefix + Text(line), highlight=False, soft_wrap=True)

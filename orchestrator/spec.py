@@ -280,7 +280,7 @@ class CommandJob(Model):
     mode: Literal["command"] = "command"
     command: tuple[str, ...] = Field(min_length=1)
 
-    @field_validator("command", mode="before")
+    @field_validator("command", mode="before", json_schema_input_type=str | tuple[str, ...])
     @classmethod
     def _split(cls, value: Any) -> Any:
         if isinstance(value, str):

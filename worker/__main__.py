@@ -1,4 +1,4 @@
-"""`python -m worker managed|command|verify-checkpoint ...`: what the controller runs on a host."""
+"""`python -m worker managed|command|verify-checkpoint|preflight ...`: what the controller runs on a host."""
 
 from __future__ import annotations
 
@@ -21,7 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("argv", nargs=argparse.REMAINDER)
     verify = sub.add_parser("verify-checkpoint", help="find the newest checkpoint that restores")
     verify.add_argument("--dir", required=True)
-    args = parser.parse_args(argv)
+    sub.add_parser("preflight", add_help=False,
+                   help="check this host for a task; one JSON line (--help for options)")
+    args, rest = parser.parse_known_args(argv)
+
+    if args.mode == "preflight":
+        from worker.preflight import main as preflight_main
+
+        return preflight_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.mode == "verify-checkpoint":
         from worker.checkpoints import main as verify_main

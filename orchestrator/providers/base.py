@@ -51,6 +51,10 @@ class Provider(ABC):
     def hosts(self) -> list[Host]:
         """The cluster's hosts as they are now, without creating anything."""
 
+    def planned_hosts(self) -> list[Host]:
+        """The hosts as a dry run shows them, without contacting any; default: ``hosts()``."""
+        return self.hosts()
+
     @abstractmethod
     def runner(self, host: Host) -> Runner:
         """A runner for ``host``; the provider owns and reuses it."""

@@ -23,6 +23,7 @@ PORT_PROBE = (
     "    if free >= want:\n"
     "        break\n"
     "    s = socket.socket()\n"
+    "    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is free\n"
     "    try:\n"
     "        s.bind(('', port)); free += 1\n"
     "    except OSError:\n"

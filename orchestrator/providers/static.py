@@ -38,6 +38,11 @@ class StaticProvider(Provider):
             self._roots.update({r.name: str(r.value) for r in found.succeeded})
         return [replace(h, root=self.config.root or self._roots[h.name]) for h in hosts]
 
+    def planned_hosts(self) -> list[Host]:
+        """The listed hosts without SSH: roots read '~/...' of each SSH user until ``up``."""
+        root = self.config.root or f"~/.orchestrate/clusters/{self.spec.name}"
+        return [replace(h, root=root) for h in self._unrooted()]
+
     def _home_root(self, host: Host) -> str:
         home = self.runner(host).run('printf %s "$HOME"').stdout.strip()
         if not home.startswith("/"):

@@ -1,0 +1,546 @@
+"""Preflight of a cluster: every host checked in parallel, and each problem explained with its fix."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import worker as worker_package
+from orchestrator.errors import CommandError, OrchestratorError
+from orchestrator.hosts import Host
+from orchestrator.plan import ClusterPlan, TaskPlan
+from orchestrator.remote.base import Runner
+from orchestrator.remote.fanout import FanOutResult, fan_out
+from orchestrator.spec import ClusterSpec, ManagedJob
+
+PREFLIGHT = Path(worker_package.__file__).parent / "preflight.py"
+MIN_FREE_BYTES = 1 << 30  # below this, the first checkpoint may not fit: blocking
+LOW_FREE_BYTES = 10 << 30  # below this, a long run may fill the disk: a warning
+WINDOW_S = 3.0  # how long each host keeps trying to reach every other host's task port
+LINGER_S = 1.0  # how long each host's ports keep listening after that, for a late peer
+TensorFlowImport = Literal["auto", "always", "never"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing that is wrong, on which hosts, and how to fix it."""
+
+    check: str
+    message: str
+    fix: str
+    blocking: bool = True
+    hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_mib: int | None
+    driver: str | None
+
+
+@dataclass(frozen=True)
+class HostCheck:
+    """What one machine answered (or why it did not); ``facts`` is the worker's preflight JSON."""
+
+    name: str
+    address: str
+    tasks: tuple[str, ...]
+    python: str
+    reachable: bool
+    error: str = ""
+    fix: str = ""
+    facts: Mapping[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def fact(self, *path: str) -> Any:
+        """The preflight's answer at ``path`` (None where it said nothing)."""
+        value: Any = self.facts
+        for key in path:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        return value
+
+    def text(self, *path: str) -> str | None:
+        value = self.fact(*path)
+        return None if value is None else str(value)
+
+    @property
+    def checked(self) -> bool:
+        return bool(self.facts)
+
+    @property
+    def python_version(self) -> str | None:
+        return self.text("python", "version")
+
+    @property
+    def tf_version(self) -> str | None:
+        return self.text("tensorflow", "version")
+
+    @property
+    def tf_error(self) -> str | None:
+        return self.text("tensorflow", "error")
+
+    @property
+    def tf_cuda(self) -> str | None:
+        return self.text("tensorflow", "cuda") if self.fact("tensorflow", "cuda_build") else None
+
+    @property
+    def tf_gpus(self) -> list[str] | None:
+        """GPU names TensorFlow sees; None where it was not imported."""
+        gpus = self.fact("tensorflow", "gpus")
+        return None if gpus is None else [str(g.get("name")) for g in gpus]
+
+    @property
+    def tf_keras_version(self) -> str | None:
+        return self.text("tf_keras", "version")
+
+    @property
+    def gpus(self) -> list[Gpu]:
+        return [Gpu(str(g["name"]), g.get("memory_mib"), g.get("driver"))
+                for g in self.fact("nvidia", "gpus") or []]
+
+    @property
+    def driver(self) -> str | None:
+        return self.text("nvidia", "driver")
+
+    @property
+    def driver_cuda(self) -> str | None:
+        """The newest CUDA the NVIDIA driver supports (nvidia-smi's 'CUDA Version')."""
+        return self.text("nvidia", "cuda")
+
+    @property
+    def free_bytes(self) -> int | None:
+        free = self.fact("disk", "free_bytes")
+        return None if free is None else int(free)
+
+    @property
+    def ports(self) -> list[dict[str, Any]]:
+        return list(self.fact("ports") or [])
+
+    @property
+    def replicas(self) -> int:
+        """Replicas each task here would run: one per GPU TensorFlow sees, else one (CPU)."""
+        seen = self.tf_gpus
+        return max(1, len(seen) if seen is not None else len(self.gpus))
+
+
+@dataclass(frozen=True)
+class Link:
+    """One host's TCP connection to another host's task port; ``ok`` None: not checked."""
+
+    source: str
+    target: str
+    endpoint: str
+    ok: bool | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    cluster: str
+    provider: str
+    hosts: tuple[HostCheck, ...]
+    links: tuple[Link, ...]
+    problems: tuple[Problem, ...]
+    seconds: float
+
+    @property
+    def blocking(self) -> list[Problem]:
+        return [p for p in self.problems if p.blocking]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if not p.blocking]
+
+    @property
+    def ok(self) -> bool:
+        return not self.blocking
+
+    @property
+    def replicas(self) -> int | None:
+        """Replicas in sync across the cluster, from the GPUs found; None if a host was not checked."""
+        if not self.hosts or not all(h.checked for h in self.hosts):
+            return None
+        return sum(h.replicas * len(h.tasks) for h in self.hosts)
+
+    def raise_if_blocking(self) -> None:
+        if self.blocking:
+            raise DoctorFailed(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster, "provider": self.provider, "ok": self.ok,
+            "seconds": round(self.seconds, 3), "replicas": self.replicas,
+            "hosts": [{"name": h.name, "address": h.address, "tasks": list(h.tasks),
+                       "python": h.python, "reachable": h.reachable, "error": h.error,
+                       "facts": dict(h.facts)} for h in self.hosts],
+            "links": [vars(link) for link in self.links],
+            "problems": [{**vars(p), "hosts": list(p.hosts)} for p in self.problems],
+        }
+
+
+class DoctorFailed(OrchestratorError):
+    """The doctor found problems that would make training fail; carries the report."""
+
+    def __init__(self, report: DoctorReport) -> None:
+        lines = [f"doctor found {len(report.blocking)} blocking problem(s) in cluster "
+                 f"{report.cluster!r}:"]
+        for p in report.blocking:
+            lines += [f"  - {p.check}: {p.message}", f"    fix: {p.fix}"]
+        super().__init__("\n".join(lines), fix="fix the problems above and train again, or "
+                         "skip the checks with 'train --no-doctor' (Cluster.train(doctor=False))")
+        self.report = report
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The tasks that share one physical machine: checked once, through its first host."""
+
+    host: Host
+    tasks: tuple[TaskPlan, ...]
+    python: str
+
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+
+def machines_of(plan: ClusterPlan, python: Callable[[Host], str]) -> list[Machine]:
+    groups: dict[str, list[TaskPlan]] = {}
+    for task in plan.tasks:
+        groups.setdefault(task.host.machine, []).append(task)
+    return [Machine(ts[0].host, tuple(ts), python(ts[0].host)) for ts in groups.values()]
+
+
+def examine(
+    spec: ClusterSpec, provider: str, plan: ClusterPlan, machines: Sequence[Machine],
+    runner: Callable[[Host], Runner], *, tensorflow: TensorFlowImport = "auto",
+) -> DoctorReport:
+    """Check every machine in parallel: SSH first, then one preflight each, all at once.
+
+    Args:
+        runner: the runner for a machine's host (connecting may fail: that host is unreachable).
+        tensorflow: import TensorFlow on each host ("auto": only where nvidia-smi lists GPUs).
+    """
+    started = time.monotonic()
+    reached = fan_out(machines, lambda m: runner(m.host).run(["true"], timeout_s=30),
+                      name_of=lambda m: m.name)
+    errors = {r.name: r.error for r in reached.failed}
+    live = [m for m in machines if m.name not in errors]
+    answers = fan_out(live, lambda m: _preflight(m, live, runner(m.host), tensorflow),
+                      name_of=lambda m: m.name)
+    checks = [_host_check(m, errors.get(m.name), answers) for m in machines]
+    links = _links(machines, checks)
+    problems = diagnose(spec, plan, checks, links)
+    return DoctorReport(spec.name, provider, tuple(checks), tuple(links), tuple(problems),
+                        time.monotonic() - started)
+
+
+def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner,
+               tensorflow: TensorFlowImport) -> dict[str, Any]:
+    peers = [t.endpoint for m in live if m is not machine for t in m.tasks]
+    argv = [machine.python, "-c", PREFLIGHT.read_text(), "--name", machine.name,
+            "--dir", machine.host.root or "~", "--expect", str(len(live) - 1),
+            "--window", str(WINDOW_S), "--linger", str(LINGER_S),
+            "--import-tensorflow", tensorflow]
+    for task in machine.tasks:
+        argv += ["--port", str(task.port)]
+    for endpoint in peers:
+        argv += ["--peer", endpoint]
+    result = runner.run(argv, timeout_s=180)
+    last = result.stdout.strip().splitlines()[-1:] or ["{}"]
+    facts: dict[str, Any] = json.loads(last[0])
+    return facts
+
+
+def _host_check(machine: Machine, unreachable: Exception | None,
+                answers: FanOutResult[dict[str, Any]]) -> HostCheck:
+    def check(**fields: Any) -> HostCheck:
+        return HostCheck(machine.name, machine.host.address,
+                         tuple(t.key for t in machine.tasks), machine.python, **fields)
+
+    if unreachable is not None:
+        return check(reachable=False, error=_message(machine.name, unreachable),
+                     fix=_fix(unreachable))
+    result = next(r for r in answers.results if r.name == machine.name)
+    if not result.ok or result.value is None:
+        return check(reachable=True, error=_message(machine.name, result.error),
+                     fix=_fix(result.error))
+    return check(reachable=True, facts=result.value,
+                 seconds=float(result.value.get("seconds", 0.0)))
+
+
+def _message(name: str, error: Exception | None) -> str:
+    if isinstance(error, CommandError):
+        tail = error.output.strip().splitlines()[-1:] or [f"exit {error.exit_code}"]
+        return f"the preflight exited {error.exit_code}: {tail[0]}"
+    if isinstance(error, OrchestratorError):
+        return error.message.removeprefix(f"{name}: ")
+    if isinstance(error, json.JSONDecodeError):
+        return "preflight printed no report (a wrapper or shell profile printing to stdout?)"
+    return f"{type(error).__name__}: {error}"
+
+
+def _fix(error: Exception | None) -> str:
+    if isinstance(error, CommandError) and error.exit_code == 127:
+        return "set provider.python to an interpreter that exists on every host"
+    if isinstance(error, OrchestratorError) and error.fix:
+        return error.fix
+    return "run the command by hand on the host to see why"
+
+
+def _links(machines: Sequence[Machine], checks: Sequence[HostCheck]) -> list[Link]:
+    by_name = {c.name: c for c in checks}
+    taken = {(c.name, p["port"]) for c in checks for p in c.ports if not p["free"]}
+    links = []
+    for source in machines:
+        results = {p["endpoint"]: p for p in by_name[source.name].facts.get("peers", [])}
+        for target in machines:
+            if target is source:
+                continue
+            for task in target.tasks:
+                links.append(_link(source, target, task, results.get(task.endpoint), by_name,
+                                   (target.name, task.port) in taken))
+    return links
+
+
+def _link(source: Machine, target: Machine, task: TaskPlan, result: dict[str, Any] | None,
+          checks: Mapping[str, HostCheck], port_taken: bool) -> Link:
+    ok: bool | None = None
+    unchecked = [end.name for end in (source, target) if not checks[end.name].checked]
+    if unchecked:
+        error = f"not checked: {unchecked[0]} did not answer"
+    elif port_taken:
+        error = f"not checked: port {task.port} is in use on {target.name}"
+    elif result is None:
+        error = "not checked"
+    else:
+        ok, error = bool(result["ok"]), str(result.get("error") or "")
+    return Link(source.name, task.key, task.endpoint, ok, error)
+
+
+# -- diagnosis -------------------------------------------------------------------------------
+def diagnose(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
+             links: Sequence[Link]) -> list[Problem]:
+    """Every problem the answers show, blocking ones first."""
+    ok = [c for c in checks if c.checked]
+    found = [
+        *_unreachable(checks),
+        *_tensorflow(spec, ok),
+        *_gpus(ok),
+        *_python(ok),
+        *_disk(ok),
+        *_ports(plan, ok),
+        *_network(spec, plan, checks, links),
+    ]
+    return sorted(found, key=lambda p: not p.blocking)
+
+
+def _unreachable(checks: Iterable[HostCheck]) -> list[Problem]:
+    problems = []
+    for c in checks:
+        if c.checked:
+            continue
+        what = "cannot be reached over SSH" if not c.reachable else "could not be checked"
+        problems.append(Problem("ssh" if not c.reachable else "preflight",
+                                f"{c.name} ({c.address}) {what}: {c.error}", c.fix,
+                                hosts=(c.name,)))
+    return problems
+
+
+def _spread(checks: Iterable[HostCheck], value: Callable[[HostCheck], str | None]
+            ) -> dict[str, list[str]]:
+    """Value -> the hosts that have it (hosts without a value left out)."""
+    seen: dict[str, list[str]] = {}
+    for c in checks:
+        v = value(c)
+        if v:
+            seen.setdefault(v, []).append(c.name)
+    return seen
+
+
+def _spread_text(seen: Mapping[str, list[str]]) -> str:
+    return "; ".join(f"{v} on {', '.join(hosts)}" for v, hosts in
+                     sorted(seen.items(), key=lambda kv: -len(kv[1])))
+
+
+def _majority(seen: Mapping[str, list[str]]) -> str:
+    return max(seen.items(), key=lambda kv: len(kv[1]))[0]
+
+
+def _tensorflow(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]:
+    managed = isinstance(spec.job, ManagedJob)
+    problems = []
+    versions = _spread(checks, lambda c: c.tf_version)
+    want = _majority(versions) if versions else "2.21.*"
+    for c in checks:
+        if c.tf_version is None:
+            problems.append(Problem(
+                "tensorflow", f"TensorFlow is not installed for {c.python} on {c.name} "
+                f"({c.tf_error or 'no version found'})",
+                f"install it there: {c.python} -m pip install 'tensorflow=={want}' tf-keras",
+                blocking=managed, hosts=(c.name,)))
+        elif c.tf_error and not c.fact("tensorflow", "imported"):
+            problems.append(Problem(
+                "tensorflow", f"TensorFlow {c.tf_version} does not import on {c.name}: "
+                f"{c.tf_error}", f"reinstall it: {c.python} -m pip install --force-reinstall "
+                f"'tensorflow=={c.tf_version}'", hosts=(c.name,)))
+    odd = [c for c in checks if c.tf_version and c.tf_version != want]
+    if odd:
+        problems.append(Problem(
+            "tensorflow", f"TensorFlow versions differ: {_spread_text(versions)}. Tasks with "
+            "different versions fail to form the collective group or to restore each other's "
+            "checkpoints", f"install TensorFlow {want} on {', '.join(c.name for c in odd)} "
+            f"({odd[0].python} -m pip install 'tensorflow=={want}'), or build the hosts from "
+            "one image", hosts=tuple(c.name for c in odd)))
+    if managed:  # where TensorFlow itself is the odd one, installing the right one fixes both
+        problems += _tf_keras([c for c in checks if c not in odd])
+    return problems
+
+
+def _tf_keras(checks: Sequence[HostCheck]) -> list[Problem]:
+    problems = []
+    for c in checks:
+        tf, keras = c.tf_version, c.tf_keras_version
+        if tf is None:
+            continue
+        if keras is None:
+            problems.append(Problem(
+                "tf_keras", f"tf_keras is not installed on {c.name}: managed jobs train with "
+                "tf_keras (Keras 3's fit fails under MultiWorkerMirroredStrategy)",
+                f"{c.python} -m pip install 'tf-keras~={_minor(tf)}.0'", hosts=(c.name,)))
+        elif _minor(keras) != _minor(tf):
+            problems.append(Problem(
+                "tf_keras", f"tf_keras {keras} does not match TensorFlow {tf} on {c.name}",
+                f"{c.python} -m pip install 'tf-keras~={_minor(tf)}.0'", hosts=(c.name,)))
+    return problems
+
+
+def _gpus(checks: Sequence[HostCheck]) -> list[Problem]:
+    problems = []
+    gpu_hosts = [c for c in checks if c.gpus]
+    models = _spread(gpu_hosts, lambda c: " + ".join(sorted({g.name for g in c.gpus})))
+    if len(models) > 1:
+        problems.append(Problem(
+            "gpu", f"GPU models differ: {_spread_text(models)}. Every step waits for the "
+            "slowest GPU, so the faster ones idle (stragglers)",
+            "use one machine type for every host (or accept the slowest GPU's pace)",
+            blocking=False, hosts=tuple(c.name for c in gpu_hosts)))
+    if gpu_hosts and len(gpu_hosts) < len(checks):
+        cpu = [c.name for c in checks if not c.gpus]
+        problems.append(Problem(
+            "gpu", f"{', '.join(cpu)} {'has' if len(cpu) == 1 else 'have'} no GPU while "
+            f"{', '.join(c.name for c in gpu_hosts)} do: every step runs at CPU speed",
+            "give every host a GPU, or train on the GPU hosts only", blocking=False,
+            hosts=tuple(cpu)))
+    drivers = _spread(gpu_hosts, lambda c: c.driver)
+    if len(drivers) > 1:
+        problems.append(Problem(
+            "gpu", f"NVIDIA driver versions differ: {_spread_text(drivers)} (a known cause of "
+            "NCCL errors and uneven speed)", "install one driver version on every host "
+            "(GPU VMs from one image)", blocking=False, hosts=tuple(c.name for c in gpu_hosts)))
+    for c in gpu_hosts:
+        problems += _gpu_stack(c)
+    return problems
+
+
+def _gpu_stack(c: HostCheck) -> list[Problem]:
+    problems = []
+    driver, built = _version(c.driver_cuda or ""), _version(_minor(c.tf_cuda or ""))
+    if driver and built and driver < built:
+        older_major = driver[0] < built[0]  # within a major version, CUDA is minor-compatible
+        problems.append(Problem(
+            "cuda", f"the NVIDIA driver {c.driver} on {c.name} supports CUDA up to "
+            f"{c.driver_cuda}, but TensorFlow {c.tf_version} is built for CUDA {c.tf_cuda}"
+            + ("" if older_major else ": it runs by CUDA's minor-version compatibility, but "
+               "kernels compiled at run time (PTX) may fail"),
+            f"upgrade the driver on {c.name} to one for CUDA {_minor(c.tf_cuda or '')} or newer",
+            blocking=older_major, hosts=(c.name,)))
+    if c.tf_gpus is not None and not c.tf_gpus:
+        problems.append(Problem(
+            "gpu", f"TensorFlow on {c.name} sees none of its {len(c.gpus)} GPU(s) "
+            f"({c.gpus[0].name}): its tasks would train on the CPU",
+            f"install TensorFlow with CUDA there: {c.python} -m pip install "
+            f"'tensorflow[and-cuda]=={c.tf_version}'", hosts=(c.name,)))
+    return problems
+
+
+def _python(checks: Sequence[HostCheck]) -> list[Problem]:
+    versions = _spread(checks, lambda c: _minor(c.python_version or ""))
+    if len(versions) <= 1:
+        return []
+    return [Problem("python", f"Python versions differ: {_spread_text(versions)}; pickled "
+                    "data and some saved objects do not cross versions",
+                    "use one Python version on every host", blocking=False,
+                    hosts=tuple(c.name for c in checks))]
+
+
+def _disk(checks: Sequence[HostCheck]) -> list[Problem]:
+    problems = []
+    for c in checks:
+        free, where = c.free_bytes, c.fact("disk", "path")
+        if free is None or free >= LOW_FREE_BYTES:
+            continue
+        blocking = free < MIN_FREE_BYTES
+        problems.append(Problem(
+            "disk", f"only {human_bytes(free)} free on {c.name} for {where} "
+            f"({'checkpoints will not fit' if blocking else 'a long run may fill it'})",
+            f"free space on {c.name}, or set provider.root to a larger disk",
+            blocking=blocking, hosts=(c.name,)))
+    return problems
+
+
+def _ports(plan: ClusterPlan, checks: Sequence[HostCheck]) -> list[Problem]:
+    problems = []
+    for c in checks:
+        for p in c.ports:
+            if p["free"]:
+                continue
+            fixed = any(plan.task(key).host.task_port == p["port"] for key in c.tasks)
+            problems.append(Problem(
+                "port", f"port {p['port']} on {c.name} is in use ({p['error']})"
+                + ("" if fixed else "; train will take the next free port of the range"),
+                f"stop what listens there (ss -ltnp 'sport = :{p['port']}' shows it)"
+                + (" or give the host another task_port" if fixed else ""),
+                blocking=fixed, hosts=(c.name,)))
+    return problems
+
+
+def _network(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
+             links: Sequence[Link]) -> list[Problem]:
+    address = {c.name: c.address for c in checks}
+    problems = []
+    for link in links:
+        if link.ok is not False:
+            continue
+        target = plan.task(link.target)
+        problems.append(Problem(
+            "network", f"{link.source} cannot open a TCP connection to {link.target} at "
+            f"{link.endpoint}: {link.error}. TensorFlow's gRPC needs every host to reach every "
+            "other host's task port",
+            f"allow TCP from {address[link.source]} to {target.host.address} on ports "
+            f"{spec.ports.start}-{spec.ports.end} (firewall rules, security groups); for "
+            "GCP the cluster's rule orchestrate-NAME-grpc does this",
+            hosts=(link.source, target.host.name)))
+    return problems
+
+
+# -- small helpers -----------------------------------------------------------------------------
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".") if p.isdigit())
+
+
+def human_bytes(count: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while count >= 1024 and power < len(units) - 1:
+        count, power = count / 1024, power + 1
+    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"

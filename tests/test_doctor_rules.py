@@ -1,0 +1,129 @@
+"""The doctor's rules, table-tested on what hosts answer; and the preflight's reading of
+nvidia-smi, with a stand-in that prints what the real one prints on a GPU machine (this
+machine has none)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import plan as planning
+from orchestrator.doctor import HostCheck, diagnose
+from orchestrator.hosts import Host, SSHEndpoint
+from orchestrator.spec import parse
+
+REPO = Path(__file__).resolve().parent.parent
+A100 = {"smi": "/usr/bin/nvidia-smi", "driver": "570.124.06", "cuda": "12.8", "error": None,
+        "gpus": [{"name": "NVIDIA A100-SXM4-40GB", "memory_mib": 40960, "driver": "570.124.06"}]}
+T4 = {"smi": "/usr/bin/nvidia-smi", "driver": "470.256.02", "cuda": "11.4", "error": None,
+      "gpus": [{"name": "Tesla T4", "memory_mib": 15360, "driver": "470.256.02"}]}
+NO_GPU = {"smi": None, "driver": None, "cuda": None, "gpus": [], "error": "nvidia-smi not found"}
+
+
+def facts(tf: str | None = "2.21.0", keras: str | None = "2.21.0", nvidia: Any = NO_GPU,
+          tf_gpus: list[str] | None = None, free_gib: float = 100.0, python: str = "3.11.7",
+          port_free: bool = True) -> dict[str, Any]:
+    return {
+        "python": {"version": python, "executable": "/opt/venv/bin/python"},
+        "tensorflow": {"version": tf, "cuda_build": True, "cuda": "12.5.1", "cudnn": "9",
+                       "imported": tf_gpus is not None, "error": None if tf else "No module",
+                       "gpus": None if tf_gpus is None else [{"name": n} for n in tf_gpus]},
+        "tf_keras": {"version": keras},
+        "nvidia": nvidia,
+        "disk": {"path": "/home/ml/.orchestrate/clusters/c", "free_bytes": int(free_gib * 2**30),
+                 "total_bytes": 2**40},
+        "ports": [{"port": 23456, "free": port_free, "error": None if port_free else
+                   "OSError: Address already in use", "heard_from": []}],
+        "peers": [],
+    }
+
+
+def problems_for(*answers: dict[str, Any], job: str = "{module: m}") -> list[tuple[str, bool, str]]:
+    """(check, blocking, message) of every problem diagnosed for hosts h0, h1, ... that answered."""
+    spec = parse(f"name: c\nworkers: {len(answers)}\njob: {job}\n")
+    hosts = [Host(f"h{i}", f"10.0.0.{i + 1}", "/r", ssh=SSHEndpoint(f"10.0.0.{i + 1}", "ml"))
+             for i in range(len(answers))]
+    plan = planning.build(spec, hosts, run_id="r", python="python3", local_workdir="/w")
+    checks = [HostCheck(h.name, h.address, (t.key,), "python3", True, facts=a)
+              for h, t, a in zip(hosts, plan.tasks, answers, strict=True)]
+    return [(p.check, p.blocking, p.message) for p in diagnose(spec, plan, checks, [])]
+
+
+@pytest.mark.parametrize(("answers", "expected"), [
+    pytest.param([facts(), facts()], [], id="healthy CPU hosts"),
+    pytest.param([facts(tf=None), facts()],
+                 [("tensorflow", True, "TensorFlow is not installed for python3 on h0")],
+                 id="no TensorFlow"),
+    pytest.param([facts(keras=None), facts()],
+                 [("tf_keras", True, "tf_keras is not installed on h0")], id="no tf_keras"),
+    pytest.param([facts(keras="2.20.1"), facts()],
+                 [("tf_keras", True, "tf_keras 2.20.1 does not match TensorFlow 2.21.0 on h0")],
+                 id="tf_keras of another release"),
+    pytest.param([facts(nvidia=A100), facts(nvidia=T4)],
+                 [("cuda", True, "the NVIDIA driver 470.256.02 on h1 supports CUDA up to 11.4, "
+                   "but TensorFlow 2.21.0 is built for CUDA 12.5.1"),
+                  ("gpu", False, "GPU models differ: NVIDIA A100-SXM4-40GB on h0; Tesla T4 on h1"),
+                  ("gpu", False, "NVIDIA driver versions differ: 570.124.06 on h0; 470.256.02 on h1")],
+                 id="mixed GPUs, a driver too old"),
+    pytest.param([facts(nvidia=A100 | {"cuda": "12.4"}), facts(nvidia=A100)],
+                 [("cuda", False, "the NVIDIA driver 570.124.06 on h0 supports CUDA up to 12.4, "
+                   "but TensorFlow 2.21.0 is built for CUDA 12.5.1: it runs by CUDA's")],
+                 id="a driver one CUDA minor behind"),
+    pytest.param([facts(nvidia=A100, tf_gpus=[]), facts(nvidia=A100, tf_gpus=["A100"])],
+                 [("gpu", True, "TensorFlow on h0 sees none of its 1 GPU(s)")],
+                 id="TensorFlow blind to its GPU"),
+    pytest.param([facts(nvidia=A100), facts()],
+                 [("gpu", False, "h1 has no GPU while h0 do: every step runs at CPU speed")],
+                 id="a CPU host among GPU hosts"),
+    pytest.param([facts(free_gib=0.5), facts(free_gib=4)],
+                 [("disk", True, "only 512.0 MiB free on h0"),
+                  ("disk", False, "only 4.0 GiB free on h1")], id="little disk"),
+    pytest.param([facts(python="3.10.12"), facts()],
+                 [("python", False, "Python versions differ: 3.10 on h0; 3.11 on h1")],
+                 id="two Pythons"),
+    pytest.param([facts(port_free=False), facts()],
+                 [("port", False, "port 23456 on h0 is in use (OSError: Address already in use); "
+                   "train will take the next free port of the range")], id="a taken port"),
+])
+def test_rules(answers: list[dict[str, Any]], expected: list[tuple[str, bool, str]]) -> None:
+    found = problems_for(*answers)
+    assert len(found) == len(expected), found
+    for (check, blocking, message), want in zip(found, expected, strict=True):
+        assert (check, blocking) == want[:2] and message.startswith(want[2]), message
+
+
+def test_command_jobs_need_no_tf_keras_and_only_warn_without_tensorflow() -> None:
+    found = problems_for(facts(tf=None, keras=None), facts(keras=None),
+                         job="{command: python train.py}")
+    assert found == [("tensorflow", False, "TensorFlow is not installed for python3 on h0 "
+                      "(No module)")]
+
+
+NVIDIA_SMI = """\
+#!/bin/sh
+case "$1" in
+  --query-gpu=*) for i in 0 1; do echo 'NVIDIA H100 80GB HBM3, 81559, 550.90.07'; done;;
+  *) printf '| NVIDIA-SMI 550.90.07    Driver Version: 550.90.07    CUDA Version: 12.4     |\\n';;
+esac
+"""
+
+
+def test_preflight_reads_nvidia_smi_where_there_is_one(tmp_path: Path) -> None:
+    (tmp_path / "nvidia-smi").write_text(NVIDIA_SMI)
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "worker", "preflight", "--dir", str(tmp_path),
+                           "--import-tensorflow", "never"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.splitlines()
+    nvidia = json.loads(line)["nvidia"]
+    assert nvidia["driver"] == "550.90.07" and nvidia["cuda"] == "12.4"
+    assert nvidia["gpus"] == [{"name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
+                               "driver": "550.90.07"}] * 2

@@ -1,0 +1,303 @@
+"""`python -m worker preflight`: what this host offers a task, printed as one JSON line.
+
+Python and TensorFlow versions, the GPUs (nvidia-smi where present, and TensorFlow's own
+view), free disk where checkpoints go, whether the tasks' ports are free, and whether this
+host can open a TCP connection to every other host's task port while it listens on its own.
+Only the standard library is needed; TensorFlow is imported when asked, in a thread that
+overlaps the network checks. The controller also runs this file as ``python -c SOURCE``,
+so it imports nothing from the ``worker`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+BANNER = b"orchestrate-doctor\n"
+SMI_QUERY = "--query-gpu=name,memory.total,driver_version"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.monotonic()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    listeners = [Listener(port, args.expect) for port in args.port]
+    deadline = time.monotonic() + args.window
+    probes = [Probe(endpoint, args.name, deadline) for endpoint in args.peer]
+    jobs: list[Listener | Probe] = [*listeners, *probes]
+    threads = [threading.Thread(target=job.run, daemon=True) for job in jobs]
+    for thread in threads:
+        thread.start()
+    nvidia = nvidia_facts()
+    do_import = args.import_tensorflow == "always" or (
+        args.import_tensorflow == "auto" and bool(nvidia["gpus"]))
+    report: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "tensorflow": tensorflow_facts(do_import),
+        "tf_keras": {"version": installed_version("tf_keras", "tf-keras")},
+        "nvidia": nvidia,
+        "disk": disk_facts(args.dir),
+    }
+    for listener in listeners:
+        listener.stop_at(deadline + args.linger)
+    for thread in threads:
+        thread.join()
+    report["ports"] = [listener.result() for listener in listeners]
+    report["peers"] = [probe.result() for probe in probes]
+    report["seconds"] = round(time.monotonic() - started, 3)
+    sys.stdout.write(json.dumps(report) + "\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker preflight")
+    parser.add_argument("--name", default=socket.gethostname(), help="this host, as peers see it")
+    parser.add_argument("--dir", default="~", help="where checkpoints go (~ is expanded)")
+    parser.add_argument("--port", type=int, action="append", default=[],
+                        help="a task port on this host: checked free, then listened on")
+    parser.add_argument("--peer", action="append", default=[],
+                        help="ADDRESS:PORT of another host's task to connect to")
+    parser.add_argument("--expect", type=int, default=0,
+                        help="how many peers will connect to each of our ports")
+    parser.add_argument("--window", type=float, default=5.0,
+                        help="seconds to keep trying each peer")
+    parser.add_argument("--linger", type=float, default=2.0,
+                        help="seconds our ports keep listening after the window, for late peers")
+    parser.add_argument("--import-tensorflow", choices=("auto", "always", "never"),
+                        default="auto", help="import TensorFlow (seconds) to see the GPUs it "
+                        "sees: auto = only where nvidia-smi lists GPUs")
+    return parser
+
+
+# -- software ------------------------------------------------------------------------------
+def installed_version(module: str, *dists: str) -> str | None:
+    """The version of the distribution that provides the ``module`` this Python would import."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    entry = str(Path(next(iter(spec.submodule_search_locations))).parent)
+    for dist in importlib.metadata.distributions(path=[entry]):
+        if dist.metadata["Name"] and dist.metadata["Name"].lower() in (*dists, module):
+            return str(dist.version)
+    return None
+
+
+def tensorflow_facts(do_import: bool) -> dict[str, Any]:
+    spec = importlib.util.find_spec("tensorflow")
+    if spec is None or not spec.submodule_search_locations:
+        return {"version": None, "location": None, "imported": False,
+                "error": "No module named 'tensorflow'"}
+    package = Path(next(iter(spec.submodule_search_locations)))
+    facts: dict[str, Any] = {
+        "version": installed_version("tensorflow", "tensorflow", "tensorflow-cpu",
+                                     "tf-nightly", "tensorflow-gpu"),
+        "location": str(package), "imported": False, "error": None, "gpus": None,
+        **_build_info(package),
+    }
+    if do_import:
+        facts.update(_imported(facts))
+    return facts
+
+
+def _build_info(package: Path) -> dict[str, Any]:
+    """CUDA and cuDNN versions TensorFlow was built with, read from its build_info.py."""
+    try:
+        tree = ast.parse((package / "python" / "platform" / "build_info.py").read_text())
+    except (OSError, SyntaxError):
+        return {"cuda_build": None, "cuda": None, "cudnn": None}
+    info: dict[str, Any] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 2 and \
+                isinstance(node.elts[0], ast.Constant):
+            try:
+                info[str(node.elts[0].value)] = ast.literal_eval(node.elts[1])
+            except ValueError:
+                continue
+    return {"cuda_build": info.get("is_cuda_build"), "cuda": info.get("cuda_version"),
+            "cudnn": info.get("cudnn_version")}
+
+
+def _imported(facts: dict[str, Any]) -> dict[str, Any]:
+    try:
+        import tensorflow as tf
+    except Exception as exc:
+        return {"imported": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    found: dict[str, Any] = {"imported": True, "version": str(getattr(tf, "__version__", "")) or
+                             facts["version"]}
+    try:
+        devices = tf.config.list_physical_devices("GPU")
+        found["gpus"] = [_tf_gpu(tf, d) for d in devices]
+    except Exception as exc:
+        found["error"] = f"tf.config: {type(exc).__name__}: {exc}".splitlines()[0]
+    return found
+
+
+def _tf_gpu(tf: Any, device: Any) -> dict[str, Any]:
+    details = tf.config.experimental.get_device_details(device)
+    capability = details.get("compute_capability")
+    return {"name": str(details.get("device_name", device.name)),
+            "compute_capability": ".".join(map(str, capability)) if capability else None}
+
+
+# -- hardware ------------------------------------------------------------------------------
+def nvidia_facts() -> dict[str, Any]:
+    """GPUs, driver and the CUDA version the driver supports, from nvidia-smi if installed."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"smi": None, "gpus": [], "driver": None, "cuda": None,
+                "error": "nvidia-smi not found: no NVIDIA driver on this host"}
+    try:
+        table = _run([smi, SMI_QUERY, "--format=csv,noheader,nounits"])
+        header = _run([smi])
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"smi": smi, "gpus": [], "driver": None, "cuda": None,
+                "error": f"nvidia-smi failed: {exc}".splitlines()[0]}
+    gpus = []
+    for line in table.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3:
+            memory = int(parts[1]) if parts[1].isdigit() else None
+            gpus.append({"name": parts[0], "memory_mib": memory, "driver": parts[2]})
+    cuda = header.split("CUDA Version:", 1)[1].split()[0] if "CUDA Version:" in header else None
+    return {"smi": smi, "gpus": gpus, "driver": gpus[0]["driver"] if gpus else None,
+            "cuda": cuda, "error": None}
+
+
+def _run(argv: list[str]) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=20, check=True).stdout
+
+
+def disk_facts(directory: str) -> dict[str, Any]:
+    """Free space of the file system that holds ``directory`` (or its nearest existing parent)."""
+    path = Path(directory).expanduser().absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    usage = shutil.disk_usage(existing)
+    return {"path": str(path), "free_bytes": usage.free, "total_bytes": usage.total}
+
+
+# -- network -------------------------------------------------------------------------------
+class Listener:
+    """Holds one task port while peers connect to it; says whether it was free."""
+
+    def __init__(self, port: int, expect: int) -> None:
+        self.port = port
+        self.expect = expect
+        self.heard: list[str] = []
+        self.error: str | None = None
+        self._until = float("inf")
+        self._sock = socket.socket()
+        try:  # the wildcard address, as TensorFlow's gRPC server binds it
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind(("", port))
+            self._sock.listen(64)
+            self._sock.settimeout(0.1)
+        except OSError as exc:
+            self.error = f"{type(exc).__name__}: {exc.strerror or exc}"
+            self._sock.close()
+
+    def stop_at(self, when: float) -> None:
+        self._until = when
+
+    def run(self) -> None:
+        if self.error is not None:
+            return
+        with self._sock:
+            while time.monotonic() < self._until and len(set(self.heard)) < self.expect:
+                try:
+                    conn, _ = self._sock.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    self._greet(conn)
+
+    def _greet(self, conn: socket.socket) -> None:
+        """Banner out, the peer's name in; then wait for the peer to close first, so that
+        TIME_WAIT stays on its side and the port is free for the task right after."""
+        try:
+            conn.settimeout(2.0)
+            conn.sendall(BANNER)
+            name = conn.recv(256).decode(errors="replace").strip()
+        except OSError:
+            return
+        if name:
+            self.heard.append(name)
+        with contextlib.suppress(OSError):
+            while conn.recv(256):
+                continue
+
+    def result(self) -> dict[str, Any]:
+        return {"port": self.port, "free": self.error is None, "error": self.error,
+                "heard_from": sorted(set(self.heard))}
+
+
+class Probe:
+    """Connects to one peer's task port, retrying while it is not listening yet."""
+
+    def __init__(self, endpoint: str, name: str, deadline: float) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.deadline = deadline
+        self.ok = False
+        self.error: str | None = None
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        started = time.monotonic()
+        host, _, port = self.endpoint.rpartition(":")
+        address = (host.strip("[]"), int(port))
+        while True:
+            remaining = self.deadline - time.monotonic()
+            try:
+                self._try(address, max(0.2, min(1.5, remaining)))
+                self.ok, self.error = True, None
+                break
+            except (ConnectionRefusedError, TimeoutError) as exc:
+                self.error = _describe(exc)  # not listening yet, or packets dropped: retry
+            except OSError as exc:
+                self.error = _describe(exc)
+                break
+            if remaining <= 0:
+                break
+            time.sleep(0.1)
+        self.seconds = round(time.monotonic() - started, 3)
+
+    def _try(self, address: tuple[str, int], timeout: float) -> None:
+        with socket.create_connection(address, timeout=timeout) as conn:
+            banner = conn.recv(len(BANNER))
+            if banner != BANNER:
+                raise ConnectionError(f"another program answers there (it sent {banner[:40]!r})")
+            conn.sendall(self.name.encode() + b"\n")
+
+    def result(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "ok": self.ok, "error": self.error,
+                "seconds": self.seconds}
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out (packets dropped: a firewall?)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} (errno {exc.errno})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
