@@ -87,7 +87,10 @@ def up(spec_file: SpecArg) -> None:
     """Create or attach to the cluster's hosts and prepare them."""
     from orchestrator.api import Cluster
 
-    hosts = Cluster.from_spec(spec_file).up()
+    cluster = Cluster.from_spec(spec_file)
+    hosts = cluster.up()
+    for note in cluster.provider.notes():
+        out.print(f"  {note}", markup=False)
     for h in hosts:
         out.print(f"  {h.name}  {h.address}")
     out.print(f"[green]up[/]: {len(hosts)} host(s)")
@@ -192,7 +195,11 @@ def main() -> None:
             err.print(f"  fix: {exc.fix}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        err.print("interrupted; every task of this run was stopped")
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+        err.print({
+            "train": "interrupted: every task of this run was stopped",
+            "up": "interrupted: 'orchestrate down FILE' removes whatever was already made",
+        }.get(command, "interrupted"))
         sys.exit(130)
 
 

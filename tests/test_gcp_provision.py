@@ -110,6 +110,9 @@ def test_zones_out_of_capacity_or_quota_fall_through_with_a_record_of_why(
         ("us-central1-a", "ZONE_RESOURCE_POOL_EXHAUSTED"), ("us-east1-b", "QUOTA_EXCEEDED")]
     assert "NVIDIA_T4_GPUS" in provider.zone_failures[1].message
     assert fake.calls["instances.bulkInsert"] == 3  # one per zone tried, not one per VM
+    notes = provider.notes()  # what 'orchestrate up' prints
+    assert notes[0].startswith("zone us-central1-a refused the VMs (ZONE_RESOURCE_POOL_EXHAUSTED)")
+    assert "NVIDIA_T4_GPUS" in notes[1]
 
 
 def test_a_quota_no_zone_can_satisfy_fails_naming_the_quota(fake: FakeCompute, tmp_path: Path) -> None:

@@ -51,6 +51,10 @@ class Provider(ABC):
     def hosts(self) -> list[Host]:
         """The cluster's hosts as they are now, without creating anything."""
 
+    def notes(self) -> list[str]:
+        """What the user should know about the last ``up`` (e.g. zones that refused VMs)."""
+        return []
+
     def planned_hosts(self) -> list[Host]:
         """The hosts as a dry run shows them, without contacting any; default: ``hosts()``."""
         return self.hosts()

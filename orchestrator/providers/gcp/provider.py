@@ -84,6 +84,10 @@ class GcpProvider(Provider):
         """Why zones before the one that took the VMs refused them (in the last ``up``)."""
         return self._fleet.failures if self._fleet else ()
 
+    def notes(self) -> list[str]:
+        return [f"zone {f.zone} refused the VMs ({f.code}): {f.message}"
+                for f in self.zone_failures]
+
     @property
     def vm_names(self) -> list[str]:
         """One VM per task, the chief's first."""
