@@ -68,18 +68,9 @@ class StaticHost(Model):
         return value
 
 
-class StaticProvider(Model):
-    """Attach to listed hosts over SSH. Nothing is created or deleted in any cloud."""
+class SSHHosts(Model):
+    """What every provider whose hosts are reached over SSH shares: how tasks run there."""
 
-    @field_validator("root")
-    @classmethod
-    def _absolute(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith("/"):
-            raise ValueError(f"must be an absolute path, received {value!r}")
-        return value
-
-    kind: Literal["static"] = "static"
-    hosts: tuple[StaticHost, ...] = Field(min_length=1)
     python: str = Field(default="python3", description="Interpreter with TensorFlow on the hosts.")
     root: str | None = Field(
         default=None,
@@ -93,13 +84,27 @@ class StaticProvider(Model):
         default=(".git", "__pycache__", "*.pyc", ".venv", "outputs"),
         description="Glob patterns left out when uploading workdir.",
     )
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("root")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"must be an absolute path, received {value!r}")
+        return value
+
+
+class StaticProvider(SSHHosts):
+    """Attach to listed hosts over SSH. Nothing is created or deleted in any cloud."""
+
+    kind: Literal["static"] = "static"
+    hosts: tuple[StaticHost, ...] = Field(min_length=1)
     known_hosts: str | None = Field(
         default=None, description="known_hosts file consulted when a host has no host_key."
     )
     trust_on_first_use: bool = Field(
         default=False, description="Accept and record unknown host keys (in known_hosts). Unsafe."
     )
-    connect_timeout_s: float = Field(default=10.0, gt=0)
     wait_for_host_s: float = Field(
         default=60.0, ge=0, description="How long 'up' retries a host that does not answer."
     )
@@ -122,7 +127,7 @@ class GcpAccelerator(Model):
     count: int = Field(default=1, ge=1, le=16)
 
 
-class GcpProvider(Model):
+class GcpProvider(SSHHosts):
     """GPU VMs on Compute Engine: 'up' creates them, 'down' deletes everything labelled for the cluster."""
 
     kind: Literal["gcp"] = "gcp"
@@ -158,19 +163,6 @@ class GcpProvider(Model):
     metadata: dict[str, str] = Field(default_factory=dict, description="Extra instance metadata.")
     labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every resource.")
     tags: tuple[str, ...] = Field(default=(), description="Extra network tags.")
-    python: str = Field(default="python3", description="Interpreter with TensorFlow on the VMs.")
-    root: str | None = Field(
-        default=None, description="Absolute directory on every VM for this cluster's files; "
-        "default: ~/.orchestrate/clusters/NAME of ssh_user.",
-    )
-    setup: tuple[str, ...] = Field(
-        default=(), description="Shell commands run in the synced code dir by 'up' (e.g. pip install)."
-    )
-    sync_excludes: tuple[str, ...] = Field(
-        default=(".git", "__pycache__", "*.pyc", ".venv", "outputs"),
-        description="Glob patterns left out when uploading workdir.",
-    )
-    connect_timeout_s: float = Field(default=10.0, gt=0)
     boot_timeout_s: float = Field(
         default=600.0, gt=0, description="How long 'up' waits for a VM to run and answer SSH."
     )
@@ -188,13 +180,6 @@ class GcpProvider(Model):
         if len(set(zones)) != len(zones):
             raise ValueError(f"a zone is listed twice (received {list(zones)})")
         return zones
-
-    @field_validator("root")
-    @classmethod
-    def _absolute(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith("/"):
-            raise ValueError(f"must be an absolute path, received {value!r}")
-        return value
 
     @field_validator("metadata")
     @classmethod

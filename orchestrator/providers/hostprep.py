@@ -8,7 +8,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import worker as worker_package
+from orchestrator import spec as specs
 from orchestrator.hosts import Host
+from orchestrator.providers.base import Provider
 from orchestrator.remote.base import Runner
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.sync import sync_dir
@@ -65,3 +67,21 @@ def busy_ports(hosts: Sequence[Host], runner_for: Callable[[Host], Runner], pyth
     result = fan_out(hosts, probe, name_of=lambda h: h.name)
     by_name = {h.name: h for h in hosts}
     return {(by_name[r.name].address, p) for r in result.succeeded for p in r.value or []}
+
+
+class SSHHostsProvider(Provider):
+    """A provider whose hosts are reached over SSH and prepared by ``prepare``."""
+
+    config: specs.SSHHosts  # set by the subclass to its own provider section of the spec
+
+    def python(self, host: Host) -> str:
+        return self.config.python
+
+    def prepare(self, host: Host) -> bool:
+        """Idempotent: returns whether anything changed on the host."""
+        return prepare(self.runner(host), host,
+                       workdir=specs.workdir_of(self.spec, self.spec_path),
+                       excludes=self.config.sync_excludes, setup=self.config.setup)
+
+    def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
+        return busy_ports(hosts, self.runner, self.config.python, self.spec.ports)

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from orchestrator import spec as specs
 from orchestrator.errors import ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
-from orchestrator.providers import hostprep
-from orchestrator.providers.base import DownReport, Provider
+from orchestrator.providers.base import DownReport
+from orchestrator.providers.hostprep import SSHHostsProvider
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
 from orchestrator.spec import ClusterSpec
 
 
-class StaticProvider(Provider):
+class StaticProvider(SSHHostsProvider):
     kind = "static"
+    config: specs.StaticProvider
 
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
         super().__init__(spec, spec_path)
@@ -84,23 +84,11 @@ class StaticProvider(Provider):
                 self._runners[host.name] = runner
             return runner
 
-    def python(self, host: Host) -> str:
-        return self.config.python
-
     def up(self) -> list[Host]:
         """Reach every host in parallel, sync the code and the worker package, run setup."""
         hosts = self.hosts()
         fan_out(hosts, self.prepare, name_of=lambda h: h.name).raise_if_failed("prepare hosts")
         return hosts
-
-    def prepare(self, host: Host) -> bool:
-        """Idempotent: returns whether anything changed on the host."""
-        return hostprep.prepare(self.runner(host), host,
-                                workdir=specs.workdir_of(self.spec, self.spec_path),
-                                excludes=self.config.sync_excludes, setup=self.config.setup)
-
-    def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
-        return hostprep.busy_ports(hosts, self.runner, self.config.python, self.spec.ports)
 
     def down(self) -> DownReport:
         """Remove this cluster's directory on every host; nothing else is touched."""

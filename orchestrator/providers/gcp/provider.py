@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 from orchestrator import spec as specs
 from orchestrator.errors import AuthError, HostUnreachableError, ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
-from orchestrator.providers import hostprep
-from orchestrator.providers.base import DownReport, HostHealth, Provider
+from orchestrator.providers.base import DownReport, HostHealth
 from orchestrator.providers.gcp import names
 from orchestrator.providers.gcp.keys import PRIVATE_NAME, KeyPair, ensure_key_pair, remove_key_pair
+from orchestrator.providers.hostprep import SSHHostsProvider
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
 from orchestrator.spec import ClusterSpec
@@ -36,7 +36,7 @@ POLL_FIRST_S = 0.25
 POLL_MAX_S = 5.0
 
 
-class GcpProvider(Provider):
+class GcpProvider(SSHHostsProvider):
     """See the module docstring.
 
     Args:
@@ -47,6 +47,7 @@ class GcpProvider(Provider):
     """
 
     kind = "gcp"
+    config: specs.GcpProvider
 
     def __init__(self, spec: ClusterSpec, spec_path: Path, *, compute: Compute | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
@@ -232,18 +233,6 @@ class GcpProvider(Provider):
             runner = self._runners.pop(name, None)
         if runner is not None:
             runner.close()
-
-    def python(self, host: Host) -> str:
-        return self.config.python
-
-    def prepare(self, host: Host) -> bool:
-        """Idempotent: returns whether anything changed on the host."""
-        return hostprep.prepare(self.runner(host), host,
-                                workdir=specs.workdir_of(self.spec, self.spec_path),
-                                excludes=self.config.sync_excludes, setup=self.config.setup)
-
-    def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
-        return hostprep.busy_ports(hosts, self.runner, self.config.python, self.spec.ports)
 
     def host_health(self, host: Host) -> HostHealth:
         """From the API: gone, preempted (a stopped spot VM), booting; if running, over SSH."""
