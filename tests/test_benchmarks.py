@@ -1,0 +1,93 @@
+"""Every benchmark runs in --quick mode and prints one JSON line of figures, so none of them rots.
+
+No figure is compared with anything: the machines are noisy, and benchmarks report, tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON_KEYS = {"benchmark", "mode", "repeats", "machine", "wall_s"}
+
+
+def measured(figure: dict[str, Any]) -> bool:
+    """A median/min/max/n spread with at least one value in it."""
+    return bool(figure["n"] >= 1 and figure["min"] <= figure["median"] <= figure["max"])
+
+
+def check_launch(record: dict[str, Any]) -> None:
+    first = record["results"][0]
+    assert (first["target"], first["workers"]) == ("local", 2)
+    train = first["orchestrated"]["orchestrate train"]
+    assert measured(train["first_step_s"]) and measured(first["by_hand_s"])
+    assert isinstance(train["goal_met"], bool) and "namespaces" in record["skipped"]
+
+
+def check_steady(record: dict[str, Any]) -> None:
+    first = record["results"][0]
+    assert measured(first["orchestrated_steps_per_s"]) and measured(first["by_hand_steps_per_s"])
+    assert first["ratio"] > 0
+
+
+def check_recovery(record: dict[str, Any]) -> None:
+    (worker_killed,) = record["results"]
+    assert (worker_killed["case"], worker_killed["cause"]) == ("worker killed", "crashed")
+    assert worker_killed["repair_s"]["n"] == 0  # a crashed process leaves no host to repair
+    assert all(measured(worker_killed[p]) for p in record["phases"] if p != "repair_s")
+    assert measured(worker_killed["kill_to_first_step_s"])
+    assert set(record["skipped"]) == {"chief killed", "host cut off", "cold start"}
+
+
+def check_peer(record: dict[str, Any]) -> None:
+    ray = record["ray"]
+    if "skipped" in ray:  # --quick without Ray compares nothing; launch and recovery measure ours
+        assert ray["skipped"] and "orchestrate" in record["skipped"]
+        return
+    assert measured(ray["first_step_s"]) and measured(ray["kill_to_first_step_s"]), ray
+    assert measured(record["orchestrate"]["kill_to_first_step_s"])
+
+
+def check_provision(record: dict[str, Any]) -> None:
+    assert [r["vms"] for r in record["results"]] == [1, 8, 64]
+    assert all(measured(r["up_s"]) and r["create_calls"]["median"] >= 1 for r in record["results"])
+
+
+def check_controller(record: dict[str, Any]) -> None:
+    result = record["result"]
+    assert result["tasks"] == 8 and result["transport"] in ("namespaces", "local")
+    assert measured(result["cpu_share"]) and measured(result["latency_median_s"])
+    assert result["rss_mib"]["median"] > 0 and result["events"]["median"] > 0
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "launch": check_launch, "steady": check_steady, "recovery": check_recovery,
+    "peer": check_peer, "provision": check_provision, "controller": check_controller,
+}
+
+
+MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
+         "peer": [pytest.mark.tf], "controller": [pytest.mark.ssh]}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS.get(n, [])) for n in sorted(CHECKS)])
+def test_benchmark_runs_in_quick_mode_and_prints_one_json_line(name: str) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout  # the table and progress notes go to stderr
+    record = json.loads(lines[0])
+    assert set(record) >= COMMON_KEYS, sorted(record)
+    assert (record["benchmark"], record["mode"], record["repeats"]) == (name, "quick", 1)
+    assert record["machine"]["cpus"] >= 1
+    CHECKS[name](record)
+    assert "----" in proc.stderr  # the short table
