@@ -192,8 +192,12 @@ def test_taken_port_is_avoided_on_the_next_attempt(hostlab: HostLab, tmp_path: P
             found = probe(hosts)  # type: ignore[arg-type]
             if not squatters:  # another program grabs the port between probe and launch
                 host = fault.hosts[1]
-                code = ("import socket, time; s = socket.socket(); s.bind(('', 23456)); "
-                        "s.listen(); print('bound', flush=True); time.sleep(600)")
+                # SO_REUSEADDR: an earlier test's connections may leave 23456 in TIME_WAIT;
+                # a listening squatter blocks gRPC's bind either way.
+                code = ("import socket, time; s = socket.socket(); "
+                        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                        "s.bind(('', 23456)); s.listen(); print('bound', flush=True); "
+                        "time.sleep(600)")
                 argv = ["ip", "netns", "exec", str(host.namespace), sys.executable, "-c", code]
                 squatters.append(subprocess.Popen(argv, stdout=subprocess.PIPE))
                 assert squatters[0].stdout is not None and squatters[0].stdout.readline()
