@@ -309,8 +309,7 @@ class Cluster:
                     if host is None:
                         continue
                     runner = self.provider.runner(host)
-                    handle = TaskHandle(host.name, int(task["pgid"]), str(task["log"]),
-                                        str(task["rc"]))
+                    handle = _recorded_handle(host, task)
                     if runner.poll(handle).state is TaskState.RUNNING:
                         runner.stop(handle, grace_s=self.spec.timeouts.stop_grace_s)
                         stopped.append(f"{run.id} {task['task']}")
@@ -367,7 +366,7 @@ class Cluster:
             return
         key = (number, str(entry["task"]))
         offset, buffer = readers.get(key, (0, LineBuffer()))
-        handle = TaskHandle(host.name, int(entry["pgid"]), str(entry["log"]), str(entry["rc"]))
+        handle = _recorded_handle(host, entry)
         data, offset = self.provider.runner(host).read_log(handle, offset)
         readers[key] = (offset, buffer)
         for line in buffer.feed(data):
@@ -409,6 +408,11 @@ def _both(first: Listener | None, second: Listener | None) -> Listener | None:
         second(view, event)
 
     return call
+
+
+def _recorded_handle(host: Host, task: dict[str, Any]) -> TaskHandle:
+    """The handle of a task as an attempt record stores it (see supervisor._task_record)."""
+    return TaskHandle(host.name, int(task["pgid"]), str(task["log"]), str(task["rc"]))
 
 
 def _controller_alive(run: RunRecord) -> bool:

@@ -283,7 +283,7 @@ class Supervisor:
     def _confirm(self, failure: AttemptFailed) -> AttemptFailed:
         """Ask the provider about a lost host (preempted?), and spot code failing the same way."""
         if failure.cause is Cause.HOST_LOST and failure.host:
-            host = next(h for h in self.provider.hosts() if h.name == failure.host)
+            host = self._host(failure.host)
             health = self.provider.host_health(host)
             self._broken_hosts.add(host.name)
             if health is HostHealth.PREEMPTED:
@@ -301,16 +301,19 @@ class Supervisor:
             self._causes[failure.cause] += 1
         return failure
 
+    def _host(self, name: str) -> Host:
+        return next(h for h in self.provider.hosts() if h.name == name)
+
     def _repair_hosts(self) -> None:
         broken, self._broken_hosts = sorted(self._broken_hosts), set()
         for name in broken:
-            host = next(h for h in self.provider.hosts() if h.name == name)
+            host = self._host(name)
             self._say(f"repairing {name}: waiting up to {self.spec.timeouts.repair_s:.0f}s")
             self.provider.repair(host, self.spec.timeouts.repair_s)
             self._say(f"{name} is back")
         orphans, self._orphans = self._orphans, []
         for host_name, handle in orphans:
-            host = next(h for h in self.provider.hosts() if h.name == host_name)
+            host = self._host(host_name)
             try:  # a task that was cut off with its host may still run there, holding its port
                 self.provider.runner(host).stop(handle, grace_s=self.spec.timeouts.stop_grace_s)
             except OrchestratorError as exc:
