@@ -1,0 +1,23 @@
+"""Why an attempt ended: the failure causes, defined once for the spec, the watch and the supervisor."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Cause(str, enum.Enum):
+    CRASHED = "crashed"  # a task exited non-zero or was killed
+    HOST_LOST = "host_lost"  # a host stopped answering (killed, cut off, shut down)
+    PREEMPTED = "preempted"  # the cloud took a spot VM back
+    HUNG = "hung"  # alive but no progress for timeouts.hang_s
+    STARTUP_TIMEOUT = "startup_timeout"  # not every task reached its first step in time
+    PORT_CONFLICT = "port_conflict"  # a task's gRPC port was taken
+    USER_ERROR = "user_error"  # the user's code fails before training: not retried
+    CANCELLED = "cancelled"  # Ctrl-C
+    STOPPED = "stopped"  # 'orchestrate down' (maybe from another process) stopped the run
+
+
+RETRYABLE = frozenset({Cause.CRASHED, Cause.HOST_LOST, Cause.PREEMPTED, Cause.HUNG,
+                       Cause.STARTUP_TIMEOUT, Cause.PORT_CONFLICT})
+# The causes a spec may give a restart budget (retry.per_cause), in the order messages list them.
+BUDGETED = tuple(c.value for c in Cause if c in RETRYABLE)
