@@ -28,7 +28,7 @@ from common import REPO, describe_machine, note, parser, publish, repeats, show,
 from jobs import PORTS, Target, namespace_lab, static_provider, supervise, write_spec
 
 from orchestrator.events import Event
-from orchestrator.supervisor import RunView
+from orchestrator.view import RunView
 
 RATE = 5.0  # progress events per second per task
 

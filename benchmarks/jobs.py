@@ -28,9 +28,11 @@ from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.events import Event, parse_line
 from orchestrator.hosts import Host
+from orchestrator.paths import home
 from orchestrator.providers import for_spec
-from orchestrator.state import RunRecord, Store, home
-from orchestrator.supervisor import Listener, RunResult, Supervisor
+from orchestrator.state import RunRecord, Store
+from orchestrator.supervisor import Supervisor
+from orchestrator.view import Listener, RunResult
 
 TIMEOUT_S = 300.0
 # Not the default range (23456-23655) that the test suite uses, maybe at the same time, and
@@ -185,7 +187,7 @@ def orchestrated(path: Path, *flags: str, timeout_s: float = TIMEOUT_S) -> Run:
         raise RuntimeError(f"orchestrate train {path.name} exited {proc.returncode}:\n"
                            f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     record = next(r for r in _runs(name) if r.id not in before)
-    logs = [str(t["log"]) for a in record.attempts for t in a.tasks]
+    logs = [t.log for a in record.attempts for t in a.tasks]
     cpu = (after.ru_utime + after.ru_stime) - (usage.ru_utime + usage.ru_stime)
     return Run(started, _events(logs), proc.returncode, proc.stdout, wall, cpu)
 

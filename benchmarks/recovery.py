@@ -32,7 +32,7 @@ from common import describe_machine, median_of, note, parser, publish, ratio, re
 from jobs import LOCAL, Target, by_hand, digits_spec, namespace_lab, supervise, write_spec
 
 from orchestrator.events import Event
-from orchestrator.supervisor import RunView
+from orchestrator.view import RunView
 
 GOAL_RATIO = 1.5
 WORKERS = 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,12 +19,15 @@ from orchestrator.doctor import DoctorReport, TensorFlowImport
 from orchestrator.errors import StateError
 from orchestrator.events import Event, LineBuffer, parse_line
 from orchestrator.hosts import Host
-from orchestrator.plan import ClusterPlan
+from orchestrator.launchers import launcher_named
+from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.providers import DownReport, Provider, for_spec
-from orchestrator.remote.base import Runner, TaskHandle, TaskState
+from orchestrator.remote.base import TaskState
+from orchestrator.runtimes import runtime_for
 from orchestrator.spec import ClusterSpec
-from orchestrator.state import AttemptRecord, ClusterRecord, RunRecord, Store
-from orchestrator.supervisor import Listener, RunResult, RunView, Supervisor
+from orchestrator.state import AttemptRecord, ClusterRecord, RunRecord, Store, TaskRecord
+from orchestrator.supervisor import Supervisor
+from orchestrator.view import Listener, RunResult, RunView
 
 if TYPE_CHECKING:
     from orchestrator.console import NotebookProgress
@@ -86,8 +90,8 @@ def _attempt_dict(a: AttemptRecord) -> dict[str, Any]:
     fields = asdict(a)
     fields.pop("run_id")
     fields["detect_s"] = a.detect_s
-    fields["tasks"] = [{k: t.get(k) for k in ("task", "host", "endpoint", "exit_code", "log")}
-                       for t in a.tasks]
+    fields["tasks"] = [{"task": t.task, "host": t.host, "endpoint": t.endpoint,
+                        "exit_code": t.exit_code, "log": t.log} for t in a.tasks]
     return fields
 
 
@@ -118,12 +122,13 @@ class Scaling:
     @classmethod
     def of(cls, plan: ClusterPlan, replicas: int | None = None) -> Scaling:
         n = replicas or len(plan.tasks)
-        per, lr = plan.per_replica_batch_size, plan.learning_rate
+        rule = plan.scaling  # the job runtime's: how batch and learning rate follow replicas
         return cls(
-            replicas=n, replicas_known=replicas is not None, per_replica_batch_size=per,
-            global_batch_size=per * n if per is not None else None, learning_rate=lr,
-            scaled_learning_rate=lr * n if lr is not None and plan.scale_learning_rate else lr,
-            scale_learning_rate=plan.scale_learning_rate,
+            replicas=n, replicas_known=replicas is not None,
+            per_replica_batch_size=rule.per_replica_batch_size,
+            global_batch_size=rule.global_batch_size(n), learning_rate=rule.learning_rate,
+            scaled_learning_rate=rule.scaled_learning_rate(n),
+            scale_learning_rate=rule.scale_learning_rate,
         )
 
 
@@ -151,6 +156,19 @@ class Cluster:
         if isinstance(source, ClusterSpec):
             return cls(source, store=store)
         return cls(specs.load(source), spec_path=source, store=store)
+
+    @classmethod
+    def named(cls, name: str, *, store: Store | None = None) -> Cluster:
+        """The cluster the store knows by ``name``, from the spec file it was last used with.
+
+        Raises:
+            StateError: no cluster of that name has been used on this machine.
+        """
+        store = store or Store()
+        record = store.get_cluster(name)
+        if record is None:
+            raise StateError(f"no cluster named {name!r}", fix="see 'orchestrate status'")
+        return cls.from_spec(record.spec_path, store=store)
 
     @property
     def name(self) -> str:
@@ -196,30 +214,33 @@ class Cluster:
         """
         plan = self.plan()
         machines = doctoring.machines_of(plan, self.provider.python)
-        own: dict[str, Runner] = {}
-
-        def runner(host: Host) -> Runner:
-            if host.ssh is None:
-                return self.provider.runner(host)
-            if host.name not in own:
-                from orchestrator.remote.ssh import SSHRunner
-
-                own[host.name] = SSHRunner(host.name, host.ssh,
-                                           connect_deadline_s=host.ssh.connect_timeout_s)
-            return own[host.name]
-
-        for machine in machines:  # made here, not in the checks' threads
-            runner(machine.host)
-        try:
+        with self.provider.check_runners([m.host for m in machines]) as runner:
             return doctoring.examine(self.spec, self.provider.kind, plan, machines, runner,
                                      tensorflow=tensorflow)
-        finally:
-            for r in own.values():
-                r.close()
 
     def scaling(self, replicas: int | None = None) -> Scaling:
         """Global batch size and learning rate, for ``replicas`` (default: one per task)."""
         return Scaling.of(self.plan(), replicas)
+
+    def plan_document(self) -> dict[str, Any]:
+        """What ``train`` would launch, as ``orchestrate plan --json`` shows it; touches nothing."""
+        plan = self.plan()
+        job = runtime_for(self.spec.job).describe(self.spec.job)
+        return {
+            "cluster": plan.cluster,
+            "provider": self.spec.provider.kind,
+            "spec": str(self.spec_path),
+            "hosts": [_host_entry(t.host) for t in plan.tasks],
+            "creates": self.provider.describe(),
+            "runtime": job.runtime,
+            "job": dict(job.settings),
+            "job_summary": job.summary,
+            "total_steps": job.total_steps,
+            "scaling": asdict(Scaling.of(plan)),
+            "chief": plan.chief_key,
+            "cluster_def": {role: list(eps) for role, eps in plan.cluster_def.items()},
+            "tasks": [_task_entry(plan, t) for t in plan.tasks],
+        }
 
     def train(self, *, listener: Listener | None = None, wait: bool = True,
               attach: bool = False, doctor: bool = True, progress: bool | None = None,
@@ -305,14 +326,15 @@ class Cluster:
             self.store.finish_run(run.id, status="stopped", message="stopped by down")
             for attempt in run.attempts:
                 for task in attempt.tasks:
-                    host = hosts.get(str(task["host"]))
+                    host = hosts.get(task.host)
                     if host is None:
                         continue
                     runner = self.provider.runner(host)
-                    handle = _recorded_handle(host, task)
-                    if runner.poll(handle).state is TaskState.RUNNING:
-                        runner.stop(handle, grace_s=self.spec.timeouts.stop_grace_s)
-                        stopped.append(f"{run.id} {task['task']}")
+                    launcher = launcher_named(task.launcher)
+                    handle = launcher.find(task)
+                    if launcher.poll(runner, handle).state is TaskState.RUNNING:
+                        launcher.stop(runner, handle, self.spec.timeouts.stop_grace_s)
+                        stopped.append(f"{run.id} {task.task}")
         return stopped
 
     # -- inspection ----------------------------------------------------------------------
@@ -339,7 +361,7 @@ class Cluster:
         attempt from ``attempt`` (default: the last) on, as it is written, until the run ends.
         """
         record = self.run(run_id)
-        known = sorted({str(t["task"]) for a in record.attempts for t in a.tasks})
+        known = sorted({t.task for a in record.attempts for t in a.tasks})
         if task is not None and known and task not in known:
             raise StateError(f"run {record.id} has no task {task!r} (its tasks: "
                              f"{', '.join(known)})", fix=f"name one of them, e.g. --task {known[-1]}")
@@ -351,22 +373,22 @@ class Cluster:
             chosen = record.attempts[first - 1 :] if follow else record.attempts[first - 1 : first]
             for a in chosen:
                 for entry in a.tasks:
-                    if task is None or entry["task"] == task:
+                    if task is None or entry.task == task:
                         yield from self._new_lines(hosts, a.number, entry, readers)
             if not follow or record.status != "running":
                 return
             time.sleep(poll_s)
 
     def _new_lines(
-        self, hosts: dict[str, Host], number: int, entry: dict[str, Any],
+        self, hosts: dict[str, Host], number: int, entry: TaskRecord,
         readers: dict[tuple[int, str], tuple[int, LineBuffer]],
     ) -> Iterator[tuple[str, str]]:
-        host = hosts.get(str(entry["host"]))
+        host = hosts.get(entry.host)
         if host is None:
             return
-        key = (number, str(entry["task"]))
+        key = (number, entry.task)
         offset, buffer = readers.get(key, (0, LineBuffer()))
-        handle = _recorded_handle(host, entry)
+        handle = launcher_named(entry.launcher).find(entry)
         data, offset = self.provider.runner(host).read_log(handle, offset)
         readers[key] = (offset, buffer)
         for line in buffer.feed(data):
@@ -392,6 +414,23 @@ class Cluster:
         self.down()
 
 
+def _host_entry(host: Host) -> dict[str, Any]:
+    ssh = host.ssh
+    return {"name": host.name, "address": host.address, "root": host.root,
+            "ssh": None if ssh is None else {"user": ssh.user, "address": ssh.address,
+                                             "port": ssh.port},
+            "labels": dict(host.labels)}
+
+
+def _task_entry(plan: ClusterPlan, t: TaskPlan) -> dict[str, Any]:
+    paths = plan.paths[t.host.name]
+    return {"task": t.key, "role": t.role, "index": t.index, "is_chief": t.key == plan.chief_key,
+            "host": t.host.name, "address": t.host.address, "port": t.port,
+            "endpoint": t.endpoint, "tf_config": t.tf_config, "cwd": t.cwd, "argv": list(t.argv),
+            "command": shlex.join(t.argv), "env": dict(t.env), "log": t.log_path,
+            "checkpoint_dir": paths.checkpoint_dir, "model_dir": paths.model_dir}
+
+
 def _notebook_display(listener: Listener | None, progress: bool | None) -> NotebookProgress | None:
     from orchestrator.console import NotebookProgress, in_notebook
 
@@ -408,11 +447,6 @@ def _both(first: Listener | None, second: Listener | None) -> Listener | None:
         second(view, event)
 
     return call
-
-
-def _recorded_handle(host: Host, task: dict[str, Any]) -> TaskHandle:
-    """The handle of a task as an attempt record stores it (see supervisor._task_record)."""
-    return TaskHandle(host.name, int(task["pgid"]), str(task["log"]), str(task["rc"]))
 
 
 def _controller_alive(run: RunRecord) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -67,56 +66,107 @@ class CheckpointMirror:
     """A copy of the chief's checkpoint on this machine, refreshed after every checkpoint event.
 
     A chief whose host is gone then loses nothing that was checkpointed: the relaunch pushes
-    the mirror back. Pulls run on one background thread and coalesce (only the newest
-    request matters); each lands in a fresh directory that replaces the previous one with a
-    rename, so the mirror is never half-written.
+    the mirror back. One long-lived thread pulls (started by the first request, stopped by
+    ``close``); requests coalesce, only the newest matters. Each pull lands in a fresh
+    directory that replaces the previous one with a rename, under the lock that every read of
+    the copy takes, so the mirror is never seen half-written.
+
+    Args:
+        directory: where the copy lives on this machine (``current`` inside it).
+        runner_for: the runner of a host.
+        on_mirrored: called with the step of each checkpoint copied here.
+        on_pulling: called with the step when a pull starts, and with None when it ends
+            (copied or not).
     """
 
     def __init__(self, directory: Path, runner_for: RunnerFor,
-                 on_mirrored: Callable[[int], None] = lambda step: None) -> None:
+                 on_mirrored: Callable[[int], None] = lambda step: None,
+                 on_pulling: Callable[[int | None], None] = lambda step: None) -> None:
         self.directory = directory
         self.runner_for = runner_for
         self.on_mirrored = on_mirrored
-        self.step: int | None = None
+        self.on_pulling = on_pulling
+        self._wake = threading.Condition()  # guards the four fields below
         self._wanted: tuple[ClusterPlan, int] | None = None
-        self._lock = threading.Lock()
+        self._busy = False
+        self._closed = False
         self._thread: threading.Thread | None = None
+        self._copy_lock = threading.Lock()  # guards ``current`` on disk and _step
+        self._step: int | None = None
 
     @property
     def current(self) -> Path:
         return self.directory / "current"
 
+    @property
+    def step(self) -> int | None:
+        """The step of the checkpoint copied here (None before the first pull)."""
+        with self._copy_lock:
+            return self._step
+
     def has_checkpoint(self) -> bool:
-        return (self.current / "checkpoint").is_file()
+        with self._copy_lock:
+            return (self.current / "checkpoint").is_file()
 
     def request(self, plan: ClusterPlan, step: int) -> None:
-        with self._lock:
+        """Pull the chief's checkpoint of ``step`` soon; replaces a request not yet started."""
+        with self._wake:
+            if self._closed:
+                return
             self._wanted = (plan, step)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._pull_loop, daemon=True,
+                self._thread = threading.Thread(target=self._serve, daemon=True,
                                                 name="orchestrate-mirror")
                 self._thread.start()
+            self._wake.notify_all()
 
-    def wait(self, timeout_s: float = 60.0) -> None:
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
+    def wait(self, timeout_s: float = 60.0) -> bool:
+        """Wait until no pull is wanted or running; False if that took longer than ``timeout_s``."""
+        with self._wake:
+            return self._wake.wait_for(lambda: self._wanted is None and not self._busy, timeout_s)
 
-    def _pull_loop(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop the thread: drop a pull not yet started, let one in flight end (its callbacks
+        still come) for up to ``timeout_s``. True when the thread has ended."""
+        with self._wake:
+            self._closed = True
+            self._wanted = None
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
+
+    def _serve(self) -> None:
         while True:
-            with self._lock:
-                wanted, self._wanted = self._wanted, None
-                if wanted is None:
+            with self._wake:
+                self._wake.wait_for(lambda: self._wanted is not None or self._closed)
+                if self._wanted is None:  # closed
                     return
-            plan, step = wanted
-            with contextlib.suppress(OrchestratorError):
-                self.pull(plan)
-                self.step = step
-                self.on_mirrored(step)
+                (plan, step), self._wanted = self._wanted, None
+                self._busy = True
+            try:
+                self._pull_and_report(plan, step)
+            finally:
+                with self._wake:
+                    self._busy = False
+                    self._wake.notify_all()
 
-    def pull(self, plan: ClusterPlan) -> None:
+    def _pull_and_report(self, plan: ClusterPlan, step: int) -> None:
+        self.on_pulling(step)
+        try:
+            self.pull(plan, step)
+        except (OrchestratorError, OSError, tarfile.TarError):
+            return  # the next checkpoint event asks again; a relaunch uses the copy we have
+        finally:
+            self.on_pulling(None)
+        self.on_mirrored(step)
+
+    def pull(self, plan: ClusterPlan, step: int | None = None) -> None:
+        """Copy the chief's checkpoint here now, on the calling thread."""
         chief = plan.chief.host
-        source = f"{plan.paths[chief.name].checkpoint_dir}/chief"
+        source = plan.paths[chief.name].chief_checkpoint_dir
         archive = f"{plan.paths[chief.name].run_dir}/mirror.tar.gz"
         runner = self.runner_for(chief)
         runner.run(["tar", "-C", source, "-czf", archive, "."], timeout_s=120)
@@ -127,21 +177,26 @@ class CheckpointMirror:
             runner.get_file(archive, str(local))
             with tarfile.open(local) as tar:
                 tar.extractall(fresh, filter="data")
-            old = self.directory / "previous"
+            self._swap_in(fresh, step)
+        finally:
+            local.unlink(missing_ok=True)
+            shutil.rmtree(fresh, ignore_errors=True)
+
+    def _swap_in(self, fresh: Path, step: int | None) -> None:
+        old = self.directory / "previous"
+        with self._copy_lock:
             shutil.rmtree(old, ignore_errors=True)
             if self.current.exists():
                 os.replace(self.current, old)
             os.replace(fresh, self.current)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            local.unlink(missing_ok=True)
-            shutil.rmtree(fresh, ignore_errors=True)
+            self._step = step
+        shutil.rmtree(old, ignore_errors=True)
 
     def push(self, host: Host, dest: str, run_dir: str) -> None:
         """Install the mirrored checkpoint as ``dest`` on ``host``."""
         with tempfile.TemporaryDirectory(prefix="orchestrate-push-") as scratch:
             local = Path(scratch) / "checkpoint.tar.gz"
-            with tarfile.open(local, "w:gz") as tar:
+            with self._copy_lock, tarfile.open(local, "w:gz") as tar:
                 tar.add(self.current, arcname=".")
             _install(self.runner_for(host), str(local), dest, f"{run_dir}/mirror-push.tar.gz")
 

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from orchestrator.errors import OrchestratorError, StateError
+from orchestrator.errors import OrchestratorError
 
 app = typer.Typer(
     name="orchestrate",
@@ -48,12 +48,10 @@ def validate(spec_file: SpecArg) -> None:
 def plan(spec_file: SpecArg,
          as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False) -> None:
     """Show the hosts, every task's address, port, TF_CONFIG and command, touching nothing."""
-    from orchestrator.api import Cluster, Scaling
-    from orchestrator.console import plan_document, render_plan
+    from orchestrator.api import Cluster
+    from orchestrator.console import render_plan
 
-    cluster = Cluster.from_spec(spec_file)
-    p = cluster.plan()
-    document = plan_document(cluster, p, Scaling.of(p))
+    document = Cluster.from_spec(spec_file).plan_document()
     if as_json:
         out.print_json(json.dumps(document))
     else:
@@ -166,12 +164,8 @@ def logs(
     """Every task's output (or one task's), each line prefixed with its role and index."""
     from orchestrator.api import Cluster
     from orchestrator.console import log_line
-    from orchestrator.state import Store
 
-    record = Store().get_cluster(name)
-    if record is None:
-        raise StateError(f"no cluster named {name!r}", fix="see 'orchestrate status'")
-    cluster = Cluster.from_spec(record.spec_path)
+    cluster = Cluster.named(name)
     for key, line in cluster.logs(run, task=task, attempt=attempt, follow=follow):
         log_line(out, key, line)
 

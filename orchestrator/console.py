@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -18,13 +17,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.events import Event
-from orchestrator.supervisor import RunResult, RunView
+from orchestrator.view import RunResult, RunView, human_bytes
 
 if TYPE_CHECKING:
-    from orchestrator.api import Cluster, Scaling
+    from orchestrator.api import Scaling
     from orchestrator.doctor import DoctorReport, HostCheck
-    from orchestrator.plan import ClusterPlan
+    from orchestrator.events import Event
 
 TASK_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_green",
                 "bright_magenta")
@@ -240,59 +238,13 @@ def _event_text(event: Event) -> str:
 
 
 # -- plan --------------------------------------------------------------------------------------
-def plan_document(cluster: Cluster, plan: ClusterPlan, scaling: Scaling) -> dict[str, Any]:
-    """The shape of ``orchestrate plan --json``."""
-    job = cluster.spec.job
-    return {
-        "cluster": plan.cluster,
-        "provider": cluster.spec.provider.kind,
-        "spec": str(cluster.spec_path),
-        "hosts": [_host_entry(t.host) for t in plan.tasks],
-        "creates": _creates(cluster),
-        "job": job.model_dump(mode="json"),
-        "total_steps": getattr(job, "epochs", 0) * getattr(job, "steps_per_epoch", 0) or None,
-        "scaling": asdict(scaling),
-        "chief": plan.chief_key,
-        "cluster_def": {role: list(eps) for role, eps in plan.cluster_def.items()},
-        "tasks": [
-            {"task": t.key, "role": t.role, "index": t.index, "is_chief": t.key == plan.chief_key,
-             "host": t.host.name, "address": t.host.address, "port": t.port,
-             "endpoint": t.endpoint, "tf_config": t.tf_config, "cwd": t.cwd, "argv": list(t.argv),
-             "command": shlex.join(t.argv), "env": dict(t.env), "log": t.log_path,
-             "checkpoint_dir": plan.paths[t.host.name].checkpoint_dir,
-             "model_dir": plan.paths[t.host.name].model_dir}
-            for t in plan.tasks
-        ],
-    }
-
-
-def _host_entry(host: Any) -> dict[str, Any]:
-    ssh = host.ssh
-    return {"name": host.name, "address": host.address, "root": host.root,
-            "ssh": None if ssh is None else {"user": ssh.user, "address": ssh.address,
-                                             "port": ssh.port},
-            "labels": dict(host.labels)}
-
-
-def _creates(cluster: Cluster) -> dict[str, Any] | None:
-    """What ``up`` would create: GCP VMs (the others create no machines)."""
-    config = cluster.spec.provider
-    if config.kind != "gcp":
-        return None
-    accelerator = config.accelerator.model_dump() if config.accelerator else None
-    return {"vms": [h.name for h in cluster.provider.hosts()], "machine_type": config.machine_type,
-            "accelerator": accelerator, "zones": list(config.zones), "spot": config.spot,
-            "image": config.image, "disk_size_gb": config.disk_size_gb,
-            "firewall_rule": f"orchestrate-{cluster.name}-grpc"}
-
-
 def render_plan(console: Console, document: dict[str, Any]) -> None:
     say = _printer(console)
     tasks, scaling = document["tasks"], document["scaling"]
     console.print(f"[bold]plan for {escape(document['cluster'])}[/]: {len(tasks)} task(s), "
                   f"{document['provider']} provider; nothing was touched", highlight=False)
     say("  hosts      " + _hosts_text(document))
-    say("  job        " + _job_text(document))
+    say("  job        " + document["job_summary"])
     if scaling["per_replica_batch_size"] is not None:
         say("  batch      " + _batch_text(scaling))
         say("  learning   " + _lr_text(scaling))
@@ -321,14 +273,6 @@ def _hosts_text(document: dict[str, Any]) -> str:
     listed = ", ".join(f"{h['name']} ({h['ssh']['user']}@{h['ssh']['address']}:{h['ssh']['port']})"
                        for h in hosts)
     return f"listed in the spec, reached over SSH: {listed}"
-
-
-def _job_text(document: dict[str, Any]) -> str:
-    job = document["job"]
-    if job["mode"] == "command":
-        return f"command: {shlex.join(job['command'])} (TF_CONFIG set for it)"
-    return (f"managed: {job['module']}, {job['epochs']} epoch(s) x {job['steps_per_epoch']} "
-            f"steps = {document['total_steps']} steps, optimizer {job['optimizer']}")
 
 
 def _batch_text(s: dict[str, Any]) -> str:
@@ -416,8 +360,6 @@ def doctor_line(report: DoctorReport) -> str:
 
 
 def _render_host(console: Console, h: HostCheck) -> None:
-    from orchestrator.doctor import human_bytes
-
     say = _printer(console)
     console.print(f"[bold]{escape(h.name)}[/]  {escape(h.address)}  tasks {', '.join(h.tasks)}",
                   highlight=False)

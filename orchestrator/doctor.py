@@ -15,7 +15,9 @@ from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.remote.base import Runner
 from orchestrator.remote.fanout import FanOutResult, fan_out
-from orchestrator.spec import ClusterSpec, ManagedJob
+from orchestrator.runtimes import MatchingPackage, runtime_for
+from orchestrator.spec import ClusterSpec
+from orchestrator.view import human_bytes
 
 PREFLIGHT = Path(worker_package.__file__).parent / "preflight.py"
 MIN_FREE_BYTES = 1 << 30  # below this, the first checkpoint may not fit: blocking
@@ -373,7 +375,8 @@ def _majority(seen: Mapping[str, list[str]]) -> str:
 
 
 def _tensorflow(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]:
-    managed = isinstance(spec.job, ManagedJob)
+    rules = runtime_for(spec.job).doctor_rules
+    extras = "".join(f" {name}" for name in rules.install_with)
     problems = []
     versions = _spread(checks, lambda c: c.tf_version)
     want = _majority(versions) if versions else "2.21.*"
@@ -382,8 +385,8 @@ def _tensorflow(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]
             problems.append(Problem(
                 "tensorflow", f"TensorFlow is not installed for {c.python} on {c.name} "
                 f"({c.tf_error or 'no version found'})",
-                f"install it there: {c.python} -m pip install 'tensorflow=={want}' tf-keras",
-                blocking=managed, hosts=(c.name,)))
+                f"install it there: {c.python} -m pip install 'tensorflow=={want}'{extras}",
+                blocking=rules.needs_tensorflow, hosts=(c.name,)))
         elif c.tf_error and not c.fact("tensorflow", "imported"):
             problems.append(Problem(
                 "tensorflow", f"TensorFlow {c.tf_version} does not import on {c.name}: "
@@ -397,26 +400,27 @@ def _tensorflow(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]
             "checkpoints", f"install TensorFlow {want} on {', '.join(c.name for c in odd)} "
             f"({odd[0].python} -m pip install 'tensorflow=={want}'), or build the hosts from "
             "one image", hosts=tuple(c.name for c in odd)))
-    if managed:  # where TensorFlow itself is the odd one, installing the right one fixes both
-        problems += _tf_keras([c for c in checks if c not in odd])
+    for package in rules.matching:  # where TensorFlow is the odd one, the right one fixes both
+        problems += _matching(package, [c for c in checks if c not in odd])
     return problems
 
 
-def _tf_keras(checks: Sequence[HostCheck]) -> list[Problem]:
+def _matching(package: MatchingPackage, checks: Sequence[HostCheck]) -> list[Problem]:
+    """The job's runtime needs ``package`` in TensorFlow's minor version on every host."""
     problems = []
+    name = package.module
     for c in checks:
-        tf, keras = c.tf_version, c.tf_keras_version
+        tf, version = c.tf_version, c.text(name, "version")
         if tf is None:
             continue
-        if keras is None:
+        fix = f"{c.python} -m pip install '{package.pip}~={_minor(tf)}.0'"
+        if version is None:
+            problems.append(Problem(name, f"{name} is not installed on {c.name}: {package.why}",
+                                    fix, hosts=(c.name,)))
+        elif _minor(version) != _minor(tf):
             problems.append(Problem(
-                "tf_keras", f"tf_keras is not installed on {c.name}: managed jobs train with "
-                "tf_keras (Keras 3's fit fails under MultiWorkerMirroredStrategy)",
-                f"{c.python} -m pip install 'tf-keras~={_minor(tf)}.0'", hosts=(c.name,)))
-        elif _minor(keras) != _minor(tf):
-            problems.append(Problem(
-                "tf_keras", f"tf_keras {keras} does not match TensorFlow {tf} on {c.name}",
-                f"{c.python} -m pip install 'tf-keras~={_minor(tf)}.0'", hosts=(c.name,)))
+                name, f"{name} {version} does not match TensorFlow {tf} on {c.name}", fix,
+                hosts=(c.name,)))
     return problems
 
 
@@ -537,10 +541,3 @@ def _minor(version: str) -> str:
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".") if p.isdigit())
 
-
-def human_bytes(count: float) -> str:
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    power = 0
-    while count >= 1024 and power < len(units) - 1:
-        count, power = count / 1024, power + 1
-    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"

@@ -40,6 +40,21 @@ def fetched_model_dir(cluster: str, run_id: str) -> Path:
     return run_home(cluster, run_id) / "model"
 
 
+def key_dir(cluster: str) -> Path:
+    """The cluster's own SSH key pair, for providers that put its public half on their machines."""
+    return cluster_home(cluster) / "ssh"
+
+
+def hosts_cache(cluster: str, kind: str) -> Path:
+    """The hosts as the last ``up`` reached them, so later commands need not ask again."""
+    return cluster_home(cluster) / f"{kind}.json"
+
+
+def operations_journal(cluster: str, kind: str) -> Path:
+    """Cloud operations in flight, so that a ``down`` after an interrupted ``up`` waits for them."""
+    return cluster_home(cluster) / f"{kind}-operations.json"
+
+
 # -- on a host ---------------------------------------------------------------------------------
 def host_root(home_dir: str, cluster: str) -> str:
     """A host's directory of one cluster, under its SSH user's home directory."""

@@ -9,10 +9,11 @@ from typing import Any, Literal
 
 from orchestrator.errors import PlanError
 from orchestrator.hosts import Host, is_loopback
-from orchestrator.spec import ClusterSpec, CommandJob, ManagedJob
+from orchestrator.paths import RunPaths, code_dir, lib_dir
+from orchestrator.runtimes import BatchScaling, runtime_for
+from orchestrator.spec import ClusterSpec
 
 Role = Literal["chief", "worker"]
-PYTHON_NAMES = ("python", "python3")
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,6 @@ class TaskPlan:
 
 
 @dataclass(frozen=True)
-class RunPaths:
-    """Where one run keeps its files on a host (relative to ``Host.root``'s parent)."""
-
-    run_dir: str
-    checkpoint_dir: str
-    model_dir: str
-    logs_dir: str
-
-
-@dataclass(frozen=True)
 class ClusterPlan:
     cluster: str
     run_id: str
@@ -57,9 +48,7 @@ class ClusterPlan:
     tasks: tuple[TaskPlan, ...]  # the chief first
     cluster_def: Mapping[str, tuple[str, ...]]
     chief_key: str
-    per_replica_batch_size: int | None = None
-    learning_rate: float | None = None
-    scale_learning_rate: bool = False
+    scaling: BatchScaling = field(default_factory=BatchScaling)  # the job runtime's batch, LR
     paths: Mapping[str, RunPaths] = field(default_factory=dict)  # by host name
 
     @property
@@ -77,14 +66,17 @@ def host_port(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
-def run_paths(host: Host, run_id: str) -> RunPaths:
-    run_dir = f"{host.root}/runs/{run_id}"
-    return RunPaths(
-        run_dir=run_dir,
-        checkpoint_dir=f"{run_dir}/checkpoints",
-        model_dir=f"{run_dir}/model",
-        logs_dir=f"{run_dir}/logs",
-    )
+@dataclass(frozen=True)
+class _Attempt:
+    """What every task of one attempt shares."""
+
+    spec: ClusterSpec
+    run_id: str
+    attempt: int
+    cluster_def: Mapping[str, Sequence[str]]
+    argv: tuple[str, ...]
+    job_env: Mapping[str, str]
+    local_workdir: str
 
 
 def build(
@@ -122,13 +114,14 @@ def build(
     ports = _assign_ports(spec, hosts, busy_ports)
     endpoints = [host_port(h.address, p) for h, p in zip(hosts, ports, strict=True)]
     cluster_def = _cluster_def(roles, endpoints)
-    paths = {h.name: run_paths(h, run_id) for h in hosts}
+    paths = {h.name: RunPaths.of(h.root, run_id) for h in hosts}
+    runtime = runtime_for(spec.job)
+    shared = _Attempt(spec, run_id, attempt, cluster_def, runtime.argv(spec, python),
+                      runtime.env(spec), local_workdir)
     tasks = tuple(
-        _task(spec, role, index, host, port, cluster_def, paths[host.name], run_id, attempt,
-              python, local_workdir)
+        _task(shared, role, index, host, port, paths[host.name])
         for (role, index), host, port in zip(roles, hosts, ports, strict=True)
     )
-    job = spec.job if isinstance(spec.job, ManagedJob) else None
     return ClusterPlan(
         cluster=spec.name,
         run_id=run_id,
@@ -136,9 +129,7 @@ def build(
         tasks=tasks,
         cluster_def=cluster_def,
         chief_key=tasks[0].key,
-        per_replica_batch_size=job.per_replica_batch_size if job else None,
-        learning_rate=job.learning_rate if job else None,
-        scale_learning_rate=job.scale_learning_rate if job else False,
+        scaling=runtime.scaling(spec.job),
         paths=paths,
     )
 
@@ -208,36 +199,26 @@ def tf_config(cluster_def: Mapping[str, Sequence[str]], role: Role, index: int) 
     }
 
 
-def _task(
-    spec: ClusterSpec,
-    role: Role,
-    index: int,
-    host: Host,
-    port: int,
-    cluster_def: Mapping[str, Sequence[str]],
-    paths: RunPaths,
-    run_id: str,
-    attempt: int,
-    python: str,
-    local_workdir: str,
-) -> TaskPlan:
-    config = tf_config(cluster_def, role, index)
-    cwd = local_workdir if host.is_local else f"{host.root}/code"
-    lib = [] if host.is_local else [f"{host.root}/lib"]
+def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
+          paths: RunPaths) -> TaskPlan:
+    spec = shared.spec
+    config = tf_config(shared.cluster_def, role, index)
+    cwd = shared.local_workdir if host.is_local else code_dir(host.root)
+    lib = [] if host.is_local else [lib_dir(host.root)]
     env = {
         **spec.env,
         "TF_CONFIG": json.dumps(config, separators=(",", ":")),
-        "TF_USE_LEGACY_KERAS": "1",
+        **shared.job_env,
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": ":".join([cwd, *lib]),
         "ORCHESTRATE_CLUSTER": spec.name,
-        "ORCHESTRATE_RUN_ID": run_id,
-        "ORCHESTRATE_ATTEMPT": str(attempt),
+        "ORCHESTRATE_RUN_ID": shared.run_id,
+        "ORCHESTRATE_ATTEMPT": str(shared.attempt),
         "ORCHESTRATE_TASK": f"{role}:{index}",
         "ORCHESTRATE_CHECKPOINT_DIR": paths.checkpoint_dir,
         "ORCHESTRATE_MODEL_DIR": paths.model_dir,
     }
-    stem = f"{paths.logs_dir}/attempt-{attempt}/{role}-{index}"
+    stem = paths.task_stem(shared.attempt, role, index)
     return TaskPlan(
         role=role,
         index=index,
@@ -245,21 +226,8 @@ def _task(
         port=port,
         tf_config=config,
         env=env,
-        argv=_argv(spec, python),
+        argv=shared.argv,
         cwd=cwd,
         log_path=f"{stem}.log",
         rc_path=f"{stem}.rc",
     )
-
-
-def _argv(spec: ClusterSpec, python: str) -> tuple[str, ...]:
-    job = spec.job
-    if isinstance(job, CommandJob):
-        command = list(job.command)
-        if command[0] in PYTHON_NAMES:
-            command[0] = python
-        return (python, "-m", "worker", "command", "--", *command)
-    payload = job.model_dump(exclude={"mode"})
-    payload["checkpoint_every_steps"] = spec.checkpoint.every_steps
-    payload["collective_timeout_s"] = spec.timeouts.collective_s
-    return (python, "-m", "worker", "managed", "--job", json.dumps(payload, sort_keys=True))

@@ -19,6 +19,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from orchestrator.causes import BUDGETED
 from orchestrator.errors import SpecError
 
 NAME_RE = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
@@ -220,6 +221,14 @@ class GcpProvider(SSHHosts):
 Provider = Annotated[LocalProvider | StaticProvider | GcpProvider, Field(discriminator="kind")]
 
 
+def _members(union: Any, tag: str) -> dict[str, type[Model]]:
+    """The models of an annotated discriminated union, by the value of their ``tag`` field."""
+    return {model.model_fields[tag].default: model for model in get_args(get_args(union)[0])}
+
+
+PROVIDER_MODELS: tuple[type[Model], ...] = tuple(_members(Provider, "kind").values())
+
+
 class PortRange(Model):
     """Ports the tasks' gRPC servers may use, inclusive."""
 
@@ -285,9 +294,6 @@ class Checkpoint(Model):
     )
 
 
-CAUSES = ("crashed", "host_lost", "preempted", "hung", "startup_timeout", "port_conflict")
-
-
 class Retry(Model):
     max_restarts: int = Field(default=3, ge=0, description="Group restarts before giving up.")
     per_cause: dict[str, int] = Field(
@@ -302,10 +308,10 @@ class Retry(Model):
     @classmethod
     def _known_causes(cls, budgets: dict[str, int]) -> dict[str, int]:
         for cause, count in budgets.items():
-            if cause not in CAUSES:
-                close = difflib.get_close_matches(cause, CAUSES, n=1)
+            if cause not in BUDGETED:
+                close = difflib.get_close_matches(cause, BUDGETED, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
-                raise ValueError(f"unknown cause {cause!r}: {hint}causes are {', '.join(CAUSES)}")
+                raise ValueError(f"unknown cause {cause!r}: {hint}causes are {', '.join(BUDGETED)}")
             if count < 0:
                 raise ValueError(f"{cause}: a budget cannot be negative (received {count})")
         return budgets
@@ -387,13 +393,7 @@ class ClusterSpec(Model):
         return self.workers + (1 if self.separate_chief else 0)
 
 
-UNION_MEMBERS: dict[str, type[BaseModel]] = {
-    "local": LocalProvider,
-    "static": StaticProvider,
-    "gcp": GcpProvider,
-    "managed": ManagedJob,
-    "command": CommandJob,
-}
+UNION_MEMBERS: dict[str, type[BaseModel]] = {**_members(Provider, "kind"), **_members(Job, "mode")}
 
 UNION_FIELDS = ("provider", "job")
 

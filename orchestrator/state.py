@@ -9,11 +9,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import StateError
+from orchestrator.paths import state_db
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS clusters (
@@ -72,12 +74,6 @@ MIGRATIONS = (
 )
 
 
-def home() -> Path:
-    """The per-user directory for state and local runs: $ORCHESTRATE_HOME or ~/.orchestrate."""
-    env = os.environ.get("ORCHESTRATE_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".orchestrate"
-
-
 @dataclass(frozen=True)
 class ClusterRecord:
     name: str
@@ -87,6 +83,34 @@ class ClusterRecord:
     hosts: list[dict[str, Any]]
     created_at: float
     updated_at: float
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One task of an attempt as the store keeps it: enough to find, read and stop it later,
+    and the last event it printed (the chief's last checkpoint, the step a killed task reached)."""
+
+    task: str
+    host: str
+    endpoint: str
+    pgid: int
+    log: str
+    rc: str
+    launcher: str = "process"
+    exit_code: int | None = None
+    last_event: str = ""  # the kind of the last event it printed
+    last_event_at: float | None = None
+    step: int | None = None  # the last step it reported
+    checkpoint_step: int | None = None  # the step of the last checkpoint it reported
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TaskRecord:
+        """From its stored form; keys this version does not know are ignored."""
+        known = {f.name for f in dataclass_fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -103,7 +127,7 @@ class AttemptRecord:
     resumed_from_step: int | None
     last_step: int | None
     first_step_at: float | None
-    tasks: list[dict[str, Any]]
+    tasks: list[TaskRecord]
     evidence: str = ""
     failed_at: float | None = None
     detected_at: float | None = None
@@ -137,7 +161,7 @@ class Store:
     """One SQLite file; every write is one transaction, so a crash never leaves half a record."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or home() / "state.db"
+        self.path = path or state_db()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
@@ -245,12 +269,12 @@ class Store:
         return [_run(r, self.attempts(r["id"])) for r in self._db.execute(sql, args).fetchall()]
 
     # -- attempts ----------------------------------------------------------------
-    def start_attempt(self, run_id: str, number: int, tasks: list[dict[str, Any]]) -> None:
+    def start_attempt(self, run_id: str, number: int, tasks: list[TaskRecord]) -> None:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO attempts (run_id, number, status, started_at, tasks_json)"
                 " VALUES (?, ?, 'running', ?, ?)",
-                (run_id, number, time.time(), json.dumps(tasks)),
+                (run_id, number, time.time(), _tasks_json(tasks)),
             )
 
     def update_attempt(self, run_id: str, number: int, **fields: Any) -> None:
@@ -261,7 +285,7 @@ class Store:
         if unknown:
             raise ValueError(f"unknown attempt fields {sorted(unknown)}")
         if "tasks" in fields:
-            fields["tasks_json"] = json.dumps(fields.pop("tasks"))
+            fields["tasks_json"] = _tasks_json(fields.pop("tasks"))
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self._tx() as db:
             db.execute(
@@ -300,7 +324,12 @@ def _attempt(row: sqlite3.Row) -> AttemptRecord:
         started_at=row["started_at"], ended_at=row["ended_at"], cause=row["cause"],
         detail=row["detail"], failed_task=row["failed_task"], exit_code=row["exit_code"],
         resumed_from_step=row["resumed_from_step"], last_step=row["last_step"],
-        first_step_at=row["first_step_at"], tasks=json.loads(row["tasks_json"]),
+        first_step_at=row["first_step_at"],
+        tasks=[TaskRecord.from_json(t) for t in json.loads(row["tasks_json"])],
         evidence=row["evidence"], failed_at=row["failed_at"], detected_at=row["detected_at"],
         recovery_s=row["recovery_s"], steps_lost=row["steps_lost"],
     )
+
+
+def _tasks_json(tasks: list[TaskRecord]) -> str:
+    return json.dumps([t.to_json() for t in tasks])

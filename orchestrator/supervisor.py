@@ -11,7 +11,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from tenacity import (
@@ -21,41 +20,23 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from orchestrator import paths
 from orchestrator import plan as planning
+from orchestrator.causes import RETRYABLE, Cause
 from orchestrator.checkpoints import CheckpointMirror, fetch_file, share_chief_checkpoint, verify_on
 from orchestrator.errors import OrchestratorError, RunFailed
 from orchestrator.events import Event
 from orchestrator.hosts import Host
+from orchestrator.launchers import launcher_for, launcher_named
 from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
-from orchestrator.remote.base import LaunchSpec, TaskHandle
+from orchestrator.remote.base import TaskHandle
 from orchestrator.spec import ClusterSpec
-from orchestrator.state import AttemptRecord, Store, home
-from orchestrator.watch import (
-    RETRYABLE,
-    AttemptFailed,
-    AttemptWatch,
-    Cause,
-    Listener,
-    RunView,
-    TaskView,
-    Watched,
-)
-
-__all__ = ["AttemptFailed", "Cause", "Listener", "RunResult", "RunView", "Supervisor", "TaskView"]
+from orchestrator.state import AttemptRecord, Store
+from orchestrator.view import Listener, RunResult, RunView, TaskView
+from orchestrator.watch import AttemptFailed, AttemptWatch, Watched
 
 HEARTBEAT_S = 2.0
-
-
-@dataclass(frozen=True)
-class RunResult:
-    run_id: str
-    status: str
-    metrics: dict[str, float]
-    model_path: str
-    digests: dict[str, str]
-    attempts: list[AttemptRecord]
-    seconds: float
 
 
 class Supervisor:
@@ -91,6 +72,7 @@ class Supervisor:
         self._mirror: CheckpointMirror | None = None
         self._beat = 0.0
         self._recovered: set[int] = set()  # attempts whose recovery figures are recorded
+        self.launcher = launcher_for(spec)
         self._notify_lock = threading.RLock()  # the mirror thread notifies the listener too
 
     # -- the run ---------------------------------------------------------------------------
@@ -102,8 +84,9 @@ class Supervisor:
         """
         started = self.clock()
         self.view.run_id = run_id
-        self._mirror = CheckpointMirror(self._run_home(run_id) / "mirror", self.provider.runner,
-                                        on_mirrored=self._mirrored)
+        mirror = self._mirror = CheckpointMirror(paths.mirror_dir(self.spec.name, run_id),
+                                                 self.provider.runner, on_mirrored=self._mirrored,
+                                                 on_pulling=self._pulling)
         previous = self.store.attempts(run_id) if attach else []
         self._causes.update(Cause(a.cause) for a in previous if a.cause in Cause._value2member_map_)
         base = len(previous)
@@ -139,6 +122,8 @@ class Supervisor:
             message = f"run {run_id} failed: {exc.message}"
             self.store.finish_run(run_id, status="failed", message=message)
             raise RunFailed(message, run_id=run_id, fix=exc.fix) from exc
+        finally:
+            mirror.close()
         return self._succeed(run_id, finished, started)
 
     def _succeed(self, run_id: str, finished: dict[str, Event], started: float) -> RunResult:
@@ -177,18 +162,17 @@ class Supervisor:
         if number > 1:
             self._restore_checkpoint(plan)
         watched = self._launch(plan)
-        self.store.start_attempt(run_id, number, [_task_record(w) for w in watched])
+        self.store.start_attempt(run_id, number, [w.record(self.launcher) for w in watched])
         return self._supervise(run_id, number, plan, watched)
 
     def _reattach(self, run_id: str, attempt: AttemptRecord) -> dict[str, Event]:
         """Watch a running attempt that another (dead) controller started."""
         plan = self._plan(run_id, attempt.number, busy=False)
-        handles = {str(t["task"]): int(t["pgid"]) for t in attempt.tasks}
-        watched = [
-            Watched(task, TaskHandle(task.host.name, handles[task.key], task.log_path,
-                                     task.rc_path), self.provider.runner(task.host))
-            for task in plan.tasks
-        ]
+        records = {t.task: t for t in attempt.tasks}
+        if attempt.tasks:  # found again the way they were started
+            self.launcher = launcher_named(attempt.tasks[0].launcher)
+        watched = [Watched(task, self.launcher.find(records[task.key]),
+                           self.provider.runner(task.host)) for task in plan.tasks]
         self._say(f"attached to attempt {attempt.number} of run {run_id}")
         return self._supervise(run_id, attempt.number, plan, watched)
 
@@ -208,7 +192,7 @@ class Supervisor:
     def _supervise(self, run_id: str, number: int, plan: ClusterPlan,
                    watched: list[Watched]) -> dict[str, Event]:
         watch = AttemptWatch(
-            self.spec, watched, self.view, self._notify,
+            self.spec, watched, self.view, self._notify, launcher=self.launcher,
             on_tick=lambda: self._tick(run_id),
             on_event=lambda w, e: self._on_event(run_id, number, plan, w, e),
             python_for=lambda w: self.provider.python(w.plan.host), interval_s=self.poll_s,
@@ -235,8 +219,7 @@ class Supervisor:
     def _launch(self, plan: ClusterPlan) -> list[Watched]:
         def start(task: TaskPlan) -> Watched:
             runner = self.provider.runner(task.host)
-            spec = LaunchSpec(task.argv, task.cwd, task.log_path, task.rc_path, task.env)
-            return Watched(task, runner.start(spec), runner)
+            return Watched(task, self.launcher.start(runner, task), runner)
 
         with ThreadPoolExecutor(max_workers=min(32, len(plan.tasks))) as pool:
             watched = list(pool.map(start, plan.tasks))
@@ -270,7 +253,7 @@ class Supervisor:
         def stop(w: Watched) -> None:
             if w.unreachable is None:
                 try:
-                    w.runner.stop(w.handle, grace_s=grace)
+                    self.launcher.stop(w.runner, w.handle, grace)
                     return
                 except OrchestratorError:
                     w.unreachable = "did not answer when it was being stopped"
@@ -315,7 +298,7 @@ class Supervisor:
         for host_name, handle in orphans:
             host = self._host(host_name)
             try:  # a task that was cut off with its host may still run there, holding its port
-                self.provider.runner(host).stop(handle, grace_s=self.spec.timeouts.stop_grace_s)
+                self.launcher.stop(self.provider.runner(host), handle, self.spec.timeouts.stop_grace_s)
             except OrchestratorError as exc:
                 self._say(f"could not stop an earlier task on {host_name}: {exc}")
 
@@ -323,21 +306,23 @@ class Supervisor:
         """Make the newest checkpoint that restores the one every task starts from."""
         chief = plan.chief.host
         runner = self.provider.runner(chief)
-        paths = plan.paths[chief.name]
-        directory = f"{paths.checkpoint_dir}/chief"
+        run_paths = plan.paths[chief.name]
+        directory = run_paths.chief_checkpoint_dir
         mirror = self._mirror
         present = runner.run(["test", "-f", f"{directory}/checkpoint"], check=False).ok
         if mirror is not None and _machines(plan) > 1:
-            mirror.wait()
+            if not mirror.wait():
+                self._say("the copy of the chief's checkpoint on this machine is still being "
+                          "pulled: using the one it had")
             if not present and mirror.has_checkpoint():
-                mirror.push(chief, directory, paths.run_dir)
+                mirror.push(chief, directory, run_paths.run_dir)
                 present = True
                 self._say(f"restored the chief's checkpoint on {chief.name} from this machine's "
                           f"copy (step {mirror.step})")
         if not present:
             self._say("no checkpoint yet: the group starts from step 0")
             return
-        report = verify_on(runner, self.provider.python(chief), f"{chief.root}/lib", directory)
+        report = verify_on(runner, self.provider.python(chief), paths.lib_dir(chief.root), directory)
         for bad in report["rejected"]:
             self._say(f"checkpoint {bad['path']} does not restore ({bad['problem']}): "
                       "falling back to the one before")
@@ -355,7 +340,7 @@ class Supervisor:
         if not remote_path or chief is None or chief.is_local:
             return remote_path
         path = fetch_file(chief, self.provider.runner(chief), remote_path,
-                          self._run_home(run_id) / "model")
+                          paths.fetched_model_dir(self.spec.name, run_id))
         self._say(f"fetched the model from {chief.name} to {path}")
         return path
 
@@ -376,7 +361,7 @@ class Supervisor:
             resumed_from_step=chief.start_step,
             last_step=max((w.step for w in watched), default=0),
             first_step_at=min(firsts) if firsts else None,
-            tasks=[_task_record(w) for w in watched],
+            tasks=[w.record(self.launcher) for w in watched],
         )
         if failure is not None:
             self._say(f"attempt {number} {status}: {failure.cause.value} in {failure.task}: "
@@ -413,12 +398,13 @@ class Supervisor:
         self.view.mirrored_step = step
         self._notify(self.view, None)
 
+    def _pulling(self, step: int | None) -> None:
+        self.view.mirroring_step = step
+        self._notify(self.view, None)
+
     def _say(self, message: str) -> None:
         self.view.messages.append(message)
         self._notify(self.view, None)
-
-    def _run_home(self, run_id: str) -> Path:
-        return home() / "clusters" / self.spec.name / "runs" / run_id
 
 
 def _machines(plan: ClusterPlan) -> int:
@@ -438,10 +424,3 @@ def _advice(failure: AttemptFailed) -> str:
     return ("read the task logs with 'orchestrate logs', then raise retry.max_restarts "
             "if the cause was transient")
 
-
-def _task_record(w: Watched) -> dict[str, object]:
-    return {
-        "task": w.key, "host": w.plan.host.name, "endpoint": w.plan.endpoint,
-        "pgid": w.handle.pgid, "log": w.plan.log_path, "rc": w.plan.rc_path,
-        "exit_code": w.exit_code,
-    }

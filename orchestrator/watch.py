@@ -6,19 +6,26 @@ poll that takes longer than ``timeouts.poll_s`` marks its host lost.
 
 from __future__ import annotations
 
-import enum
+import contextlib
+import dataclasses
 import functools
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+from orchestrator.causes import Cause
 from orchestrator.errors import RemoteError
 from orchestrator.events import Event, LineBuffer, parse_line
+from orchestrator.launchers import Launcher
 from orchestrator.plan import TaskPlan
 from orchestrator.remote.base import Runner, TaskHandle, TaskState, TaskStatus
-from orchestrator.spec import ClusterSpec, CommandJob
+from orchestrator.runtimes import runtime_for
+from orchestrator.spec import ClusterSpec
+from orchestrator.state import TaskRecord
+from orchestrator.view import Listener, RunView
 
 # Errors a task raises because a PEER failed: the task that raised them is not the cause.
 PEER_ERRORS = ("UnavailableError", "CancelledError", "AbortedError", "DeadlineExceededError",
@@ -28,22 +35,6 @@ PEER_MARKS = (*PEER_ERRORS, "Connection reset by peer", "failed to connect to al
 PORT_CONFLICT_MARKS = ("Could not start gRPC server", "Address already in use")
 STEP_EVENTS = ("training", "resumed", "progress")
 SETTLE_S = 3.0  # how long peers' secondary errors wait for the primary failure to show
-
-
-class Cause(str, enum.Enum):
-    CRASHED = "crashed"  # a task exited non-zero or was killed
-    HOST_LOST = "host_lost"  # a host stopped answering (killed, cut off, shut down)
-    PREEMPTED = "preempted"  # the cloud took a spot VM back
-    HUNG = "hung"  # alive but no progress for timeouts.hang_s
-    STARTUP_TIMEOUT = "startup_timeout"  # not every task reached its first step in time
-    PORT_CONFLICT = "port_conflict"  # a task's gRPC port was taken
-    USER_ERROR = "user_error"  # the user's code fails before training: not retried
-    CANCELLED = "cancelled"  # Ctrl-C
-    STOPPED = "stopped"  # 'orchestrate down' (maybe from another process) stopped the run
-
-
-RETRYABLE = {Cause.CRASHED, Cause.HOST_LOST, Cause.PREEMPTED, Cause.HUNG,
-             Cause.STARTUP_TIMEOUT, Cause.PORT_CONFLICT}
 
 
 class AttemptFailed(Exception):
@@ -73,35 +64,6 @@ class AttemptFailed(Exception):
 
 
 @dataclass
-class TaskView:
-    """What the operator sees of one task; updated as events arrive."""
-
-    key: str
-    host: str
-    endpoint: str
-    state: str = "starting"
-    step: int = 0
-    loss: float | None = None
-    steps_per_s: float | None = None
-    last_event: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class RunView:
-    run_id: str
-    cluster: str
-    attempt: int = 0
-    total_steps: int | None = None
-    tasks: dict[str, TaskView] = field(default_factory=dict)
-    messages: list[str] = field(default_factory=list)
-    mirrored_step: int | None = None  # newest chief checkpoint copied to this machine
-
-
-Listener = Callable[[RunView, Event | None], None]
-
-
-@dataclass
 class Watched:
     """One task of the attempt, as the controller knows it."""
 
@@ -120,8 +82,10 @@ class Watched:
     first_progress_at: float | None = None
     last_heard: float = field(default_factory=time.time)
     unreachable: str | None = None
-    pending: Future[tuple[TaskStatus, bytes]] | None = None
+    pending: Future[Polled] | None = None
     pending_since: float = 0.0
+    last_event: Event | None = None
+    checkpoint_step: int | None = None
 
     @property
     def key(self) -> str:
@@ -135,16 +99,36 @@ class Watched:
     def ended(self) -> bool:
         return self.status is not None and self.status.state is not TaskState.RUNNING
 
+    def record(self, launcher: Launcher) -> TaskRecord:
+        """The task as the attempt's record keeps it, with the last event it printed."""
+        event = self.last_event
+        return dataclasses.replace(
+            launcher.record(self.plan, self.handle), exit_code=self.exit_code,
+            last_event=event.kind if event else "", last_event_at=event.time if event else None,
+            step=self.step if self.reached_step else None, checkpoint_step=self.checkpoint_step)
+
+
+@dataclass(frozen=True)
+class Polled:
+    """One poll of a task: its status, then the log bytes from ``offset`` to ``next_offset``."""
+
+    status: TaskStatus
+    data: bytes
+    offset: int
+    next_offset: int
+
 
 class AttemptWatch:
     """Runs the watch loop of one attempt until success (returns) or failure (raises)."""
 
     def __init__(
         self, spec: ClusterSpec, watched: list[Watched], view: RunView, listener: Listener,
-        *, on_tick: Callable[[], None], on_event: Callable[[Watched, Event], None],
-        python_for: Callable[[Watched], str], interval_s: float = 0.25,
+        *, launcher: Launcher, on_tick: Callable[[], None],
+        on_event: Callable[[Watched, Event], None], python_for: Callable[[Watched], str],
+        interval_s: float = 0.25,
     ) -> None:
         self.spec = spec
+        self.launcher = launcher
         self.watched = watched
         self.view = view
         self.listener = listener
@@ -174,21 +158,39 @@ class AttemptWatch:
             self._check_hang()
             time.sleep(self.interval_s)
 
-    def drain(self) -> None:
-        """Read what every reachable task wrote last (after they were stopped)."""
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Read what every reachable task wrote last (after they were stopped): first the polls
+        still in flight, then the rest of each log, so no line before a failure is lost."""
+        wait = self.spec.timeouts.poll_s if timeout_s is None else timeout_s
         for w in self.watched:
+            if w.pending is not None and w.unreachable is None:
+                with contextlib.suppress(RemoteError, FutureTimeout):
+                    self._take(w, w.pending.result(timeout=wait))
+            w.pending = None
             if w.unreachable is None:
                 try:
-                    data, w.offset = w.runner.read_log(w.handle, w.offset)
+                    self._take(w, self._read(w))
                 except RemoteError:
                     continue
-                self._feed(w, data)
 
     # -- polling ---------------------------------------------------------------------------
-    def _io(self, w: Watched) -> tuple[TaskStatus, bytes]:
-        status = w.runner.poll(w.handle)
-        data, w.offset = w.runner.read_log(w.handle, w.offset)  # after the poll: nothing missed
-        return status, data
+    def _io(self, w: Watched, offset: int) -> Polled:
+        """On a pool thread: the status, then the log after it (so nothing is missed)."""
+        status = self.launcher.poll(w.runner, w.handle)
+        data, next_offset = w.runner.read_log(w.handle, offset)
+        return Polled(status, data, offset, next_offset)
+
+    def _read(self, w: Watched) -> Polled:
+        data, next_offset = w.runner.read_log(w.handle, w.offset)
+        return Polled(TaskStatus(TaskState.RUNNING), data, w.offset, next_offset)
+
+    def _take(self, w: Watched, polled: Polled) -> None:
+        """Consume a poll: the log offset moves here, in the loop that feeds the data on."""
+        if polled.offset == w.offset:
+            w.offset = polled.next_offset
+            self._feed(w, polled.data)
+        if polled.status.state is not TaskState.RUNNING:
+            w.status = polled.status
 
     def _collect(self) -> None:
         now = time.time()
@@ -196,16 +198,12 @@ class AttemptWatch:
             if w.ended or w.unreachable:
                 continue
             if w.pending is None:
-                w.pending, w.pending_since = self._pool.submit(self._io, w), now
+                w.pending, w.pending_since = self._pool.submit(self._io, w, w.offset), now
             if w.pending.done():
                 try:
-                    status, data = w.pending.result()
+                    self._take(w, w.pending.result())
                 except RemoteError as exc:
                     w.unreachable = str(exc).splitlines()[0]
-                else:
-                    self._feed(w, data)
-                    if status.state is not TaskState.RUNNING:
-                        w.status = status
                 w.pending = None
             elif now - w.pending_since > self.spec.timeouts.poll_s:
                 w.unreachable = f"did not answer a status poll for {self.spec.timeouts.poll_s:.0f}s"
@@ -224,6 +222,9 @@ class AttemptWatch:
     def _on_event(self, w: Watched, event: Event) -> None:
         view = self.view.tasks[w.key]
         view.last_event = event.kind
+        w.last_event = event
+        if event.kind == "checkpoint":
+            w.checkpoint_step = int(event.get("step", 0))
         if event.kind in ("training", "resumed"):
             w.start_step = int(event.get("step", 0))
         if event.kind in STEP_EVENTS:
@@ -231,7 +232,7 @@ class AttemptWatch:
             w.step = max(w.step, int(event.get("step", 0)))
             view.state, view.step = "training", w.step
             self.view.total_steps = event.get("total_steps", self.view.total_steps)
-        if event.kind == "started" and isinstance(self.spec.job, CommandJob):
+        if event.kind == "started" and not runtime_for(self.spec.job).reports_steps:
             w.reached_step = True  # command mode reports no steps: being up is all we see
             view.state = "running"
         if event.kind == "progress":
@@ -335,8 +336,8 @@ class AttemptWatch:
         """Tasks whose processes are stopped (SIGSTOP) or whose host does not answer."""
         def state(w: Watched) -> str:
             try:
-                return w.runner.process_states(w.handle, self.python_for(w),
-                                               timeout_s=self.spec.timeouts.poll_s)
+                return self.launcher.process_states(w.runner, w.handle, self.python_for(w),
+                                                    self.spec.timeouts.poll_s)
             except RemoteError as exc:
                 w.unreachable = w.unreachable or str(exc).splitlines()[0]
                 return "?"

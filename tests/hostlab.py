@@ -25,13 +25,15 @@ account of that name (a cloud guest agent creating the user of ``ssh-keys``).
 
 Fault tools on a :class:`LabHost`: ``kill()`` (SIGKILL every process in the
 namespace, sshd included), ``restart_sshd()``, ``cut()``/``restore()`` (link
-down/up), ``rotate_host_key()``, and ``run(cmd)`` (a command inside the host).
+down/up), ``throttle(rate, to=address)``/``unthrottle()`` (a slow link to one
+address, e.g. ``hostlab.bridge_address``: a controller outside the cloud),
+``rotate_host_key()``, and ``run(cmd)`` (a command inside the host).
 
 Where ``ip netns add`` is refused (or with ``ORCHESTRATE_LAB_FORCE_LOOPBACK=1``)
 the hosts are sshds on 127.0.0.2, .3, ... with a free port each;
 ``hostlab.can_partition`` is then False and ``hostlab.reason`` says why. Tests
 that cut or kill hosts carry ``@pytest.mark.netns`` and are skipped with that
-reason; ``cut()`` and ``kill()`` skip the same way.
+reason; ``cut()``, ``kill()`` and ``throttle()`` skip the same way.
 
 Every name the lab creates holds the owner's pid (``orch<pid><letter>...``) so a
 later lab removes what an interrupted one left, and only when that pid is gone.
@@ -258,6 +260,7 @@ class LabHost:
     host_key_line: str = ""
     sshd: subprocess.Popen[bytes] | None = None
     is_cut: bool = False
+    throttled_to: str | None = None
 
     def endpoint(self, **overrides: Any) -> SSHEndpoint:
         """An SSHEndpoint for this host with the lab's client key and known_hosts."""
@@ -312,6 +315,40 @@ class LabHost:
             _cmd("ip", "-n", self.namespace, "link", "set", str(self.link), "up")
         self.is_cut = False
 
+    def throttle(self, rate: str, *, to: str) -> None:
+        """Slow what this host sends to address ``to`` down to ``rate`` (tc units: "80mbit").
+
+        Like a controller on a laptop outside the cloud: an htb class with a token bucket,
+        chosen by a u32 filter on the destination, so traffic to every other address (the
+        other hosts) keeps the link's full speed. ``unthrottle()`` or ``heal()`` removes it.
+        """
+        self.lab.require_partition()
+        self.unthrottle()
+        dev = str(self.link)
+        self.throttled_to = to
+        for step in (
+            f"qdisc add dev {dev} root handle 1: htb default 10",
+            f"class add dev {dev} parent 1: classid 1:10 htb rate 10gbit",
+            f"class add dev {dev} parent 1: classid 1:20 htb rate {rate} ceil {rate}",
+            f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip dst {to}/32 flowid 1:20",
+            f"qdisc add dev {dev} parent 1:20 handle 20: tbf rate {rate} burst 64kb latency 100ms",
+        ):
+            _cmd("tc", "-n", str(self.namespace), *step.split())
+
+    def unthrottle(self) -> None:
+        """Remove ``throttle()``: the link is back at full speed."""
+        if self.namespace and self.throttled_to is not None:
+            _cmd("tc", "-n", self.namespace, "qdisc", "del", "dev", str(self.link), "root", check=False)
+        self.throttled_to = None
+
+    def throttled_bytes(self) -> int:
+        """Bytes sent through the throttle so far (0 when there is none)."""
+        if not self.namespace or self.throttled_to is None:
+            return 0
+        out = _cmd("tc", "-n", self.namespace, "-s", "class", "show", "dev", str(self.link)).stdout
+        match = re.search(r"class htb 1:20 .*?\n\s*Sent (\d+) bytes", out, re.S)
+        return int(match.group(1)) if match else 0
+
     def restart_sshd(self) -> None:
         self.stop_sshd()
         self.start_sshd()
@@ -351,9 +388,11 @@ class LabHost:
         self._reap_sshd()
 
     def heal(self) -> None:
-        """Undo cut() and kill(): link up, sshd running."""
+        """Undo cut(), throttle() and kill(): link up at full speed, sshd running."""
         if self.is_cut:
             self.restore()
+        if self.throttled_to is not None:
+            self.unthrottle()
         if not self.sshd_running:
             self._reap_sshd()
             self.start_sshd()

@@ -1,15 +1,19 @@
-"""The layering holds: the controller never imports TensorFlow, the worker never imports the
-controller's SSH or cloud packages, and ruff and mypy pass on both."""
+"""The layering holds: the controller's modules import only downwards (cli -> api -> supervisor ->
+providers/remote -> plan/spec/state), the controller never imports TensorFlow, the worker never
+imports the controller's SSH or cloud packages, and ruff and mypy pass on both."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,6 +38,101 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
         for name in names
         if name.split(".")[0] in forbidden or name.startswith(forbidden)
     ]
+
+
+# The controller's layers, top to bottom. A module imports (at run time; type-only imports are
+# free) only from layers below its own, or from its own package (providers.*, remote.*, ...).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("orchestrator", "cli"),
+    ("api",),
+    ("console",),
+    ("supervisor", "doctor"),
+    ("watch", "checkpoints"),
+    ("launchers",),
+    ("providers",),
+    ("remote", "plan"),
+    ("runtimes",),
+    ("view",),
+    ("spec", "state", "events"),
+    ("errors", "paths", "causes", "hosts", "files"),
+)
+# Narrower rules on top of the order: the CLI reaches the store only through the API, and the
+# displays see nothing of a run but its view model.
+ONLY: dict[str, set[str]] = {
+    "cli": {"api", "console", "errors", "spec"},
+    "console": {"view"},
+}
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """Modules of the orchestrator that ``path`` imports when it runs (not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                 and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                 for n in ast.walk(node)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "orchestrator":
+            names |= {f"orchestrator.{a.name}" for a in node.names}  # from orchestrator import plan
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {n for n in names if n == "orchestrator" or n.startswith("orchestrator.")}
+
+
+def unit(module: str) -> str:
+    """The layer unit of a dotted module: its first name below ``orchestrator``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_of(name: str) -> int:
+    for depth, names in enumerate(LAYERS):
+        if name in names:
+            return depth
+    raise AssertionError(f"orchestrator/{name} is in no layer: add it to LAYERS in {__file__}")
+
+
+def violations(path: Path, module: str) -> list[str]:
+    """The imports of ``path`` (the source of orchestrator ``module``) that break the layering."""
+    found = []
+    mine = unit(module)
+    for imported in sorted(runtime_imports(path)):
+        theirs = unit(imported)
+        if theirs == mine or imported == "orchestrator" or (mine, theirs) == ("orchestrator", "cli"):
+            continue
+        if layer_of(theirs) <= layer_of(mine):
+            found.append(f"{module} imports {imported}: not below it")
+        if mine in ONLY and theirs not in ONLY[mine]:
+            found.append(f"{module} may import only {sorted(ONLY[mine])}, not {imported}")
+    return found
+
+
+def test_controller_modules_import_only_from_the_layers_below() -> None:
+    found = []
+    for path in sorted((REPO / "orchestrator").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        found += violations(path, module)
+    assert found == []
+
+
+@pytest.mark.parametrize(("module", "source", "problem"), [
+    ("orchestrator.state", "from orchestrator.supervisor import Supervisor\n", "not below it"),
+    ("orchestrator.providers.local", "import orchestrator.api\n", "not below it"),
+    ("orchestrator.cli", "def f() -> None:\n    from orchestrator.state import Store\n",
+     "may import only"),
+    ("orchestrator.console", "from orchestrator.plan import build\n", "may import only"),
+])
+def test_the_layer_check_refuses_an_import_against_the_order(
+        tmp_path: Path, module: str, source: str, problem: str) -> None:
+    path = tmp_path / "module.py"
+    path.write_text(f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                    f"    from orchestrator.api import Cluster\n{source}")
+    (found,) = violations(path, module)
+    assert problem in found
 
 
 def test_orchestrator_source_never_imports_tensorflow_or_keras() -> None:
@@ -81,3 +180,49 @@ def test_static_checks_pass(command: list[str]) -> None:
     assert tool, f"{command[0]} is not installed: pip install -e '.[dev]'"
     proc = subprocess.run([tool, *command[1:]], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# Import names whose distribution is not found by ``packages_distributions`` alone: the
+# ``google`` namespace is shared by many distributions, so those go by their second name.
+NAMESPACE_DISTRIBUTIONS = {"google.cloud": "google-cloud-compute", "google.auth": "google-auth",
+                           "google.api_core": "google-api-core"}
+# Imported only where the user already has them: the live view in a Jupyter kernel.
+PROVIDED_BY_THE_USER = {"ipython"}
+
+
+def third_party_imports(package: str) -> dict[str, str]:
+    """Every non-stdlib import of ``package`` (including lazy and type-only ones): name -> file."""
+    found: dict[str, str] = {}
+    for path, names in imported_modules(package).items():
+        for name in names:
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top in ("orchestrator", "worker", "__future__"):
+                continue
+            found[".".join(name.split(".")[:2]) if top == "google" else top] = path
+    return found
+
+
+def declared(*groups: str) -> set[str]:
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    specs = list(meta["dependencies"]) + [d for g in groups for d in meta["optional-dependencies"][g]]
+    return {normalized(re.split(r"[<>=~!;\[ ]", d, maxsplit=1)[0]) for d in specs}
+
+
+def normalized(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def distribution(name: str) -> str:
+    if name in NAMESPACE_DISTRIBUTIONS:
+        return NAMESPACE_DISTRIBUTIONS[name]
+    dists = importlib.metadata.packages_distributions().get(name, [])
+    assert dists, f"no installed distribution provides {name!r}"
+    return normalized(dists[0])
+
+
+@pytest.mark.parametrize(("package", "groups"), [("orchestrator", ()), ("worker", ("worker",))])
+def test_every_package_the_code_imports_is_declared(package: str, groups: tuple[str, ...]) -> None:
+    wanted = {distribution(name): path for name, path in third_party_imports(package).items()}
+    missing = {dist: path for dist, path in wanted.items()
+               if dist not in declared(*groups) | PROVIDED_BY_THE_USER}
+    assert missing == {}, "declare these in pyproject.toml"

@@ -19,7 +19,7 @@ from orchestrator.api import Cluster
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event
 from orchestrator.state import AttemptRecord, Store
-from orchestrator.supervisor import RunResult, RunView
+from orchestrator.view import RunResult, RunView
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf]
 EVERY = 10  # checkpoint interval, in steps

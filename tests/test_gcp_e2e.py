@@ -17,7 +17,7 @@ from orchestrator.api import Cluster
 from orchestrator.events import Event
 from orchestrator.providers.gcp.compute import ENDPOINT_ENV
 from orchestrator.providers.gcp.provider import GcpProvider
-from orchestrator.supervisor import RunView
+from orchestrator.view import RunView
 
 pytestmark = [pytest.mark.ssh, pytest.mark.netns]
 REPO = Path(__file__).resolve().parent.parent

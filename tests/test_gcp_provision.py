@@ -21,8 +21,8 @@ from orchestrator.hosts import Host
 from orchestrator.providers import HostHealth, for_spec
 from orchestrator.providers.gcp.compute import ENDPOINT_ENV
 from orchestrator.providers.gcp.instance import CapacityError
-from orchestrator.providers.gcp.keys import PRIVATE_NAME
 from orchestrator.providers.gcp.provider import GcpProvider
+from orchestrator.providers.keys import PRIVATE_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 PROJECT = "test-project"
@@ -240,8 +240,13 @@ def test_the_example_spec_validates_and_plans_without_touching_the_cloud(orchest
     plan = cli("plan", spec, "--json", home=orchestrate_home, endpoint="http://127.0.0.1:9")
     out, err = plan.communicate(timeout=60)
     assert plan.returncode == 0, err
-    tasks = json.loads(out)["tasks"]
+    document = json.loads(out)
+    tasks = document["tasks"]
     assert [t["host"] for t in tasks] == [f"digits-gcp-{i}" for i in range(4)]
+    assert document["creates"] == {
+        "vms": [f"digits-gcp-{i}" for i in range(4)], "machine_type": "a2-highgpu-1g",
+        "accelerator": None, "zones": ["us-central1-a", "us-central1-c"], "spot": True,
+        "image": specs.DLVM_IMAGE, "disk_size_gb": 150, "firewall_rule": "orchestrate-digits-gcp-grpc"}
     assert tasks[0]["endpoint"] == "digits-gcp-0.us-central1-a.c.my-ml-project.internal:23456"
     assert isinstance(for_spec(specs.load(spec), Path(spec)), GcpProvider)
 

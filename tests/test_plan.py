@@ -144,3 +144,19 @@ def test_collective_timeout_reaches_the_worker_job() -> None:
     assert json.loads(p.tasks[0].argv[5])["collective_timeout_s"] == 45
     p = build(make_spec(1), local_hosts(1))
     assert json.loads(p.tasks[0].argv[5])["collective_timeout_s"] is None
+
+
+def test_the_plan_carries_the_job_runtimes_batch_and_learning_rate() -> None:
+    p = build(make_spec(2), local_hosts(2))
+    assert (p.scaling.per_replica_batch_size, p.scaling.global_batch_size(2),
+            p.scaling.scaled_learning_rate(2)) == (32, 64, 0.002)
+    p = build(spec.parse("name: c\njob: {command: python train.py}\n"), local_hosts(2))
+    assert p.scaling.global_batch_size(2) is None and p.scaling.learning_rate is None
+
+
+def test_each_host_gets_the_run_paths_under_its_root() -> None:
+    p = build(make_spec(1), [remote("a", "198.18.0.2")])
+    paths = p.paths["a"]
+    assert paths.checkpoint_dir == ".orchestrate/clusters/demo/runs/r1/checkpoints"
+    assert paths.model_dir == ".orchestrate/clusters/demo/runs/r1/model"
+    assert p.tasks[0].rc_path == ".orchestrate/clusters/demo/runs/r1/logs/attempt-1/worker-0.rc"

@@ -21,7 +21,8 @@ from orchestrator.providers.local import LocalProvider
 from orchestrator.remote.local import live_group_members
 from orchestrator.spec import load
 from orchestrator.state import Store
-from orchestrator.supervisor import RunView, Supervisor
+from orchestrator.supervisor import Supervisor
+from orchestrator.view import RunView
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,7 +98,7 @@ def test_newest_checkpoint_that_does_not_restore_falls_back_to_the_one_before(
         inner(view, event)  # type: ignore[operator]
         if event is None and view.messages and view.messages[-1].startswith("restarting") \
                 and not corrupted:
-            ckpt = Path(Store().get_run(view.run_id).attempts[0].tasks[0]["log"]).parents[2]
+            ckpt = Path(Store().get_run(view.run_id).attempts[0].tasks[0].log).parents[2]
             newest = sorted((ckpt / "checkpoints" / "chief").glob("ckpt-*.data-*"),
                             key=lambda p: int(p.name.split("-")[1].split(".")[0]))[-1]
             newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn write
@@ -107,7 +108,7 @@ def test_newest_checkpoint_that_does_not_restore_falls_back_to_the_one_before(
     assert corrupted, "the newest checkpoint was never corrupted"
     assert any("does not restore" in m and "falling back" in m for m in said), said
     first, second = result.attempts
-    checkpoints = [e.get("step") for e in _events(first.tasks[0]["log"]) if e.kind == "checkpoint"]
+    checkpoints = [e.get("step") for e in _events(first.tasks[0].log) if e.kind == "checkpoint"]
     assert second.resumed_from_step == checkpoints[-2]  # the one before the torn newest
     assert result.status == "succeeded" and len(set(result.digests.values())) == 1
 
@@ -135,7 +136,7 @@ def test_controller_killed_mid_run_then_reattached_loses_nothing(
     tasks = run.attempts[0].tasks
     step_at_kill = _last_step(log)
     time.sleep(2)
-    assert all(live_group_members(int(t["pgid"])) for t in tasks)  # still training
+    assert all(live_group_members(t.pgid) for t in tasks)  # still training
     assert _last_step(log) > step_at_kill
 
     again = subprocess.run([*cli, "train", str(path)], env=env, cwd=REPO, capture_output=True,
@@ -203,7 +204,7 @@ def _wait_for_step(store: Store, cluster: str, step: int) -> Path:
     while time.monotonic() < deadline:
         runs = store.runs(cluster)
         if runs and runs[0].attempts:
-            log = Path(str(runs[0].attempts[0].tasks[0]["log"]))
+            log = Path(str(runs[0].attempts[0].tasks[0].log))
             if log.exists() and _last_step(log) >= step:
                 return log
         time.sleep(0.2)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import StateError
-from orchestrator.state import Store, home
+from orchestrator.paths import home
+from orchestrator.state import Store, TaskRecord
 
 
 def test_home_follows_orchestrate_home(orchestrate_home: Path) -> None:
@@ -19,7 +20,10 @@ def test_runs_and_attempts_round_trip_through_a_second_connection() -> None:
     store.put_cluster("c", provider="local", spec_path="/s.yaml", status="up",
                       hosts=[{"name": "local-0", "address": "127.0.0.1"}])
     run = store.new_run("c")
-    store.start_attempt(run, 1, [{"task": "worker:0", "pgid": 42}])
+    task = TaskRecord(task="worker:0", host="local-0", endpoint="127.0.0.1:23456", pgid=42,
+                      log="/l/worker-0.log", rc="/l/worker-0.rc", exit_code=137,
+                      last_event="checkpoint", last_event_at=1.5, step=41, checkpoint_step=40)
+    store.start_attempt(run, 1, [task])
     store.update_attempt(run, 1, status="failed", cause="crashed", failed_task="worker:1",
                          exit_code=137, last_step=45)
     store.start_attempt(run, 2, [])
@@ -31,7 +35,7 @@ def test_runs_and_attempts_round_trip_through_a_second_connection() -> None:
     assert record.status == "succeeded" and record.metrics == {"loss": 0.1}
     assert [(a.number, a.cause, a.exit_code) for a in record.attempts] == [
         (1, "crashed", 137), (2, "", None)]
-    assert record.attempts[0].tasks == [{"task": "worker:0", "pgid": 42}]
+    assert record.attempts[0].tasks == [task]
     assert record.attempts[1].resumed_from_step == 40
     assert again.get_cluster("c") is not None and again.runs("c")[0].id == run
 
@@ -81,3 +85,9 @@ def test_a_store_from_before_the_recovery_columns_is_migrated(orchestrate_home: 
     assert record.heartbeat_at is None and record.attempts[0].recovery_s is None
     store.update_attempt("r0", 1, recovery_s=2.5, steps_lost=3)
     assert store.attempts("r0")[0].recovery_s == 2.5
+
+
+def test_a_task_record_ignores_keys_it_does_not_know() -> None:
+    stored = {"task": "worker:1", "host": "h", "endpoint": "h:1", "pgid": 7, "log": "l", "rc": "r",
+              "exit_code": None, "from_a_newer_version": True}
+    assert TaskRecord.from_json(stored) == TaskRecord("worker:1", "h", "h:1", 7, "l", "r")

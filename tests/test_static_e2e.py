@@ -19,7 +19,7 @@ from orchestrator.api import Cluster
 from orchestrator.errors import AuthError, HostKeyError, RemoteError, RunFailed
 from orchestrator.events import Event
 from orchestrator.state import Store
-from orchestrator.supervisor import RunView
+from orchestrator.view import RunView
 
 pytestmark = pytest.mark.ssh
 
@@ -44,7 +44,7 @@ def test_up_train_down_on_three_ssh_hosts(hostlab: HostLab, tmp_path: Path,
     root = ".orchestrate/clusters/static-e2e"
     for h in hosts:  # code and worker package synced into each host's own home
         assert h.run(["test", "-f", f"{h.home}/{root}/code/examples/digits.py"]).returncode == 0
-        assert h.run(["test", "-f", f"{h.home}/{root}/lib/worker/runtime.py"]).returncode == 0
+        assert h.run(["test", "-f", f"{h.home}/{root}/lib/worker/__main__.py"]).returncode == 0
         assert h.run(["test", "-d", f"{h.home}/{root}/code/.git"]).returncode != 0
 
     train = cli("train", str(path), home=orchestrate_home)
@@ -55,8 +55,8 @@ def test_up_train_down_on_three_ssh_hosts(hostlab: HostLab, tmp_path: Path,
     assert str(orchestrate_home) in run.model_path
 
     tasks = run.attempts[0].tasks
-    assert [t["endpoint"] for t in tasks] == [f"{h.address}:23456" for h in hosts]
-    logs = [events_in(h, str(t["log"])) for h, t in zip(hosts, tasks, strict=True)]
+    assert [t.endpoint for t in tasks] == [f"{h.address}:23456" for h in hosts]
+    logs = [events_in(h, t.log) for h, t in zip(hosts, tasks, strict=True)]
     losses = [e.get("loss") for e in logs[0] if e.kind == "progress"]
     assert losses[-1] < losses[0]
     digests = {next(e.get("weights_sha256") for e in log if e.kind == "finished") for log in logs}
@@ -113,7 +113,7 @@ def test_killed_worker_recovers_from_the_chief_checkpoint_copied_to_other_hosts(
     assert before_copy == {h.name: "" for h in hosts[1:]}  # nothing to resume from without it
     assert second.resumed_from_step and second.resumed_from_step > 0
     for h, task in zip(hosts, second.tasks, strict=True):
-        resumed = [e for e in events_in(h, str(task["log"])) if e.kind == "resumed"]
+        resumed = [e for e in events_in(h, task.log) if e.kind == "resumed"]
         assert resumed and resumed[0].get("step") == second.resumed_from_step
     assert len(set(result.digests.values())) == 1
     cluster.down()

@@ -8,6 +8,7 @@ import signal
 import stat
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -17,9 +18,11 @@ from orchestrator import spec
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event
 from orchestrator.providers.local import LocalProvider
-from orchestrator.remote.local import live_group_members
+from orchestrator.remote.base import TaskHandle, TaskStatus
+from orchestrator.remote.local import LocalRunner, live_group_members
 from orchestrator.state import Store
-from orchestrator.supervisor import RunView, Supervisor
+from orchestrator.supervisor import Supervisor
+from orchestrator.view import RunView
 
 
 def make(tmp_path: Path, script: str, extra: str = "") -> tuple[spec.ClusterSpec, Path]:
@@ -66,8 +69,8 @@ def test_one_crashed_task_restarts_the_whole_group(tmp_path: Path) -> None:
     assert "exited 3" in first.detail
     assert second.status == "succeeded" and second.cause == ""
     assert len(sleeps) == 1 and 1.0 <= sleeps[0] <= 8.0
-    waiting_peer = next(t for t in first.tasks if t["task"] == "worker:0")
-    assert live_group_members(int(str(waiting_peer["pgid"]))) == []  # stopped, not left behind
+    waiting_peer = next(t for t in first.tasks if t.task == "worker:0")
+    assert live_group_members(waiting_peer.pgid) == []  # stopped, not left behind
     assert store.get_run(run_id).status == "succeeded"
 
 
@@ -128,7 +131,7 @@ def test_startup_timeout_when_a_task_never_reports(tmp_path: Path) -> None:
     assert "did not reach the first step" in attempt.detail
     assert "timeouts.startup_s" in (info.value.fix or "")
     for task in attempt.tasks:
-        assert live_group_members(int(str(task["pgid"]))) == []
+        assert live_group_members(task.pgid) == []
 
 
 def test_worker_events_prefix_matches_the_parser() -> None:
@@ -139,3 +142,64 @@ def test_worker_events_prefix_matches_the_parser() -> None:
     assert sys.modules["orchestrator.events"].parse_line(
         worker_events.PREFIX + '{"event": "progress", "task": "worker:0", "step": 3}'
     ) == Event("progress", "worker:0", 0, 0.0, {"step": 3})
+
+
+LAST_WORDS = """
+import os, pathlib, sys, time
+marker = pathlib.Path(os.environ["MARKER"])
+if os.environ["ORCHESTRATE_TASK"] == "worker:0":
+    print('@orchestrate {"event": "checkpoint", "step": 7, "task": "worker:0", "attempt": 1}',
+          flush=True)
+    marker.touch()
+    time.sleep(60)  # stopped by the supervisor when worker:1 fails
+while not marker.exists():
+    time.sleep(0.02)
+time.sleep(0.3)
+sys.exit(3)
+"""
+
+
+class SlowLinkRunner(LocalRunner):
+    """The chief's host behind a slow link: the log read that carries its checkpoint event
+    returns only once the supervisor has begun to stop the tasks (the poll is in flight when
+    the failure is seen). Everything else is the real local runner."""
+
+    def __init__(self, chief_log: str) -> None:
+        super().__init__("slow-link")
+        self.chief_log = chief_log
+        self.stopping = threading.Event()
+        self.held = threading.Event()
+
+    def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
+        data, next_offset = super().read_log(handle, offset)
+        if handle.log_path.endswith(self.chief_log) and b'"checkpoint"' in data:
+            self.held.set()
+            self.stopping.wait(30)
+        return data, next_offset
+
+    def stop(self, handle: TaskHandle, grace_s: float = 5.0) -> TaskStatus:
+        self.stopping.set()
+        return super().stop(handle, grace_s)
+
+
+def test_the_last_event_before_a_task_is_killed_is_in_the_attempt_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s, path = make(tmp_path, LAST_WORDS, "env: {MARKER: " + str(tmp_path / "printed") + "}\n")
+    s = s.model_copy(update={"retry": s.retry.model_copy(update={"max_restarts": 0})})
+    runner = SlowLinkRunner("attempt-1/worker-0.log")
+    provider = LocalProvider(s, path)
+    monkeypatch.setattr(provider, "runner", lambda host: runner)
+    store = Store()
+    sup = Supervisor(s, provider, store, workdir=path.parent, backoff_sleep=lambda _: None,
+                     poll_s=0.05)
+    run_id = store.new_run(s.name)
+    with pytest.raises(RunFailed):
+        sup.run(run_id)
+
+    assert runner.held.is_set()  # the chief's event was still in flight when worker:1 failed
+    (attempt,) = store.attempts(run_id)
+    assert (attempt.cause, attempt.failed_task) == ("crashed", "worker:1")
+    chief = next(t for t in attempt.tasks if t.task == "worker:0")
+    assert chief.checkpoint_step == 7
+    # After the checkpoint, the chief printed only the command wrapper's report of its death.
+    assert chief.last_event in ("checkpoint", "error") and chief.last_event_at is not None

@@ -16,7 +16,7 @@ from orchestrator.api import Cluster
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event, parse_line
 from orchestrator.state import Store
-from orchestrator.supervisor import RunView
+from orchestrator.view import RunView
 
 pytestmark = pytest.mark.tf
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def test_cli_trains_the_example_on_two_workers(orchestrate_home: Path) -> None:
     assert run.status == "succeeded" and len(run.attempts) == 1
     assert Path(run.model_path).is_file() and f"model saved by the chief: {run.model_path}" in (
         proc.stdout)
-    logs = {t["task"]: Path(str(t["log"])) for t in run.attempts[0].tasks}
+    logs = {t.task: Path(t.log) for t in run.attempts[0].tasks}
     losses = [e.get("loss") for e in events_of(logs["worker:0"]) if e.kind == "progress"]
     assert losses[-1] < losses[0] * 0.5  # it learned
     digests = {k: next(e.get("weights_sha256") for e in events_of(p) if e.kind == "finished")
@@ -86,12 +86,12 @@ def test_killed_worker_resumes_from_the_chiefs_checkpoint(tmp_path: Path) -> Non
     first, second = result.attempts
     assert (first.cause, first.failed_task, first.exit_code) == ("crashed", "worker:1", 137)
     assert "signal 9" in first.detail
-    checkpoints = [e.get("step") for e in events_of(Path(str(first.tasks[0]["log"])))
+    checkpoints = [e.get("step") for e in events_of(Path(first.tasks[0].log))
                    if e.kind == "checkpoint"]
     assert second.resumed_from_step == checkpoints[-1] > 0  # not from step 0
     assert second.resumed_from_step <= first.last_step  # at most the step reached before the kill
     assert first.last_step >= killed_at[0]
-    resumed = [e for e in events_of(Path(str(second.tasks[1]["log"]))) if e.kind == "resumed"]
+    resumed = [e for e in events_of(Path(second.tasks[1].log)) if e.kind == "resumed"]
     assert resumed and resumed[0].get("step") == second.resumed_from_step
     assert len(set(result.digests.values())) == 1
     assert Store().get_run(result.run_id).attempts[0].cause == "crashed"

@@ -1,32 +1,11 @@
-"""Checkpoint checks run on a host: find the newest checkpoint that really restores."""
+"""Checkpoint checks run on a host (``python -m worker verify-checkpoint --dir D``): find the
+newest checkpoint in a directory that really restores."""
 
 from __future__ import annotations
 
 import json
 import os
 from typing import Any
-
-# tf_keras' WorkerTrainingState keeps one checkpoint; keep a few so that a corrupt newest
-# one can fall back to the one before.
-KEEP = 3
-EPOCH_KEY = "ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE"
-BATCH_KEY = "ckpt_saved_batch/.ATTRIBUTES/VARIABLE_VALUE"
-
-
-def keep_more_checkpoints() -> None:
-    from tf_keras.src.distribute import worker_training_state
-
-    worker_training_state.MAX_CHECKPOINT_TO_KEEP = KEEP
-
-
-def saved_step(tf: Any, path: str, steps_per_epoch: int) -> int:
-    """The global step a BackupAndRestore checkpoint resumes at."""
-    reader = tf.train.load_checkpoint(path)
-    epoch = int(reader.get_tensor(EPOCH_KEY))
-    batch = int(reader.get_tensor(BATCH_KEY))
-    if epoch < 0:
-        return 0
-    return epoch * steps_per_epoch + (batch + 1 if batch >= 0 else steps_per_epoch)
 
 
 def restores(tf: Any, path: str) -> str | None:

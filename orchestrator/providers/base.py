@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import OrchestratorError, ProviderError
 from orchestrator.hosts import Host
@@ -59,9 +61,19 @@ class Provider(ABC):
         """The hosts as a dry run shows them, without contacting any; default: ``hosts()``."""
         return self.hosts()
 
+    def describe(self) -> dict[str, Any] | None:
+        """What ``up`` creates, as ``orchestrate plan`` shows it; None: it creates no machines."""
+        return None
+
     @abstractmethod
     def runner(self, host: Host) -> Runner:
         """A runner for ``host``; the provider owns and reuses it."""
+
+    @contextlib.contextmanager
+    def check_runners(self, hosts: Sequence[Host]) -> Iterator[Callable[[Host], Runner]]:
+        """Runners for a quick check of ``hosts`` (the doctor's), released on exit: a host that
+        does not answer fails fast instead of being waited for; default: ``runner``."""
+        yield self.runner
 
     @abstractmethod
     def python(self, host: Host) -> str:

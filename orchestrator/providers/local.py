@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import errno
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from orchestrator import paths
 from orchestrator.hosts import Host
 from orchestrator.providers.base import DownReport, Provider
 from orchestrator.remote.local import LocalRunner
 from orchestrator.spec import ClusterSpec
-from orchestrator.state import home
+from worker import probes
 
 LOOPBACK = "127.0.0.1"
 
@@ -26,7 +25,7 @@ class LocalProvider(Provider):
 
     @property
     def root(self) -> str:
-        return str(home() / "clusters" / self.spec.name)
+        return str(paths.cluster_home(self.spec.name))
 
     def up(self) -> list[Host]:
         return self.hosts()
@@ -49,24 +48,5 @@ class LocalProvider(Provider):
 
     def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
         """Probe the range until every task has a free port; return the taken ones seen."""
-        busy: set[tuple[str, int]] = set()
-        free = 0
-        for port in range(self.spec.ports.start, self.spec.ports.end + 1):
-            if free >= len(hosts):
-                break
-            if port_is_free(LOOPBACK, port):
-                free += 1
-            else:
-                busy.add((LOOPBACK, port))
-        return busy
-
-
-def port_is_free(address: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((address, port))
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                return False
-            raise
-    return True
+        taken = probes.taken_ports(self.spec.ports.start, self.spec.ports.end, len(hosts))
+        return {(LOOPBACK, port) for port in taken}

@@ -15,8 +15,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from orchestrator.errors import CommandError, RemoteError
+from worker import probes
 
 
 @dataclass(frozen=True)
@@ -73,21 +75,8 @@ class TaskStatus:
     ended_at: float | None = None  # when the exit code was written (the host's clock)
 
 
-# Prints the state letters (R, S, T, Z, ...) of the processes in a process group.
-PROCESS_STATES = (
-    "import os, sys\n"
-    "group = int(sys.argv[1])\n"
-    "states = []\n"
-    "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-    "    try:\n"
-    "        stat = open(f'/proc/{pid}/stat').read()\n"
-    "    except OSError:\n"
-    "        continue\n"
-    "    fields = stat[stat.rindex(')') + 2:].split()\n"
-    "    if int(fields[2]) == group:\n"
-    "        states.append(fields[0])\n"
-    "print(''.join(states))\n"
-)
+# Stdlib-only probes run on the host with ``python -c`` (this machine imports them directly).
+PROBES = Path(probes.__file__).read_text()
 
 
 def quote_argv(argv: Sequence[str]) -> str:
@@ -186,7 +175,7 @@ class Runner(ABC):
 
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         """State letters of the task's processes ('T' = stopped); empty when none is left."""
-        argv = [python, "-c", PROCESS_STATES, str(handle.pgid)]
+        argv = [python, "-c", PROBES, "states", str(handle.pgid)]
         return self.run(argv, timeout_s=timeout_s).stdout.strip()
 
     def signal(self, handle: TaskHandle, sig: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from orchestrator.errors import RemoteError
 from orchestrator.remote.base import ExecResult, Runner, TaskHandle, TaskState, TaskStatus
+from worker.probes import group_members
 
 
 class LocalRunner(Runner):
@@ -27,7 +28,7 @@ class LocalRunner(Runner):
         return ExecResult(proc.returncode, proc.stdout, proc.stderr)
 
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
-        return "".join(state for _, state in _group_members(handle.pgid))
+        return "".join(state for _, state in group_members(handle.pgid))
 
     def put_file(self, local_path: str, remote_path: str, mode: int | None = None) -> None:
         Path(remote_path).parent.mkdir(parents=True, exist_ok=True)
@@ -76,22 +77,4 @@ def _exited(rc_path: str) -> TaskStatus | None:
 
 def live_group_members(pgid: int) -> list[int]:
     """PIDs in process group ``pgid`` that are not zombies (a zombie still answers kill 0)."""
-    return [pid for pid, state in _group_members(pgid) if state != "Z"]
-
-
-def _group_members(pgid: int) -> list[tuple[int, str]]:
-    """(pid, state letter) of every process in group ``pgid``."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces or parens, so split after the last ')'
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if int(fields[2]) == pgid:
-            members.append((int(entry.name), fields[0].decode()))
-    return members
+    return [pid for pid, state in group_members(pgid) if state != "Z"]

@@ -35,9 +35,11 @@ from orchestrator.remote.base import ExecResult, Runner, TaskHandle
 KEEPALIVE_S = 15
 DEAD_PEER_S = 60  # unacknowledged data for this long means the host is gone (TCP_USER_TIMEOUT)
 # OpenSSH allows 10 sessions per connection (MaxSessions) and frees one only once our close
-# has reached it: keep at most 6 commands in flight besides the SFTP session, and wait a
-# little for a slot when the host still counts closed ones.
+# has reached it. The budget: 6 commands, 2 bulk transfers (each on an SFTP session of its
+# own) and the one control SFTP session that reads logs, 9 in all; a session the host still
+# counts after our close is waited for a little.
 MAX_CHANNELS = 6
+BULK_CHANNELS = 2
 SESSION_WAIT_S = 5.0
 READ_LOG_MAX = 8 << 20
 _KNOWN_HOSTS_LOCK = threading.Lock()
@@ -62,11 +64,16 @@ class SSHRunner(Runner):
             connect_deadline_s if connect_deadline_s is not None else 3 * endpoint.connect_timeout_s
         )
         self._client: paramiko.SSHClient | None = None
-        self._sftp_client: paramiko.SFTPClient | None = None
         self._pkey: paramiko.PKey | None = None
         self._lock = threading.Lock()
-        self._sftp_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CHANNELS)
+        # Log reads share one SFTP session (the control path); every bulk transfer opens its
+        # own, so a long download never holds up a log read or a command.
+        self._control_lock = threading.Lock()
+        self._bulk_slots = threading.BoundedSemaphore(BULK_CHANNELS)
+        self._sessions_lock = threading.Lock()  # guards the two fields below, never held for I/O
+        self._control: paramiko.SFTPClient | None = None
+        self._bulk: set[paramiko.SFTPClient] = set()
 
     @property
     def target(self) -> str:
@@ -102,14 +109,22 @@ class SSHRunner(Runner):
             self._drop()
 
     def _drop(self) -> None:
-        with self._sftp_lock:
-            if self._sftp_client is not None:
-                with contextlib.suppress(Exception):
-                    self._sftp_client.close()
-                self._sftp_client = None
+        """Close the connection and every SFTP session on it, without waiting for their users.
+
+        A transfer or log read in flight fails at once (as a lost connection): closing the
+        transport first makes sure none of them sees a live transport and reports a
+        RemoteError instead.
+        """
+        with self._sessions_lock:
+            sessions = [*self._bulk, *([self._control] if self._control else [])]
+            self._bulk.clear()
+            self._control = None
         if self._client is not None:
             self._client.close()
             self._client = None
+        for sftp in sessions:
+            with contextlib.suppress(Exception):
+                sftp.close()
 
     def _connect_with_retries(self) -> paramiko.SSHClient:
         pkey = self._load_key()
@@ -338,11 +353,12 @@ class SSHRunner(Runner):
 
     # -- files -----------------------------------------------------------
     def put_file(self, local_path: str, remote_path: str, mode: int | None = None) -> None:
+        """Upload on a bulk session of its own; the file appears whole or not at all."""
         parent = posixpath.dirname(remote_path)
         if parent:
             self.run(["mkdir", "-p", "--", parent])
         part = f"{remote_path}.part-{uuid.uuid4().hex[:12]}"
-        with self._sftp(f"upload of {local_path} to {remote_path}") as sftp:
+        with self._bulk_sftp(f"upload of {local_path} to {remote_path}") as sftp:
             try:
                 sftp.put(local_path, part, confirm=True)
                 if mode is not None:
@@ -354,12 +370,13 @@ class SSHRunner(Runner):
                 raise
 
     def get_file(self, remote_path: str, local_path: str) -> None:
+        """Download on a bulk session of its own; the file appears whole or not at all."""
         directory = os.path.dirname(os.path.abspath(local_path))
         os.makedirs(directory, exist_ok=True)
         fd, part = tempfile.mkstemp(dir=directory, prefix=".download-")
         os.close(fd)
         try:
-            with self._sftp(f"download of {remote_path} to {local_path}") as sftp:
+            with self._bulk_sftp(f"download of {remote_path} to {local_path}") as sftp:
                 sftp.get(remote_path, part)
             os.replace(part, local_path)
         finally:
@@ -367,36 +384,77 @@ class SSHRunner(Runner):
                 os.unlink(part)
 
     def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
-        """Bytes of the task's log from ``offset`` (at most 8 MiB a call), read over SFTP."""
-        with self._sftp(f"read of {handle.log_path}") as sftp:
-            try:
-                f = sftp.open(handle.log_path, "rb")
-            except FileNotFoundError:
-                return b"", offset
-            with f:
-                f.seek(offset)
-                data = f.read(READ_LOG_MAX)
+        """Bytes of the task's log from ``offset`` (at most 8 MiB a call), read over SFTP.
+
+        Reads use the runner's control session, which no bulk transfer ever holds.
+        """
+        what = f"read of {handle.log_path}"
+        with self._control_lock:
+            sftp = self._control_sftp(what)
+            with self._sftp_errors(what, sftp.get_channel()):
+                try:
+                    f = sftp.open(handle.log_path, "rb")
+                except FileNotFoundError:
+                    return b"", offset
+                with f:
+                    f.seek(offset)
+                    data = f.read(READ_LOG_MAX)
         return data, offset + len(data)
 
+    def _control_sftp(self, what: str) -> paramiko.SFTPClient:
+        """The control session, (re)opened when missing or closed; call under _control_lock."""
+        with self._sessions_lock:
+            sftp = self._control
+        chan = sftp.get_channel() if sftp is not None else None
+        if sftp is not None and chan is not None and not chan.closed and self._alive(chan):
+            return sftp
+        if sftp is not None:
+            with contextlib.suppress(Exception):
+                sftp.close()
+        sftp = self._open_sftp(what)
+        with self._sessions_lock:
+            self._control = sftp
+        return sftp
+
     @contextlib.contextmanager
-    def _sftp(self, what: str) -> Iterator[paramiko.SFTPClient]:
-        """The runner's SFTP session, one user at a time; errors become RemoteError."""
-        transport = self.connect()
-        with self._sftp_lock:
+    def _bulk_sftp(self, what: str) -> Iterator[paramiko.SFTPClient]:
+        """A fresh SFTP session for one transfer, at most BULK_CHANNELS of them at once."""
+        with self._bulk_slots:
+            sftp = self._open_sftp(what)
+            with self._sessions_lock:
+                self._bulk.add(sftp)
             try:
-                if self._sftp_client is None:
-                    self._sftp_client = paramiko.SFTPClient.from_transport(transport)
-                    assert self._sftp_client is not None
-                yield self._sftp_client
-            except (EOFError, paramiko.SSHException, OSError) as exc:
-                if transport.is_active():
-                    raise RemoteError(
-                        f"{what} failed: {_describe(exc)}",
-                        host=self.host_name,
-                        fix="check the paths and their permissions, here and on the host",
-                    ) from exc
-                self._sftp_client = None
-                raise self._lost(what, exc) from exc
+                with self._sftp_errors(what, sftp.get_channel()):
+                    yield sftp
+            finally:
+                with self._sessions_lock:
+                    self._bulk.discard(sftp)
+                with contextlib.suppress(Exception):
+                    sftp.close()
+
+    def _open_sftp(self, what: str) -> paramiko.SFTPClient:
+        chan = self._open_channel()
+        try:
+            with self._sftp_errors(what, chan):
+                chan.invoke_subsystem("sftp")
+                return paramiko.SFTPClient(chan)
+        except BaseException:
+            chan.close()
+            raise
+
+    @contextlib.contextmanager
+    def _sftp_errors(self, what: str, chan: paramiko.Channel | None) -> Iterator[None]:
+        """SFTP failures as RemoteError, or as HostUnreachableError once the connection is gone."""
+        try:
+            yield
+        except (EOFError, paramiko.SSHException, OSError) as exc:
+            if chan is not None and self._alive(chan):
+                raise RemoteError(
+                    f"{what} failed: {_describe(exc)}",
+                    host=self.host_name,
+                    fix="check the paths and their permissions, here and on the host",
+                ) from exc
+            raise self._lost(what, exc) from exc
 
 
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):

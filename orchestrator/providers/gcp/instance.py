@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from orchestrator.errors import ProviderError
+from orchestrator.files import write_atomic
 from orchestrator.providers.gcp import config as gce
 from orchestrator.providers.gcp import names
 from orchestrator.providers.gcp.compute import Compute, ComputeError, OpError, OpRef, Vm
@@ -76,10 +75,7 @@ class Journal:
 
     def _write(self, refs: list[OpRef]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".journal.")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump([asdict(r) for r in refs], f)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps([asdict(r) for r in refs]))
 
 
 class Fleet:

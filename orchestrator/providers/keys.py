@@ -1,16 +1,17 @@
-"""The per-cluster SSH key pair: the private half stays here, the public half goes to the VMs."""
+"""A cluster's own SSH key pair: the private half stays on this machine, the public half goes to
+the machines a provider makes."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from orchestrator.files import write_atomic
 
 PRIVATE_NAME = "id_ed25519"
 
@@ -29,10 +30,10 @@ def ensure_key_pair(directory: Path) -> KeyPair:
         directory.mkdir(parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
         key = ed25519.Ed25519PrivateKey.generate()
-        _write(public, _public_line(key) + "\n", 0o644)
-        _write(private, key.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.OpenSSH,
-                                          serialization.NoEncryption()).decode(), 0o600)
+        write_atomic(public, _public_line(key) + "\n", mode=0o644)
+        write_atomic(private, key.private_bytes(serialization.Encoding.PEM,
+                                                serialization.PrivateFormat.OpenSSH,
+                                                serialization.NoEncryption()).decode())
     return KeyPair(private, public.read_text().strip())
 
 
@@ -43,17 +44,3 @@ def remove_key_pair(directory: Path) -> None:
 def _public_line(key: ed25519.Ed25519PrivateKey) -> str:
     return key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                          serialization.PublicFormat.OpenSSH).decode()
-
-
-def _write(path: Path, text: str, mode: int) -> None:
-    """Atomically, and never readable by others while being written."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

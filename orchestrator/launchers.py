@@ -1,0 +1,91 @@
+"""How a task is started, stopped and found on its host: the step between the plan and the runner.
+
+The plan fixes what a task runs (argv, env, cwd, paths); a launcher decides how: today a plain
+process group (``process``); a container launcher wraps the same task in ``docker run`` and
+stops the container, not just its client. The kind is kept in each task's record, so a later
+controller (``--attach``, ``down``, ``logs``) finds and stops the task the way it was started.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from orchestrator.errors import StateError
+from orchestrator.plan import TaskPlan
+from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskStatus
+from orchestrator.spec import ClusterSpec
+from orchestrator.state import TaskRecord
+
+
+class Launcher(ABC):
+    """Starts, polls, inspects and stops tasks of one kind through a host's runner."""
+
+    kind: str
+
+    @abstractmethod
+    def start(self, runner: Runner, task: TaskPlan) -> TaskHandle:
+        """Start ``task`` detached on the runner's host."""
+
+    @abstractmethod
+    def poll(self, runner: Runner, handle: TaskHandle) -> TaskStatus:
+        """Running, exited (with its code) or lost."""
+
+    @abstractmethod
+    def stop(self, runner: Runner, handle: TaskHandle, grace_s: float) -> TaskStatus:
+        """Stop the task for good: politely, then after ``grace_s`` by force."""
+
+    @abstractmethod
+    def process_states(self, runner: Runner, handle: TaskHandle, python: str,
+                       timeout_s: float) -> str:
+        """State letters of the task's processes ('T' = stopped); empty when none is left."""
+
+    def find(self, record: TaskRecord) -> TaskHandle:
+        """The handle of a task from its attempt record (to re-attach, stop or read it)."""
+        return TaskHandle(record.host, record.pgid, record.log, record.rc)
+
+    def record(self, task: TaskPlan, handle: TaskHandle) -> TaskRecord:
+        """What the store keeps of a started task, for ``find`` to use later."""
+        return TaskRecord(task=task.key, host=task.host.name, endpoint=task.endpoint,
+                          pgid=handle.pgid, log=handle.log_path, rc=handle.rc_path,
+                          launcher=self.kind)
+
+
+class ProcessLauncher(Launcher):
+    """The task as a process group of its own session (``setsid``), its output in a log file."""
+
+    kind = "process"
+
+    def start(self, runner: Runner, task: TaskPlan) -> TaskHandle:
+        return runner.start(LaunchSpec(task.argv, task.cwd, task.log_path, task.rc_path, task.env))
+
+    def poll(self, runner: Runner, handle: TaskHandle) -> TaskStatus:
+        return runner.poll(handle)
+
+    def stop(self, runner: Runner, handle: TaskHandle, grace_s: float) -> TaskStatus:
+        return runner.stop(handle, grace_s=grace_s)
+
+    def process_states(self, runner: Runner, handle: TaskHandle, python: str,
+                       timeout_s: float) -> str:
+        return runner.process_states(handle, python, timeout_s=timeout_s)
+
+
+LAUNCHERS: dict[str, type[Launcher]] = {ProcessLauncher.kind: ProcessLauncher}
+
+
+def launcher_named(kind: str) -> Launcher:
+    """The launcher that started a recorded task.
+
+    Raises:
+        StateError: the record names a launcher this version does not have.
+    """
+    cls = LAUNCHERS.get(kind)
+    if cls is None:
+        raise StateError(f"a task was started by launcher {kind!r}, which this version lacks",
+                         fix=f"use the orchestrate version that started it (launchers here: "
+                         f"{', '.join(LAUNCHERS)})")
+    return cls()
+
+
+def launcher_for(spec: ClusterSpec) -> Launcher:
+    """The launcher a spec's tasks start with: a plain process group (the only kind so far)."""
+    return ProcessLauncher()

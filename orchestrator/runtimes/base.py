@@ -1,0 +1,118 @@
+"""The job-runtime interface: what a task of one kind of job runs, reports and needs, as the
+controller sees it. The worker's side of a runtime is its module in ``worker/runtimes/``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel
+
+from orchestrator.spec import ClusterSpec
+
+J = TypeVar("J", bound=BaseModel)
+
+# tf.keras is tf_keras (Keras 2) under this: the Keras whose fit() works under
+# MultiWorkerMirroredStrategy in TF 2.21.
+LEGACY_KERAS_ENV: Mapping[str, str] = {"TF_USE_LEGACY_KERAS": "1"}
+
+
+@dataclass(frozen=True)
+class BatchScaling:
+    """A job's batch size and learning rate, and how they follow the replicas in sync.
+
+    None where the runtime does not set them (a command job's script chooses its own).
+    """
+
+    per_replica_batch_size: int | None = None
+    learning_rate: float | None = None
+    scale_learning_rate: bool = False
+
+    def global_batch_size(self, replicas: int) -> int | None:
+        per = self.per_replica_batch_size
+        return None if per is None else per * replicas
+
+    def scaled_learning_rate(self, replicas: int) -> float | None:
+        """Linear scaling: the learning rate times the replicas, when ``scale_learning_rate``."""
+        if self.learning_rate is None or not self.scale_learning_rate:
+            return self.learning_rate
+        return self.learning_rate * replicas
+
+
+@dataclass(frozen=True)
+class MatchingPackage:
+    """A package every host needs in TensorFlow's minor version (tf-keras 2.21.x for TF 2.21)."""
+
+    module: str  # its import name, under which the worker's preflight reports its version
+    pip: str  # its distribution name, for the fix
+    why: str  # said when it is missing
+
+
+@dataclass(frozen=True)
+class DoctorRules:
+    """What the doctor checks on every host for one runtime, beside the rules for every job.
+
+    ``needs_tensorflow``: a host without TensorFlow is a blocking problem (otherwise a
+    warning: a command job's script may not need it). ``install_with``: distributions the
+    fix installs beside TensorFlow.
+    """
+
+    needs_tensorflow: bool
+    install_with: tuple[str, ...] = ()
+    matching: tuple[MatchingPackage, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobDescription:
+    """How ``orchestrate plan`` shows a job: its settings (spec defaults filled in, JSON types),
+    its length in steps where the runtime knows it, and one line for people."""
+
+    runtime: str
+    settings: Mapping[str, Any]
+    total_steps: int | None
+    summary: str
+
+
+class JobRuntime(ABC, Generic[J]):
+    """One kind of job, as the controller sees it; one instance per kind, in ``RUNTIMES``.
+
+    ``mode`` is the spec's ``job.mode`` it runs, and also the worker's subcommand
+    (``python -m worker MODE``). ``reports_steps`` is False where the worker reports only a
+    start and an exit (then ``started`` counts as reaching the first step).
+    """
+
+    name: str
+    mode: str
+    job_type: type[J]
+    reports_steps: bool
+    doctor_rules: DoctorRules
+
+    @abstractmethod
+    def argv(self, spec: ClusterSpec, python: str) -> tuple[str, ...]:
+        """The command line of every task, run with ``python`` on its host."""
+
+    @abstractmethod
+    def env(self, spec: ClusterSpec) -> dict[str, str]:
+        """Environment the runtime adds to every task (beside TF_CONFIG and ORCHESTRATE_*)."""
+
+    @abstractmethod
+    def describe(self, job: J) -> JobDescription:
+        """The job part of ``orchestrate plan``."""
+
+    def scaling(self, job: J) -> BatchScaling:
+        """The job's batch size and learning rate; none by default (the job sets its own)."""
+        return BatchScaling()
+
+    def job_of(self, spec: ClusterSpec) -> J:
+        """The spec's job, which must be this runtime's kind.
+
+        Raises:
+            TypeError: ``spec.job`` is another kind of job.
+        """
+        job = spec.job
+        if not isinstance(job, self.job_type):
+            raise TypeError(f"the {self.name} runtime runs {self.job_type.__name__} jobs, "
+                            f"received {type(job).__name__}")
+        return job

@@ -1,0 +1,33 @@
+"""The command runtime (``mode: command``): every task runs the user's unmodified script with
+TF_CONFIG set; the worker reports only its start and its exit."""
+
+from __future__ import annotations
+
+import shlex
+
+from orchestrator.runtimes.base import LEGACY_KERAS_ENV, DoctorRules, JobDescription, JobRuntime
+from orchestrator.spec import ClusterSpec, CommandJob
+
+PYTHON_NAMES = ("python", "python3")  # a command starting with one runs the tasks' interpreter
+
+
+class CommandRuntime(JobRuntime[CommandJob]):
+    name = "command"
+    mode = "command"
+    job_type = CommandJob
+    reports_steps = False
+    doctor_rules = DoctorRules(needs_tensorflow=False, install_with=("tf-keras",))
+
+    def argv(self, spec: ClusterSpec, python: str) -> tuple[str, ...]:
+        command = list(self.job_of(spec).command)
+        if command[0] in PYTHON_NAMES:
+            command[0] = python
+        return (python, "-m", "worker", self.mode, "--", *command)
+
+    def env(self, spec: ClusterSpec) -> dict[str, str]:
+        return dict(LEGACY_KERAS_ENV)  # the tutorial's tf.keras fit works under MWMS as tf_keras
+
+    def describe(self, job: CommandJob) -> JobDescription:
+        return JobDescription(runtime=self.name, settings=job.model_dump(mode="json"),
+                              total_steps=None,
+                              summary=f"command: {shlex.join(job.command)} (TF_CONFIG set for it)")

@@ -1,0 +1,60 @@
+"""The view model of a run: what every display (terminal, notebook, plain lines) and the API's
+callers see of it, updated by the supervisor as events arrive. Displays import only this."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orchestrator.events import Event
+from orchestrator.state import AttemptRecord
+
+
+@dataclass
+class TaskView:
+    """What the operator sees of one task; updated as events arrive."""
+
+    key: str
+    host: str
+    endpoint: str
+    state: str = "starting"
+    step: int = 0
+    loss: float | None = None
+    steps_per_s: float | None = None
+    last_event: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RunView:
+    run_id: str
+    cluster: str
+    attempt: int = 0
+    total_steps: int | None = None
+    tasks: dict[str, TaskView] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+    mirrored_step: int | None = None  # newest chief checkpoint copied to this machine
+    mirroring_step: int | None = None  # the chief checkpoint being copied now, if any
+
+
+Listener = Callable[[RunView, Event | None], None]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_id: str
+    status: str
+    metrics: dict[str, float]
+    model_path: str
+    digests: dict[str, str]
+    attempts: list[AttemptRecord]
+    seconds: float
+
+
+def human_bytes(count: float) -> str:
+    """A size for people: 1.5 GiB."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while count >= 1024 and power < len(units) - 1:
+        count, power = count / 1024, power + 1
+    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"

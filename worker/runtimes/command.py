@@ -1,0 +1,49 @@
+"""The command runtime: run an unmodified training script with TF_CONFIG set; report its start
+and its end as events (the script itself reports no steps)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import time
+
+from worker.events import emit
+from worker.runtimes.common import WorkerRuntime, emit_error
+
+
+def run_command(argv: list[str]) -> int:
+    """Run ``argv`` with TF_CONFIG set; return its exit code (128 + N for signal N)."""
+    # tf.keras is tf_keras in the script: the Keras whose fit() works under MWMS.
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv)
+    except OSError as exc:
+        emit_error(exc, "connect")
+        return 127
+    emit("started", pid=proc.pid, mode="command", argv=argv)
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    code = proc.wait()
+    elapsed = round(time.monotonic() - started, 3)
+    if code == 0:
+        emit("finished", metrics={}, model_path="", seconds=elapsed)
+    else:
+        emit("error", phase="train", type="CommandFailed",
+             message=f"{argv[0]} exited with {code}", exit_code=code)
+    return code if code >= 0 else 128 - code
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("argv", nargs=argparse.REMAINDER)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cmd: list[str] = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not cmd:
+        parser.error("command mode needs the command after --")
+    return run_command(cmd)
+
+
+RUNTIME = WorkerRuntime("command", "run an unmodified training script", _add_arguments, _run)
