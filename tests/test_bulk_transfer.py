@@ -216,7 +216,7 @@ def test_throttle_slows_only_traffic_to_its_address_and_heal_removes_it(hostlab:
         to_other_host = (f"import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
                          f"[s.sendto(b'x' * 1400, ({other.address!r}, 9)) for _ in range(1000)]")
         assert host.run([sys.executable, "-c", to_other_host]).returncode == 0
-        assert host.throttled_bytes() == before
+        assert host.throttled_bytes() - before < 100_000  # 1.4 MB went to the other host
     finally:
         host.heal()
     qdiscs = host.run(["tc", "qdisc", "show", "dev", str(host.link)]).stdout
@@ -280,12 +280,16 @@ def test_large_checkpoint_pulled_over_a_slow_link_never_holds_up_the_watch_loop(
         cluster.down()
 
     assert result.status == "succeeded"
-    assert [(a.number, a.status, a.cause) for a in result.attempts] == [(1, "succeeded", "")], \
-        result.attempts
+    assert [(a.status, a.cause) for a in result.attempts] == [("succeeded", "")], \
+        [f"attempt {a.number}: {a.cause} {a.detail}" for a in result.attempts]
     assert "end" in pull, "the chief's checkpoint was never mirrored"
-    assert throttled_bytes[0] >= MIB * 2**20 * 0.9  # the pull crossed the slow link
+    # the pull crossed the slow link, where that many bytes need well over poll_s ...
+    assert throttled_bytes[0] >= MIB * 2**20 * 0.9
+    assert throttled_bytes[0] * 8 / (RATE_MBIT * 1e6) > 2 * POLL_S
     assert pull["end"] - pull["start"] > POLL_S
+    # ... and the chief's log kept arriving all the while
     during = [when for when, pulling in chief_events if pulling]
     assert len(during) >= 10, f"only {len(during)} chief progress events while the pull ran"
     gaps = [b - a for a, b in itertools.pairwise(during)]
-    assert max(gaps) < POLL_S / 2, f"the chief's events stalled for {max(gaps):.1f}s mid-pull"
+    # none of them waited behind the transfer as long as it takes to count a host as lost
+    assert max(gaps) < POLL_S, f"the chief's events stalled for {max(gaps):.1f}s mid-pull"

@@ -219,8 +219,8 @@ def test_taken_port_is_avoided_on_the_next_attempt(hostlab: HostLab, tmp_path: P
     assert result.status == "succeeded"
     first, second = result.attempts[:2]
     assert (first.cause, first.failed_task) == ("port_conflict", "worker:1")
-    assert first.tasks[1]["endpoint"].endswith(":23456")
-    assert not second.tasks[1]["endpoint"].endswith(":23456")
+    assert first.tasks[1].endpoint.endswith(":23456")
+    assert not second.tasks[1].endpoint.endswith(":23456")
 
 
 def test_broken_user_code_fails_fast_with_its_traceback(hostlab: HostLab, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import paramiko
@@ -19,7 +19,7 @@ from hostlab import HostLab, LabHost
 from orchestrator.errors import AuthError, HostKeyError, HostUnreachableError, RemoteError
 from orchestrator.remote.base import LaunchSpec, TaskHandle, TaskState, TaskStatus
 from orchestrator.remote.local import live_group_members
-from orchestrator.remote.ssh import SSHRunner, fingerprint
+from orchestrator.remote.ssh import BULK_CHANNELS, MAX_CHANNELS, READ_LOG_MAX, SSHRunner, fingerprint
 
 pytestmark = pytest.mark.ssh
 
@@ -211,6 +211,137 @@ def test_get_of_a_missing_file_names_it(runner: SSHRunner, host: LabHost, tmp_pa
     with pytest.raises(RemoteError, match=missing):
         runner.get_file(missing, str(tmp_path / "x"))
     assert list(tmp_path.iterdir()) == []
+
+
+# -- bulk transfers beside the control path ---------------------------------------------------
+def download_in_progress(local_dir: Path, thread: threading.Thread) -> None:
+    """Wait until bytes of a download have arrived in ``local_dir`` (or the thread ended)."""
+    deadline = time.monotonic() + 30
+    while thread.is_alive() and time.monotonic() < deadline:
+        if any(p.stat().st_size > 0 for p in local_dir.glob(".download-*")):
+            return
+        time.sleep(0.02)
+    raise AssertionError("the download never got under way")
+
+
+# A link like a controller's outside the cloud. One SSH connection carries every channel, so
+# each round trip of a log read or command may queue behind up to one channel window (2 MiB)
+# of bulk data: 0.1 s at this rate, against several seconds for BIG.
+RATE = "160mbit"
+BIG = 96 << 20
+
+
+def random_file(runner: SSHRunner, host: LabHost, size: int) -> str:
+    path = f"{host.home}/files/{uuid.uuid4().hex}.bin"
+    runner.run(["sh", "-c", 'mkdir -p "${1%/*}" && head -c "$2" /dev/urandom >"$1"', "sh", path, str(size)])
+    return path
+
+
+@pytest.mark.netns
+def test_log_reads_and_commands_go_on_while_a_slow_download_runs(
+    hostlab: HostLab, runner: SSHRunner, host: LabHost, tmp_path: Path
+) -> None:
+    big = random_file(runner, host, BIG)
+    handle = runner.start(task(host, "echo", "hello"))
+    wait_for_exit(runner, handle)
+    order: list[str] = []
+    local = tmp_path / "down"
+
+    def download() -> None:
+        runner.get_file(big, str(local / "big.bin"))
+        order.append("downloaded")
+
+    host.throttle(RATE, to=str(hostlab.bridge_address))
+    try:
+        downloader = threading.Thread(target=download)
+        downloader.start()
+        download_in_progress(local, downloader)
+        assert runner.read_log(handle, 0)[0] == b"hello\n"
+        order.append("log read")
+        assert runner.run(["echo", "ok"]).stdout == "ok\n"
+        order.append("command")
+        downloader.join(60)
+    finally:
+        host.heal()
+    assert order == ["log read", "command", "downloaded"]
+    assert (local / "big.bin").read_bytes() == Path(big).read_bytes()
+
+
+@pytest.mark.netns
+# paramiko's prefetch thread, still sending read requests, dies with the connection
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_closing_the_runner_fails_a_download_in_flight_as_lost_and_leaves_nothing(
+    hostlab: HostLab, runner: SSHRunner, host: LabHost, tmp_path: Path
+) -> None:
+    big = random_file(runner, host, BIG)
+    errors: list[BaseException] = []
+
+    def download() -> None:
+        try:
+            runner.get_file(big, str(tmp_path / "big.bin"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    host.throttle(RATE, to=str(hostlab.bridge_address))
+    try:
+        downloader = threading.Thread(target=download)
+        downloader.start()
+        download_in_progress(tmp_path, downloader)
+        runner.close()
+        downloader.join(60)
+    finally:
+        host.heal()
+    assert len(errors) == 1 and isinstance(errors[0], HostUnreachableError), errors
+    assert "lost" in str(errors[0]) and big in str(errors[0])
+    assert list(tmp_path.iterdir()) == []
+    assert runner.run(["echo", "back"]).stdout == "back\n"
+
+
+@pytest.mark.netns
+def test_transfers_beyond_the_bulk_sessions_wait_while_commands_fill_theirs(
+    hostlab: HostLab, runner: SSHRunner, host: LabHost, tmp_path: Path
+) -> None:
+    """Every command slot, the log reader and more transfers than bulk slots, all at once,
+    stay within sshd's MaxSessions (10): the extra transfers wait instead of being refused."""
+    files = [random_file(runner, host, BIG // 8) for _ in range(BULK_CHANNELS + 2)]
+    base = f"{host.home}/held-{uuid.uuid4().hex}"
+    script = 'touch "$1.$2"; while [ ! -e "$1.release" ]; do sleep 0.05; done'
+    errors: list[BaseException] = []
+
+    def started(work: Callable[[], object]) -> threading.Thread:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def hold(i: int) -> Callable[[], object]:
+        return lambda: runner.run(["sh", "-c", script, "sh", base, str(i)])
+
+    def fetch(remote: str) -> Callable[[], object]:
+        return lambda: runner.get_file(remote, str(tmp_path / Path(remote).name))
+
+    commands = [started(hold(i)) for i in range(MAX_CHANNELS)]
+    try:
+        host.throttle(RATE, to=str(hostlab.bridge_address))  # the transfers overlap
+        while not all(os.path.exists(f"{base}.{i}") for i in range(MAX_CHANNELS)) and not errors:
+            time.sleep(0.02)
+        transfers = [started(fetch(f)) for f in files]
+        assert runner.read_log(TaskHandle(host.name, 1, files[0], "/x.rc"), 0)[1] == READ_LOG_MAX
+        for t in transfers:
+            t.join(60)
+    finally:
+        Path(f"{base}.release").touch()
+        host.heal()
+    for t in commands:
+        t.join(60)
+    assert not errors
+    for f in files:
+        assert (tmp_path / Path(f).name).read_bytes() == Path(f).read_bytes()
 
 
 # -- host keys --------------------------------------------------------------------

@@ -23,13 +23,12 @@ from orchestrator.files import write_atomic
 from orchestrator.hosts import Host, SSHEndpoint
 from orchestrator.providers.base import Provider
 from orchestrator.providers.keys import PRIVATE_NAME, KeyPair, ensure_key_pair, remove_key_pair
-from orchestrator.remote.base import Runner
+from orchestrator.remote.base import Runner, probe_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
 from orchestrator.remote.sync import sync_dir
 
 SETUP_STAMP = ".orchestrate-setup"
-PROBES = Path(worker_package.__file__).parent / "probes.py"  # run with `python -c` on the hosts
 FREE_PORTS_SOUGHT = 4  # per host: probing stops once this many free ports were seen
 POLL_FIRST_S = 0.25
 POLL_MAX_S = 5.0
@@ -240,11 +239,10 @@ class SSHHostsProvider(Provider):
     def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
         """(address, port) pairs of the spec's range taken on each host, probed in parallel."""
         ports = self.spec.ports
-        source = PROBES.read_text()
 
         def probe(host: Host) -> list[int]:
-            argv = [self.python(host), "-c", source, "ports", str(ports.start), str(ports.end),
-                    str(FREE_PORTS_SOUGHT)]
+            argv = probe_argv(self.python(host), "ports", str(ports.start), str(ports.end),
+                              str(FREE_PORTS_SOUGHT))
             return [int(p) for p in self.runner(host).run(argv, timeout_s=30).stdout.split()]
 
         result = fan_out(hosts, probe, name_of=lambda h: h.name)

@@ -79,6 +79,11 @@ class TaskStatus:
 PROBES = Path(probes.__file__).read_text()
 
 
+def probe_argv(python: str, *args: str) -> list[str]:
+    """The command line that runs ``worker/probes.py`` with ``args`` on a host."""
+    return [python, "-c", PROBES, *args]
+
+
 def quote_argv(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
@@ -175,8 +180,8 @@ class Runner(ABC):
 
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         """State letters of the task's processes ('T' = stopped); empty when none is left."""
-        argv = [python, "-c", PROBES, "states", str(handle.pgid)]
-        return self.run(argv, timeout_s=timeout_s).stdout.strip()
+        return self.run(probe_argv(python, "states", str(handle.pgid)),
+                        timeout_s=timeout_s).stdout.strip()
 
     def signal(self, handle: TaskHandle, sig: str) -> None:
         self.run(f"kill -{sig} -{handle.pgid} 2>/dev/null; true")

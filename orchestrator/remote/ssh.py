@@ -29,6 +29,7 @@ from tenacity import (
 )
 
 from orchestrator.errors import AuthError, HostKeyError, HostUnreachableError, RemoteError
+from orchestrator.files import write_atomic
 from orchestrator.hosts import SSHEndpoint
 from orchestrator.remote.base import ExecResult, Runner, TaskHandle
 
@@ -554,7 +555,7 @@ def _record_host_key(path: str, hostname: str, key: paramiko.PKey) -> paramiko.P
             return same_type if same_type is not None else next(iter(known.values()))
         if existing and not existing.endswith("\n"):
             existing += "\n"
-        _write_atomic(path, f"{existing}{hostname} {key.get_name()} {key.get_base64()}\n")
+        write_atomic(path, f"{existing}{hostname} {key.get_name()} {key.get_base64()}\n")
     return None
 
 
@@ -566,21 +567,6 @@ def _locked_dir(directory: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".known_hosts.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _tune_socket(sock: socket.socket) -> None:
