@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from types import TracebackType
+from typing import Literal
 
 import paramiko
 from tenacity import (
@@ -35,19 +36,23 @@ from orchestrator.remote.base import ExecResult, Runner, TaskHandle
 
 KEEPALIVE_S = 15
 DEAD_PEER_S = 60  # unacknowledged data for this long means the host is gone (TCP_USER_TIMEOUT)
-# OpenSSH allows 10 sessions per connection (MaxSessions) and frees one only once our close
-# has reached it. The budget: 6 commands, 2 bulk transfers (each on an SFTP session of its
-# own) and the one control SFTP session that reads logs, 9 in all; a session the host still
-# counts after our close is waited for a little.
+# Two connections per host. The control connection carries commands (at most 6 at once) and
+# the one SFTP session that reads logs; the bulk connection carries transfers (at most 2 at
+# once, each on an SFTP session of its own). OpenSSH allows 10 sessions per connection
+# (MaxSessions) and frees one only once our close has reached it: a session the host still
+# counts after our close is waited for a little. Bulk bytes never share a TCP stream with a
+# poll, so a poll on a slow link waits for no transfer's data ahead of it.
 MAX_CHANNELS = 6
 BULK_CHANNELS = 2
+Link = Literal["control", "bulk"]
 SESSION_WAIT_S = 5.0
 READ_LOG_MAX = 8 << 20
 _KNOWN_HOSTS_LOCK = threading.Lock()
 
 
 class SSHRunner(Runner):
-    """Runs commands and detached tasks on one host over a single, lazily opened SSH connection.
+    """Runs commands and detached tasks on one host over lazily opened SSH connections: one for
+    commands and log reads, one for bulk transfers.
 
     Args:
         host_name: the host's name in messages.
@@ -64,7 +69,7 @@ class SSHRunner(Runner):
         self.connect_deadline_s = (
             connect_deadline_s if connect_deadline_s is not None else 3 * endpoint.connect_timeout_s
         )
-        self._client: paramiko.SSHClient | None = None
+        self._clients: dict[Link, paramiko.SSHClient] = {}
         self._pkey: paramiko.PKey | None = None
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CHANNELS)
@@ -92,15 +97,17 @@ class SSHRunner(Runner):
         self.close()
 
     # -- connection ------------------------------------------------------
-    def connect(self) -> paramiko.Transport:
-        """The live transport, connecting (or reconnecting after a drop) first if needed."""
+    def connect(self, link: Link = "control") -> paramiko.Transport:
+        """The live transport of ``link``, connecting (or reconnecting after a drop) first."""
         with self._lock:
-            transport = self._client.get_transport() if self._client else None
+            client = self._clients.get(link)
+            transport = client.get_transport() if client else None
             if transport is not None and transport.is_active():
                 return transport
-            self._drop()
-            self._client = self._connect_with_retries()
-            transport = self._client.get_transport()
+            if client is not None:  # dead: its sessions died with it and are reopened on use
+                client.close()
+            client = self._clients[link] = self._connect_with_retries()
+            transport = client.get_transport()
             assert transport is not None
             transport.set_keepalive(KEEPALIVE_S)
             return transport
@@ -110,7 +117,7 @@ class SSHRunner(Runner):
             self._drop()
 
     def _drop(self) -> None:
-        """Close the connection and every SFTP session on it, without waiting for their users.
+        """Close the connections and every SFTP session, without waiting for their users.
 
         A transfer or log read in flight fails at once (as a lost connection): closing the
         transport first makes sure none of them sees a live transport and reports a
@@ -120,9 +127,9 @@ class SSHRunner(Runner):
             sessions = [*self._bulk, *([self._control] if self._control else [])]
             self._bulk.clear()
             self._control = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
         for sftp in sessions:
             with contextlib.suppress(Exception):
                 sftp.close()
@@ -294,14 +301,15 @@ class SSHRunner(Runner):
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[paramiko.Channel]:
-        chan = self._open_channel()
+        chan = self._open_channel("control")
         try:
             yield chan
         finally:
             chan.close()
 
-    def _open_channel(self) -> paramiko.Channel:
-        """A new session channel, waiting while the host still counts just-closed sessions."""
+    def _open_channel(self, link: Link) -> paramiko.Channel:
+        """A new session channel on ``link``, waiting while the host still counts just-closed
+        sessions."""
         retrying = Retrying(
             retry=retry_if_exception_type(paramiko.ChannelException),
             stop=stop_after_delay(SESSION_WAIT_S),
@@ -309,7 +317,7 @@ class SSHRunner(Runner):
             reraise=True,
         )
         try:
-            return retrying(self._open_channel_once)
+            return retrying(self._open_channel_once, link)
         except paramiko.ChannelException as exc:
             raise RemoteError(
                 f"{self.target} refused a new SSH session for {SESSION_WAIT_S:g}s: {exc}",
@@ -317,27 +325,29 @@ class SSHRunner(Runner):
                 fix="run fewer commands at once on this host, or raise MaxSessions in its sshd_config",
             ) from None
 
-    def _open_channel_once(self) -> paramiko.Channel:
+    def _open_channel_once(self, link: Link) -> paramiko.Channel:
         """Open a session; a dead transport is replaced once (nothing has run yet)."""
         timeout = self.endpoint.connect_timeout_s
-        transport = self.connect()
+        transport = self.connect(link)
         try:
             return transport.open_session(timeout=timeout)
         except paramiko.ChannelException:
             raise
         except (OSError, EOFError, paramiko.SSHException):
-            self._forget(transport)
+            self._forget(link, transport)
         try:
-            return self.connect().open_session(timeout=timeout)
+            return self.connect(link).open_session(timeout=timeout)
         except paramiko.ChannelException:
             raise
         except (OSError, EOFError, paramiko.SSHException) as exc:
             raise self._lost("open an SSH session", exc) from None
 
-    def _forget(self, transport: paramiko.Transport) -> None:
+    def _forget(self, link: Link, transport: paramiko.Transport) -> None:
         with self._lock:
-            if self._client is not None and self._client.get_transport() is transport:
-                self._drop()
+            client = self._clients.get(link)
+            if client is not None and client.get_transport() is transport:
+                client.close()
+                del self._clients[link]
 
     @staticmethod
     def _alive(chan: paramiko.Channel) -> bool:
@@ -412,7 +422,7 @@ class SSHRunner(Runner):
         if sftp is not None:
             with contextlib.suppress(Exception):
                 sftp.close()
-        sftp = self._open_sftp(what)
+        sftp = self._open_sftp(what, "control")
         with self._sessions_lock:
             self._control = sftp
         return sftp
@@ -421,7 +431,7 @@ class SSHRunner(Runner):
     def _bulk_sftp(self, what: str) -> Iterator[paramiko.SFTPClient]:
         """A fresh SFTP session for one transfer, at most BULK_CHANNELS of them at once."""
         with self._bulk_slots:
-            sftp = self._open_sftp(what)
+            sftp = self._open_sftp(what, "bulk")
             with self._sessions_lock:
                 self._bulk.add(sftp)
             try:
@@ -433,8 +443,8 @@ class SSHRunner(Runner):
                 with contextlib.suppress(Exception):
                     sftp.close()
 
-    def _open_sftp(self, what: str) -> paramiko.SFTPClient:
-        chan = self._open_channel()
+    def _open_sftp(self, what: str, link: Link) -> paramiko.SFTPClient:
+        chan = self._open_channel(link)
         try:
             with self._sftp_errors(what, chan):
                 chan.invoke_subsystem("sftp")
