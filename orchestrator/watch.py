@@ -158,14 +158,13 @@ class AttemptWatch:
             self._check_hang()
             time.sleep(self.interval_s)
 
-    def drain(self, timeout_s: float | None = None) -> None:
+    def drain(self) -> None:
         """Read what every reachable task wrote last (after they were stopped): first the polls
         still in flight, then the rest of each log, so no line before a failure is lost."""
-        wait = self.spec.timeouts.poll_s if timeout_s is None else timeout_s
         for w in self.watched:
             if w.pending is not None and w.unreachable is None:
                 with contextlib.suppress(RemoteError, FutureTimeout):
-                    self._take(w, w.pending.result(timeout=wait))
+                    self._take(w, w.pending.result(timeout=self.spec.timeouts.poll_s))
             w.pending = None
             if w.unreachable is None:
                 try:

@@ -67,14 +67,26 @@ def check_controller(record: dict[str, Any]) -> None:
     assert result["rss_mib"]["median"] > 0 and result["events"]["median"] > 0
 
 
+def check_control_path(record: dict[str, Any]) -> None:
+    if "skipped" in record:  # not root: no namespace host to throttle
+        assert record["skipped"]
+        return
+    for way in ("own connection", "one connection"):
+        result = record["results"][way]
+        assert measured(result["idle_poll_s"]) and measured(result["poll_s"]), way
+        assert measured(result["download_s"]) and result["max_poll_of_poll_timeout"] > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "launch": check_launch, "steady": check_steady, "recovery": check_recovery,
     "peer": check_peer, "provision": check_provision, "controller": check_controller,
+    "control_path": check_control_path,
 }
 
 
 MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
-         "peer": [pytest.mark.tf], "controller": [pytest.mark.ssh]}
+         "peer": [pytest.mark.tf], "controller": [pytest.mark.ssh],
+         "control_path": [pytest.mark.ssh]}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS.get(n, [])) for n in sorted(CHECKS)])
