@@ -34,7 +34,7 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor) -> list[str
     chief = plan.chief.host
     targets = list({t.host.machine: t.host for t in plan.tasks
                     if t.host.machine != chief.machine}.values())
-    source = f"{plan.paths[chief.name].checkpoint_dir}/chief"
+    source = plan.paths[chief.name].chief_checkpoint_dir
     runner = runner_for(chief)
     if not targets or not runner.run(["test", "-f", f"{source}/checkpoint"], check=False).ok:
         return []
@@ -46,7 +46,7 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor) -> list[str
 
         def install(host: Host) -> None:
             paths = plan.paths[host.name]
-            _install(runner_for(host), local, f"{paths.checkpoint_dir}/chief",
+            _install(runner_for(host), local, paths.chief_checkpoint_dir,
                      f"{paths.run_dir}/chief-checkpoint.tar.gz")
 
         fan_out(targets, install, name_of=lambda h: h.name).raise_if_failed(
