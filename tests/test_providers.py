@@ -107,6 +107,21 @@ def test_a_later_command_reads_the_vms_up_reached_from_the_host_cache(tmp_path: 
         labels=(("zone", "us-central1-a"),))
 
 
+def test_a_host_cache_written_by_the_earlier_gcp_provider_is_still_read(tmp_path: Path) -> None:
+    path = gcp_spec(tmp_path)
+    provider = GcpProvider(specs.load(path), path)
+    provider.hosts_file.parent.mkdir(parents=True)
+    provider.hosts_file.write_text(json.dumps({"hosts": [
+        {"name": "cached-0", "address": "10.0.0.5", "root": "/home/orchestrate/r",
+         "zone": "us-central1-a", "ssh_address": "10.0.0.5", "host_keys": ["ssh-ed25519 AAAA"]}],
+        "zone_failures": []}))
+    assert provider.hosts()[0] == Host(
+        name="cached-0", address="10.0.0.5", root="/home/orchestrate/r",
+        ssh=SSHEndpoint(address="10.0.0.5", user="orchestrate", key_file=provider.key_file,
+                        host_keys=("ssh-ed25519 AAAA",)),
+        labels=(("zone", "us-central1-a"),))
+
+
 def test_an_unreadable_host_cache_counts_as_none(tmp_path: Path) -> None:
     path = gcp_spec(tmp_path)
     provider = GcpProvider(specs.load(path), path)

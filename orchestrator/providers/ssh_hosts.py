@@ -255,6 +255,11 @@ def host_to_json(host: Host) -> dict[str, Any]:
 
 
 def host_from_json(record: Mapping[str, Any]) -> Host:
+    if "ssh" not in record and "ssh_address" in record:  # the gcp cache of earlier versions
+        return Host(name=record["name"], address=record["address"], root=record["root"],
+                    ssh=SSHEndpoint(address=record["ssh_address"], user="",
+                                    host_keys=tuple(record["host_keys"])),
+                    labels=(("zone", record["zone"]),))
     ssh = record["ssh"]
     endpoint = None if ssh is None else SSHEndpoint(**{**ssh, "host_keys": tuple(ssh["host_keys"])})
     return Host(name=record["name"], address=record["address"], root=record["root"], ssh=endpoint,
