@@ -540,4 +540,3 @@ def _minor(version: str) -> str:
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".") if p.isdigit())
-
