@@ -10,6 +10,7 @@ reading its log incrementally -- is built here from POSIX shell, quoted with
 from __future__ import annotations
 
 import enum
+import functools
 import shlex
 import time
 from abc import ABC, abstractmethod
@@ -75,13 +76,15 @@ class TaskStatus:
     ended_at: float | None = None  # when the exit code was written (the host's clock)
 
 
-# Stdlib-only probes run on the host with ``python -c`` (this machine imports them directly).
-PROBES = Path(probes.__file__).read_text()
+@functools.cache
+def _probes_source() -> str:
+    return Path(probes.__file__).read_text()
 
 
 def probe_argv(python: str, *args: str) -> list[str]:
-    """The command line that runs ``worker/probes.py`` with ``args`` on a host."""
-    return [python, "-c", PROBES, *args]
+    """The command line that runs ``worker/probes.py`` (stdlib only) with ``args`` on a host;
+    this machine imports the same functions directly."""
+    return [python, "-c", _probes_source(), *args]
 
 
 def quote_argv(argv: Sequence[str]) -> str:
