@@ -110,9 +110,10 @@ class Watched:
 
 @dataclass(frozen=True)
 class Polled:
-    """One poll of a task: its status, then the log bytes from ``offset`` to ``next_offset``."""
+    """One poll of a task: its status (None for a log read alone), then the log bytes from
+    ``offset`` to ``next_offset``."""
 
-    status: TaskStatus
+    status: TaskStatus | None
     data: bytes
     offset: int
     next_offset: int
@@ -181,14 +182,14 @@ class AttemptWatch:
 
     def _read(self, w: Watched) -> Polled:
         data, next_offset = w.runner.read_log(w.handle, w.offset)
-        return Polled(TaskStatus(TaskState.RUNNING), data, w.offset, next_offset)
+        return Polled(None, data, w.offset, next_offset)
 
     def _take(self, w: Watched, polled: Polled) -> None:
         """Consume a poll: the log offset moves here, in the loop that feeds the data on."""
         if polled.offset == w.offset:
             w.offset = polled.next_offset
             self._feed(w, polled.data)
-        if polled.status.state is not TaskState.RUNNING:
+        if polled.status is not None and polled.status.state is not TaskState.RUNNING:
             w.status = polled.status
 
     def _collect(self) -> None:
