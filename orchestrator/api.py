@@ -240,6 +240,7 @@ class Cluster:
             "chief": plan.chief_key,
             "cluster_def": {role: list(eps) for role, eps in plan.cluster_def.items()},
             "tasks": [_task_entry(plan, t) for t in plan.tasks],
+            "checkpoints": _checkpoints_entry(plan),
         }
 
     def train(self, *, listener: Listener | None = None, wait: bool = True,
@@ -422,13 +423,21 @@ def _host_entry(host: Host) -> dict[str, Any]:
             "labels": dict(host.labels)}
 
 
+def _checkpoints_entry(plan: ClusterPlan) -> dict[str, Any]:
+    """Where the run checkpoints (the chief's directory), whether every task shares it, and
+    what is copied."""
+    layout = plan.checkpoints
+    return {"dir": layout.of(plan.chief.host), "shared": layout.shared,
+            "named_by": layout.named_by, "mirror": layout.mirror, "summary": layout.describe()}
+
+
 def _task_entry(plan: ClusterPlan, t: TaskPlan) -> dict[str, Any]:
     paths = plan.paths[t.host.name]
     return {"task": t.key, "role": t.role, "index": t.index, "is_chief": t.key == plan.chief_key,
             "host": t.host.name, "address": t.host.address, "port": t.port,
             "endpoint": t.endpoint, "tf_config": t.tf_config, "cwd": t.cwd, "argv": list(t.argv),
             "command": shlex.join(t.argv), "env": dict(t.env), "log": t.log_path,
-            "checkpoint_dir": paths.checkpoint_dir, "model_dir": paths.model_dir}
+            "checkpoint_dir": plan.checkpoints.of(t.host), "model_dir": paths.model_dir}
 
 
 def _notebook_display(listener: Listener | None, progress: bool | None) -> NotebookProgress | None:

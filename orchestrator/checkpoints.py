@@ -1,16 +1,28 @@
-"""Training state across hosts: mirror, verify and share the chief's checkpoint; fetch the model."""
+"""Training state across hosts: verify the chief's checkpoint, give it to every task, keep this
+machine's copy of it, and fetch the model.
+
+Checkpoint bytes never travel through the controller when they need not: with shared storage
+nothing is copied; otherwise the chief's host streams its checkpoint straight to the other hosts
+(``python -m worker.transfer``, a pipelined chain, only the files a host lacks). The controller
+sends each host a few hundred bytes of metadata and a one-time token, on stdin. Only this
+machine's own copy (``CheckpointMirror``, ``checkpoint.mirror``) crosses the controller's link,
+and only the files that changed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import shlex
 import shutil
-import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,40 +30,194 @@ from orchestrator.errors import OrchestratorError, RemoteError
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.remote.base import Runner
-from orchestrator.remote.fanout import fan_out
+from orchestrator.spec import AUTO_MIRROR_MAX_BYTES
 
 RunnerFor = Callable[[Host], Runner]
+INDEX = "checkpoint"  # TF's checkpoint index file in a checkpoint directory
+BYTES_PER_S_FLOOR = 5e6  # the slowest link a copy may take before it counts as hung
 
 
-def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor) -> list[str]:
-    """Copy the chief's ``checkpoints/chief`` to every other machine of the plan.
+@dataclass(frozen=True)
+class WorkerCommand:
+    """How to run ``python -m worker...`` on a host: its interpreter and the worker's lib dir."""
 
-    Every task restores from ``checkpoints/chief`` on its own disk, so without the
-    copy the others would start from step 0 and the group would disagree.
-    Returns the names of the hosts that received it (none when there is no
-    checkpoint yet, or all tasks share the chief's machine).
+    python: str
+    lib: str
+
+    def argv(self, module: str, *args: str) -> list[str]:
+        return ["env", f"PYTHONPATH={self.lib}", self.python, "-m", module, *args]
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The files of a checkpoint directory on a host (``python -m worker.transfer list``)."""
+
+    exists: bool
+    files: tuple[dict[str, Any], ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(int(f["size"]) for f in self.files)
+
+    @property
+    def has_checkpoint(self) -> bool:
+        """An index file at the top or in ``chief/`` (BackupAndRestore's layout)."""
+        return any(f["path"] in (INDEX, f"chief/{INDEX}") for f in self.files)
+
+    def needed_by(self, present: Listing) -> list[str]:
+        """Files of this listing that ``present`` lacks with the same size and mtime."""
+        have = {(f["path"], f["size"], f["mtime_ns"]) for f in present.files}
+        return [f["path"] for f in self.files if (f["path"], f["size"], f["mtime_ns"]) not in have]
+
+
+def has_checkpoint(runner: Runner, directory: str) -> bool:
+    """An index in ``directory`` or in its ``chief/`` (see ``Listing.has_checkpoint``)."""
+    q = shlex.quote
+    return runner.run(f"test -f {q(directory)}/{INDEX} || test -f {q(directory)}/chief/{INDEX}",
+                      check=False).ok
+
+
+def list_dir(runner: Runner, worker: WorkerCommand, directory: str) -> Listing:
+    result = runner.run(worker.argv("worker.transfer", "list", directory), timeout_s=120)
+    report = _report(result.stdout, runner, "list the checkpoint files")
+    return Listing(bool(report["exists"]), tuple(report["files"]))
+
+
+def _report(stdout: str, runner: Runner, what: str) -> dict[str, Any]:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RemoteError(f"could not {what}: it printed nothing", host=runner.host_name)
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+@dataclass
+class Copied:
+    """What one copy of the chief's checkpoint to the other hosts did."""
+
+    hosts: list[str] = field(default_factory=list)  # the hosts that were sent files
+    up_to_date: list[str] = field(default_factory=list)  # the hosts that had them all
+    cleared: list[str] = field(default_factory=list)  # hosts whose stale copy was moved aside
+    files: int = 0  # files sent down the chain
+    bytes: int = 0  # bytes sent down the chain (each host received them once)
+    seconds: float = 0.0
+
+    @property
+    def host_to_host_bytes(self) -> int:
+        return self.bytes * len(self.hosts)
+
+
+def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
+                           worker_for: Callable[[Host], WorkerCommand]) -> Copied:
+    """Copy the chief's checkpoint directory to one host of every other machine, host to host.
+
+    The hosts form a chain (chief -> h1 -> h2 ...), each receiving on its first task's port
+    (free: the plan probed it, and no task runs during a relaunch) and forwarding as it
+    receives, so the chief's link carries the bytes once whatever the number of hosts. Only
+    the files a host lacks travel; a host sees the new directory whole or not at all.
     """
+    started = time.monotonic()
     chief = plan.chief.host
     targets = list({t.host.machine: t.host for t in plan.tasks
                     if t.host.machine != chief.machine}.values())
-    source = plan.paths[chief.name].chief_checkpoint_dir
-    runner = runner_for(chief)
-    if not targets or not runner.run(["test", "-f", f"{source}/checkpoint"], check=False).ok:
-        return []
-    archive = f"{plan.paths[chief.name].run_dir}/chief-checkpoint.tar.gz"
-    runner.run(["tar", "-C", source, "-czf", archive, "."])
-    with tempfile.TemporaryDirectory(prefix="orchestrate-ckpt-") as scratch:
-        local = str(Path(scratch) / "chief-checkpoint.tar.gz")
-        runner.get_file(archive, local)
+    layout = plan.checkpoints
+    if not targets or layout.shared:
+        return Copied()
+    source = list_dir(runner_for(chief), worker_for(chief), layout.of(chief))
+    with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
+        present = list(pool.map(lambda h: list_dir(runner_for(h), worker_for(h), layout.of(h)),
+                                targets))
+    if not source.has_checkpoint:  # a copy left from before would restore a different state
+        stale = [h for h, p in zip(targets, present, strict=True) if p.has_checkpoint]
+        for host in stale:
+            directory = layout.of(host)
+            runner_for(host).run(["mv", directory, f"{directory}.stale-{int(time.time())}"])
+        return Copied(cleared=[h.name for h in stale])
+    needs = {h.name: source.needed_by(p) for h, p in zip(targets, present, strict=True)}
+    chain = [h for h in targets if needs[h.name]]
+    copied = Copied(up_to_date=[h.name for h in targets if not needs[h.name]])
+    if not chain:
+        return copied
+    wanted = set().union(*(needs[h.name] for h in chain))
+    send = [f["path"] for f in source.files if f["path"] in wanted]
+    sizes = {f["path"]: int(f["size"]) for f in source.files}
+    copied.files, copied.bytes = len(send), sum(sizes[p] for p in send)
+    _run_chain(plan, chain, source, send, copied.bytes, runner_for, worker_for)
+    copied.hosts = [h.name for h in chain]
+    copied.seconds = time.monotonic() - started
+    return copied
 
-        def install(host: Host) -> None:
-            paths = plan.paths[host.name]
-            _install(runner_for(host), local, paths.chief_checkpoint_dir,
-                     f"{paths.run_dir}/chief-checkpoint.tar.gz")
 
-        fan_out(targets, install, name_of=lambda h: h.name).raise_if_failed(
-            "copy the chief's checkpoint")
-    return [h.name for h in targets]
+def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: list[str],
+               total: int, runner_for: RunnerFor,
+               worker_for: Callable[[Host], WorkerCommand]) -> None:
+    token = secrets.token_hex(32)
+    timeout = 120 + total / BYTES_PER_S_FLOOR
+    ports = {h.name: next(t.port for t in plan.tasks if t.host.name == h.name) for h in chain}
+    receive_input = json.dumps({"token": token, "manifest": list(source.files), "send": send})
+
+    def address(host: Host) -> str:
+        return f"{host.address}:{ports[host.name]}"
+
+    def receive(i: int) -> dict[str, Any]:
+        host = chain[i]
+        args = ["receive", "--dest", plan.checkpoints.of(host), "--port", str(ports[host.name]),
+                "--timeout", f"{timeout:.0f}"]
+        if i + 1 < len(chain):
+            args += ["--forward", address(chain[i + 1])]
+        runner = runner_for(host)
+        result = runner.run(worker_for(host).argv("worker.transfer", *args), check=False,
+                            timeout_s=timeout + 60, input=receive_input)
+        return _report(result.stdout, runner, "receive the chief's checkpoint")
+
+    def send_all() -> dict[str, Any]:
+        chief = plan.chief.host
+        runner = runner_for(chief)
+        result = runner.run(
+            worker_for(chief).argv("worker.transfer", "send", "--source", plan.checkpoints.of(chief),
+                                   "--to", address(chain[0]), "--timeout", f"{timeout:.0f}"),
+            check=False, timeout_s=timeout + 60, input=json.dumps({"token": token, "send": send}))
+        return _report(result.stdout, runner, "send the chief's checkpoint")
+
+    with ThreadPoolExecutor(max_workers=len(chain) + 1) as pool:
+        receivers = [pool.submit(receive, i) for i in range(len(chain))]
+        sender = pool.submit(send_all)
+        outcomes = [(h.name, _outcome(f)) for h, f in zip(chain, receivers, strict=True)]
+        outcomes.append((plan.chief.host.name, _outcome(sender)))
+    failed = [f"{name}: {report.get('error', 'failed')}" for name, report in outcomes
+              if not report.get("ok")]
+    if failed:
+        raise OrchestratorError(
+            "could not copy the chief's checkpoint to the other hosts:\n  " + "\n  ".join(failed),
+            fix="the hosts must reach each other on the task ports (as training needs); "
+                "'orchestrate doctor' checks that")
+
+
+def _outcome(future: Any) -> dict[str, Any]:
+    try:
+        report: dict[str, Any] = future.result()
+    except OrchestratorError as exc:
+        return {"ok": False, "error": exc.message}
+    return report
+
+
+def install_from_here(runner: Runner, worker: WorkerCommand, local_dir: Path, dest: str) -> int:
+    """Upload ``local_dir`` to a staging dir beside ``dest`` on the host, then swap it in.
+    Returns the bytes uploaded."""
+    parent = dest.rstrip("/").rsplit("/", 1)[0] or "/"
+    staging = f"{parent}/.orchestrate-upload-{secrets.token_hex(6)}"
+    sent = 0
+    try:
+        for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+            remote = f"{staging}/{path.relative_to(local_dir).as_posix()}"
+            runner.put_file(str(path), remote)
+            sent += path.stat().st_size
+        runner.run(["mkdir", "-p", staging])
+        runner.run(worker.argv("worker.transfer", "install", "--dest", dest),
+                   input=json.dumps({"staging": staging}), timeout_s=120)
+    finally:
+        runner.run(["rm", "-rf", staging], check=False)
+    return sent
 
 
 def fetch_file(host: Host, runner: Runner, remote_path: str, local_dir: Path) -> str:
@@ -67,25 +233,40 @@ class CheckpointMirror:
 
     A chief whose host is gone then loses nothing that was checkpointed: the relaunch pushes
     the mirror back. One long-lived thread pulls (started by the first request, stopped by
-    ``close``); requests coalesce, only the newest matters. Each pull lands in a fresh
-    directory that replaces the previous one with a rename, under the lock that every read of
-    the copy takes, so the mirror is never seen half-written.
+    ``close``); requests coalesce, only the newest matters. A pull lists the chief's files,
+    downloads only those that changed (no archive, no gzip: the chief's CPU trains) over the
+    runner's bulk connection, hard-links the rest from the previous copy, and swaps the new
+    directory in under the lock that every read of the copy takes.
+
+    Under ``mode="auto"`` a checkpoint larger than ``max_bytes`` turns the mirror off for the
+    rest of the run (``on_off`` is told why, once); ``never`` never pulls.
 
     Args:
         directory: where the copy lives on this machine (``current`` inside it).
         runner_for: the runner of a host.
+        worker_for: how to run the worker's modules on a host.
         on_mirrored: called with the step of each checkpoint copied here.
-        on_pulling: called with the step when a pull starts, and with None when it ends
-            (copied or not).
+        on_pulling: called with the step when a pull starts, and with None when it ends.
+        on_off: called once with the reason when ``auto`` turns the mirror off.
     """
 
     def __init__(self, directory: Path, runner_for: RunnerFor,
+                 worker_for: Callable[[Host], WorkerCommand], *, mode: str = "auto",
+                 max_bytes: int = AUTO_MIRROR_MAX_BYTES,
                  on_mirrored: Callable[[int], None] = lambda step: None,
-                 on_pulling: Callable[[int | None], None] = lambda step: None) -> None:
+                 on_pulling: Callable[[int | None], None] = lambda step: None,
+                 on_off: Callable[[str], None] = lambda why: None) -> None:
         self.directory = directory
         self.runner_for = runner_for
+        self.worker_for = worker_for
+        self.mode = mode
+        self.max_bytes = max_bytes
         self.on_mirrored = on_mirrored
         self.on_pulling = on_pulling
+        self.on_off = on_off
+        self.off_reason = "checkpoint.mirror is never" if mode == "never" else ""
+        self.bytes_pulled = 0  # through this machine's link, for the run's figures
+        self.bytes_pushed = 0
         self._wake = threading.Condition()  # guards the four fields below
         self._wanted: tuple[ClusterPlan, int] | None = None
         self._busy = False
@@ -104,14 +285,18 @@ class CheckpointMirror:
         with self._copy_lock:
             return self._step
 
+    @property
+    def enabled(self) -> bool:
+        return not self.off_reason
+
     def has_checkpoint(self) -> bool:
         with self._copy_lock:
-            return (self.current / "checkpoint").is_file()
+            return (self.current / INDEX).is_file() or (self.current / "chief" / INDEX).is_file()
 
     def request(self, plan: ClusterPlan, step: int) -> None:
         """Pull the chief's checkpoint of ``step`` soon; replaces a request not yet started."""
         with self._wake:
-            if self._closed:
+            if self._closed or not self.enabled:
                 return
             self._wanted = (plan, step)
             if self._thread is None or not self._thread.is_alive():
@@ -156,31 +341,64 @@ class CheckpointMirror:
     def _pull_and_report(self, plan: ClusterPlan, step: int) -> None:
         self.on_pulling(step)
         try:
-            self.pull(plan, step)
-        except (OrchestratorError, OSError, tarfile.TarError):
+            copied = self.pull(plan, step)
+        except (OrchestratorError, OSError, ValueError):
             return  # the next checkpoint event asks again; a relaunch uses the copy we have
         finally:
             self.on_pulling(None)
-        self.on_mirrored(step)
+        if copied:
+            self.on_mirrored(step)
 
-    def pull(self, plan: ClusterPlan, step: int | None = None) -> None:
-        """Copy the chief's checkpoint here now, on the calling thread."""
+    def pull(self, plan: ClusterPlan, step: int | None = None) -> bool:
+        """Copy the chief's checkpoint here now, on the calling thread; False when the mirror
+        is (or just turned) off."""
+        if not self.enabled:
+            return False
         chief = plan.chief.host
-        source = plan.paths[chief.name].chief_checkpoint_dir
-        archive = f"{plan.paths[chief.name].run_dir}/mirror.tar.gz"
+        source = plan.checkpoints.of(chief)
         runner = self.runner_for(chief)
-        runner.run(["tar", "-C", source, "-czf", archive, "."], timeout_s=120)
+        listing = list_dir(runner, self.worker_for(chief), source)
+        if not listing.has_checkpoint:
+            return False
+        if self.mode == "auto" and listing.bytes > self.max_bytes:
+            self._turn_off(listing.bytes)
+            return False
         self.directory.mkdir(parents=True, exist_ok=True)
         fresh = Path(tempfile.mkdtemp(prefix="incoming-", dir=self.directory))
-        local = fresh.with_suffix(".tar.gz")
         try:
-            runner.get_file(archive, str(local))
-            with tarfile.open(local) as tar:
-                tar.extractall(fresh, filter="data")
+            self._fill(fresh, runner, source, listing)
+            _check_index(fresh)
             self._swap_in(fresh, step)
         finally:
-            local.unlink(missing_ok=True)
             shutil.rmtree(fresh, ignore_errors=True)
+        return True
+
+    def _turn_off(self, size: int) -> None:
+        gib = size / (1 << 30)
+        self.off_reason = (
+            f"the chief's checkpoint is {gib:.1f} GiB, above the {self.max_bytes / (1 << 30):g} "
+            "GiB that this machine copies under checkpoint.mirror: auto; this machine keeps no "
+            "copy from now on (set checkpoint.mirror: always to keep one, or put checkpoint.dir "
+            "on shared storage)")
+        self.on_off(self.off_reason)
+
+    def _fill(self, fresh: Path, runner: Runner, source: str, listing: Listing) -> None:
+        """Hard-link what the current copy has unchanged, download the rest (index first)."""
+        with self._copy_lock:
+            have = _local_listing(self.current)
+            keep = {f["path"] for f in listing.files} - set(listing.needed_by(have))
+            for rel in keep:
+                target = fresh / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(self.current / rel, target)
+        order = sorted(listing.needed_by(have), key=lambda p: (Path(p).name != INDEX, p))
+        mtimes = {f["path"]: int(f["mtime_ns"]) for f in listing.files}
+        for rel in order:
+            target = fresh / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            runner.get_file(f"{source}/{rel}", str(target))
+            self.bytes_pulled += target.stat().st_size
+            os.utime(target, ns=(mtimes[rel], mtimes[rel]))
 
     def _swap_in(self, fresh: Path, step: int | None) -> None:
         old = self.directory / "previous"
@@ -192,38 +410,50 @@ class CheckpointMirror:
             self._step = step
         shutil.rmtree(old, ignore_errors=True)
 
-    def push(self, host: Host, dest: str, run_dir: str) -> None:
+    def push(self, host: Host, dest: str) -> None:
         """Install the mirrored checkpoint as ``dest`` on ``host``."""
-        with tempfile.TemporaryDirectory(prefix="orchestrate-push-") as scratch:
-            local = Path(scratch) / "checkpoint.tar.gz"
-            with self._copy_lock, tarfile.open(local, "w:gz") as tar:
-                tar.add(self.current, arcname=".")
-            _install(self.runner_for(host), str(local), dest, f"{run_dir}/mirror-push.tar.gz")
+        with self._copy_lock:
+            self.bytes_pushed += install_from_here(self.runner_for(host), self.worker_for(host),
+                                                   self.current, dest)
 
 
-def _install(runner: Runner, local_archive: str, dest: str, remote_archive: str) -> None:
-    q = shlex.quote
-    runner.run(["mkdir", "-p", remote_archive.rsplit("/", 1)[0]])
-    runner.put_file(local_archive, remote_archive)
-    runner.run(f"rm -rf {q(dest)} && mkdir -p {q(dest)} && "
-               f"tar -C {q(dest)} -xzf {q(remote_archive)} && rm -f {q(remote_archive)}")
+def _local_listing(directory: Path) -> Listing:
+    if not directory.is_dir():
+        return Listing(False, ())
+    files = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        stat = path.stat()
+        files.append({"path": path.relative_to(directory).as_posix(), "size": stat.st_size,
+                      "mtime_ns": stat.st_mtime_ns})
+    return Listing(True, tuple(files))
 
 
-def verify_on(runner: Runner, python: str, lib: str, directory: str) -> dict[str, Any]:
+def _check_index(directory: Path) -> None:
+    """The copy's index must name a checkpoint whose files came too (a pull that raced a new
+    save fails here; the next checkpoint event asks again)."""
+    for index in (directory / INDEX, directory / "chief" / INDEX):
+        if not index.is_file():
+            continue
+        match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', index.read_text(), re.M)
+        if match and not (index.parent / f"{Path(match.group(1)).name}.index").is_file():
+            raise ValueError(f"the copied index names {match.group(1)}, which was not copied")
+
+
+def verify_on(runner: Runner, worker: WorkerCommand, directory: str) -> dict[str, Any]:
     """Run ``python -m worker verify-checkpoint`` on a host: the newest checkpoint that restores.
 
-    A directory in which no checkpoint restores is moved aside, so the tasks start afresh
-    instead of failing on it again and again.
+    The report's ``dir`` is the directory it checked (``DIR/chief`` in BackupAndRestore's
+    layout). A local directory in which no checkpoint restores is moved aside, so the tasks
+    start afresh instead of failing on it again and again.
     """
-    argv = ["env", f"PYTHONPATH={lib}", python, "-m", "worker", "verify-checkpoint",
-            "--dir", directory]
-    result = runner.run(argv, check=False, timeout_s=300)
+    result = runner.run(worker.argv("worker", "verify-checkpoint", "--dir", directory),
+                        check=False, timeout_s=600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if not lines:
         raise RemoteError(f"checkpoint check printed nothing (exit {result.exit_code}): "
                           f"{(result.stderr or result.stdout).strip()[-500:]}",
                           host=runner.host_name)
     report: dict[str, Any] = json.loads(lines[-1])
-    if not report["ok"]:
+    if not report["ok"] and "://" not in directory:
         runner.run(["mv", directory, f"{directory}.unusable-{int(time.time())}"])
     return report

@@ -248,6 +248,8 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
     if scaling["per_replica_batch_size"] is not None:
         say("  batch      " + _batch_text(scaling))
         say("  learning   " + _lr_text(scaling))
+    if "checkpoints" in document:
+        say("  checkpoint " + document["checkpoints"]["summary"])
     for t in tasks:
         chief = " (chief)" if t["is_chief"] else ""
         console.print(f"\n[{task_style(t['task'])}]{t['task']}[/]{chief}  {escape(t['host'])}  "

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import shlex
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,10 +17,10 @@ import worker as worker_package
 from orchestrator.errors import CommandError, OrchestratorError
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan, TaskPlan
-from orchestrator.remote.base import Runner
+from orchestrator.remote.base import ExecResult, Runner
 from orchestrator.remote.fanout import FanOutResult, fan_out
 from orchestrator.runtimes import MatchingPackage, runtime_for
-from orchestrator.spec import ClusterSpec
+from orchestrator.spec import ClusterSpec, is_url
 from orchestrator.view import human_bytes
 
 PREFLIGHT = Path(worker_package.__file__).parent / "preflight.py"
@@ -24,6 +28,13 @@ MIN_FREE_BYTES = 1 << 30  # below this, the first checkpoint may not fit: blocki
 LOW_FREE_BYTES = 10 << 30  # below this, a long run may fill the disk: a warning
 WINDOW_S = 3.0  # how long each host keeps trying to reach every other host's task port
 LINGER_S = 1.0  # how long each host's ports keep listening after that, for a late peer
+STORAGE_CHECK_ENV = "ORCHESTRATE_STORAGE_CHECK_S"  # seconds a host's checkpoint write may take
+STORAGE_CHECK_S = 20.0
+MARKER_PREFIX = ".orchestrate-doctor-"
+GCS_FIX = ("give the VM's service account write access to the bucket (roles/storage.objectUser) "
+           "and the storage scope (provider.scopes: "
+           "https://www.googleapis.com/auth/devstorage.read_write), or use an absolute path on a "
+           "shared file system")
 TensorFlowImport = Literal["auto", "always", "never"]
 
 
@@ -233,9 +244,12 @@ def examine(
                       name_of=lambda m: m.name)
     errors = {r.name: r.error for r in reached.failed}
     live = [m for m in machines if m.name not in errors]
-    answers = fan_out(live, lambda m: _preflight(m, live, runner(m.host), tensorflow),
+    storage = StorageCheck.of(spec, plan, machines)
+    answers = fan_out(live, lambda m: _preflight(m, live, runner(m.host), tensorflow, storage),
                       name_of=lambda m: m.name)
     checks = [_host_check(m, errors.get(m.name), answers) for m in machines]
+    if storage is not None and storage.marker is not None:
+        checks = _look_for_marker(storage, machines, checks, runner)
     links = _links(machines, checks)
     problems = diagnose(spec, plan, checks, links)
     return DoctorReport(spec.name, provider, tuple(checks), tuple(links), tuple(problems),
@@ -243,7 +257,7 @@ def examine(
 
 
 def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner,
-               tensorflow: TensorFlowImport) -> dict[str, Any]:
+               tensorflow: TensorFlowImport, storage: StorageCheck | None) -> dict[str, Any]:
     peers = [t.endpoint for m in live if m is not machine for t in m.tasks]
     argv = [machine.python, "-c", PREFLIGHT.read_text(), "--name", machine.name,
             "--dir", machine.host.root or "~", "--expect", str(len(live) - 1),
@@ -253,10 +267,100 @@ def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner,
         argv += ["--port", str(task.port)]
     for endpoint in peers:
         argv += ["--peer", endpoint]
-    result = runner.run(argv, timeout_s=180)
+    if storage is not None:
+        argv += [f"--write-check={storage.dirs[machine.name]}",  # one word, even as "-x"
+                 "--storage-timeout", f"{storage.timeout_s:g}"]
+        if storage.marker is not None and machine.name == storage.chief:
+            argv += ["--marker", storage.marker, "--marker-content", storage.content]
+    return _facts(runner.run(argv, timeout_s=180 + (storage.timeout_s if storage else 0)))
+
+
+def _facts(result: ExecResult) -> dict[str, Any]:
+    """The JSON object on the last line a preflight printed."""
     last = result.stdout.strip().splitlines()[-1:] or ["{}"]
     facts: dict[str, Any] = json.loads(last[0])
     return facts
+
+
+# -- checkpoint storage ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StorageCheck:
+    """Where each machine's tasks write checkpoints, as the doctor checks it.
+
+    ``dirs``: by machine name, the directory each machine must be able to create and write
+    (``checkpoint.dir`` itself, not its per-run subdirectory). ``marker``: the file the chief's
+    machine leaves there for the others to look for, when every task must see one directory.
+    """
+
+    named_by: str
+    dirs: Mapping[str, str]
+    chief: str
+    timeout_s: float
+    marker: str | None = None
+    content: str = ""
+
+    @classmethod
+    def of(cls, spec: ClusterSpec, plan: ClusterPlan, machines: Sequence[Machine]
+           ) -> StorageCheck | None:
+        """What to check for ``plan``; None where checkpoints go to each host's own run dir."""
+        layout = plan.checkpoints
+        if layout.named_by == "checkpoint.dir" and spec.checkpoint.dir is not None:
+            dirs = {m.name: spec.checkpoint.dir for m in machines}
+        elif layout.named_by:
+            dirs = {m.name: layout.of(m.host) for m in machines}
+        else:
+            return None
+        chief = next(m.name for m in machines if plan.chief_key in {t.key for t in m.tasks})
+        same = layout.shared and len(machines) > 1 and not is_url(dirs[chief])
+        return cls(layout.named_by, dirs, chief, _storage_timeout(),
+                   marker=f"{MARKER_PREFIX}{secrets.token_hex(8)}" if same else None,
+                   content=secrets.token_hex(16) if same else "")
+
+
+def _storage_timeout() -> float:
+    try:
+        return float(os.environ.get(STORAGE_CHECK_ENV, STORAGE_CHECK_S))
+    except ValueError:
+        return STORAGE_CHECK_S
+
+
+def _look_for_marker(storage: StorageCheck, machines: Sequence[Machine],
+                     checks: Sequence[HostCheck], runner: Callable[[Host], Runner]
+                     ) -> list[HostCheck]:
+    """The second round: every other machine reads the file the chief's machine left in the
+    shared directory; each one's answer joins its facts (``storage.sees_chief_marker``)."""
+    by_name = {c.name: c for c in checks}
+    chief = next(m for m in machines if m.name == storage.chief)
+    written = by_name[chief.name].fact("storage", "marker", "written")
+    path = f"{storage.dirs[chief.name].rstrip('/')}/{storage.marker}"
+    readers = [m for m in machines if m is not chief and by_name[m.name].fact("storage", "ok")]
+    try:
+        answers = fan_out(readers if written else [], lambda m: _facts(runner(m.host).run(
+            [m.python, "-c", PREFLIGHT.read_text(), f"--read-marker={path}"], timeout_s=60)),
+            name_of=lambda m: m.name)
+    finally:
+        if by_name[chief.name].reachable:
+            _remove_marker(chief, runner, path)
+    seen: dict[str, dict[str, Any]] = {}
+    for r in answers.results:
+        marker = dict(r.value["marker"]) if r.ok and r.value else {
+            "content": None, "error": _message(r.name, r.error)}
+        ok = marker["content"] == storage.content
+        seen[r.name] = {"path": path, "chief": chief.name, "ok": ok,
+                        "error": None if ok else marker["error"] or "other content"}
+    return [_with_storage(c, {"sees_chief_marker": seen[c.name]}) if c.name in seen else c
+            for c in checks]
+
+
+def _remove_marker(chief: Machine, runner: Callable[[Host], Runner], path: str) -> None:
+    with contextlib.suppress(Exception):  # unanswered: the marker stays, a hidden file
+        runner(chief.host).run([chief.python, "-c", PREFLIGHT.read_text(),
+                                f"--remove-marker={path}"], timeout_s=30, check=False)
+
+
+def _with_storage(check: HostCheck, extra: Mapping[str, Any]) -> HostCheck:
+    facts = {**check.facts, "storage": {**(check.fact("storage") or {}), **extra}}
+    return replace(check, facts=facts)
 
 
 def _host_check(machine: Machine, unreachable: Exception | None,
@@ -336,6 +440,7 @@ def diagnose(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
         *_gpus(ok),
         *_python(ok),
         *_disk(ok),
+        *_storage(plan, ok),
         *_ports(plan, ok),
         *_network(spec, plan, checks, links),
     ]
@@ -495,6 +600,57 @@ def _disk(checks: Sequence[HostCheck]) -> list[Problem]:
             f"({'checkpoints will not fit' if blocking else 'a long run may fill it'})",
             f"free space on {c.name}, or set provider.root to a larger disk",
             blocking=blocking, hosts=(c.name,)))
+    return problems
+
+
+def _storage(plan: ClusterPlan, checks: Sequence[HostCheck]) -> list[Problem]:
+    """Hosts that cannot write where checkpoints go (facts of the preflight's --write-check),
+    then hosts that see another directory there than the chief's machine writes."""
+    named_by = plan.checkpoints.named_by or "checkpoint.dir"
+    failed: dict[tuple[str, str, str, bool], list[str]] = {}
+    for c in checks:
+        if c.fact("storage", "ok") is False:
+            url = bool(c.fact("storage", "url"))  # a bucket's access is not the login user's
+            key = (str(c.fact("storage", "path")), str(c.fact("storage", "error")),
+                   "" if url else str(c.fact("storage", "user")), url)
+            failed.setdefault(key, []).append(c.name)
+    problems = []
+    for (path, error, user, url), hosts in failed.items():
+        names = ", ".join(hosts)
+        message = f"{names} cannot write checkpoints to {path} ({named_by}): {error}"
+        if url:
+            problems.append(Problem("checkpoint", message, GCS_FIX, hosts=tuple(hosts)))
+            continue
+        quoted = shlex.quote(path)
+        other = ("mount the shared file system there" if plan.checkpoints.shared else
+                 f"set {named_by} to a directory {user} can write")
+        problems.append(Problem(
+            "checkpoint", message, f"create {path} on {names} writable by user {user} (sudo "
+            f"mkdir -p {quoted} && sudo chown {shlex.quote(user)} {quoted}), or {other}",
+            hosts=tuple(hosts)))
+    return problems + _not_shared(checks)
+
+
+def _not_shared(checks: Sequence[HostCheck]) -> list[Problem]:
+    """Hosts where the file the chief's machine left in the shared directory is not there."""
+    unseen: dict[tuple[str, str, str], list[str]] = {}
+    for c in checks:
+        seen = c.fact("storage", "sees_chief_marker")
+        if isinstance(seen, Mapping) and seen.get("ok") is False:
+            key = (str(c.fact("storage", "path")), str(seen.get("chief")), str(seen.get("error")))
+            unseen.setdefault(key, []).append(c.name)
+    problems = []
+    for (path, chief, error), hosts in unseen.items():
+        names = ", ".join(hosts)
+        how = {"No such file or directory": "is missing", "other content": "holds other content"
+               }.get(error, f"cannot be read ({error})")
+        problems.append(Problem(
+            "checkpoint", f"{path} on {names} is not the directory that {chief} writes: a file "
+            f"{chief} wrote there {how} on {names}, so the tasks there would not see the chief's "
+            "checkpoints",
+            f"mount the same shared file system at {path} on every host, or remove "
+            "checkpoint.dir so the chief's checkpoint is copied to every host before a relaunch",
+            hosts=tuple(hosts)))
     return problems
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import posixpath
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -11,7 +12,7 @@ from orchestrator.errors import PlanError
 from orchestrator.hosts import Host, is_loopback
 from orchestrator.paths import RunPaths, code_dir, lib_dir
 from orchestrator.runtimes import BatchScaling, runtime_for
-from orchestrator.spec import ClusterSpec
+from orchestrator.spec import ClusterSpec, CommandJob, is_url
 
 Role = Literal["chief", "worker"]
 
@@ -41,6 +42,35 @@ class TaskPlan:
 
 
 @dataclass(frozen=True)
+class CheckpointLayout:
+    """Where the tasks of a run checkpoint, as each host sees it.
+
+    ``shared``: every task sees the same directory (a gs:// URL, or a path under
+    ``checkpoint.dir``), so nothing is copied. Otherwise each machine has its own and the
+    chief's is copied to the others before a relaunch. ``named_by`` is the spec field that
+    names the directory ("" for the run's own directory on each host).
+    """
+
+    dirs: Mapping[str, str] = field(default_factory=dict)  # by host name
+    shared: bool = False
+    named_by: str = ""
+    mirror: Literal["auto", "always", "never"] = "auto"  # "never" when shared
+
+    def of(self, host: Host) -> str:
+        return self.dirs[host.name]
+
+    def describe(self) -> str:
+        """One line for people: where checkpoints go and what is copied."""
+        where = next(iter(self.dirs.values()), "")
+        if self.shared:
+            return f"{where} (shared by every task: nothing is copied)"
+        mirror = {"auto": "this machine keeps a copy up to 1 GiB", "always": "this machine "
+                  "keeps a copy", "never": "this machine keeps no copy"}[self.mirror]
+        return (f"{where} on each host (the chief's is copied host to host before a relaunch; "
+                f"{mirror})")
+
+
+@dataclass(frozen=True)
 class ClusterPlan:
     cluster: str
     run_id: str
@@ -50,6 +80,12 @@ class ClusterPlan:
     chief_key: str
     scaling: BatchScaling = field(default_factory=BatchScaling)  # the job runtime's batch, LR
     paths: Mapping[str, RunPaths] = field(default_factory=dict)  # by host name
+    checkpoints: CheckpointLayout = field(default_factory=CheckpointLayout)
+
+    @property
+    def machines(self) -> int:
+        """How many different machines the tasks run on."""
+        return len({t.host.machine for t in self.tasks})
 
     @property
     def chief(self) -> TaskPlan:
@@ -77,6 +113,7 @@ class _Attempt:
     argv: tuple[str, ...]
     job_env: Mapping[str, str]
     local_workdir: str
+    checkpoints: CheckpointLayout
 
 
 def build(
@@ -116,8 +153,9 @@ def build(
     cluster_def = _cluster_def(roles, endpoints)
     paths = {h.name: RunPaths.of(h.root, run_id) for h in hosts}
     runtime = runtime_for(spec.job)
+    layout = checkpoint_layout(spec, hosts, run_id, local_workdir)
     shared = _Attempt(spec, run_id, attempt, cluster_def, runtime.argv(spec, python),
-                      runtime.env(spec), local_workdir)
+                      runtime.env(spec), local_workdir, layout)
     tasks = tuple(
         _task(shared, role, index, host, port, paths[host.name])
         for (role, index), host, port in zip(roles, hosts, ports, strict=True)
@@ -131,7 +169,39 @@ def build(
         chief_key=tasks[0].key,
         scaling=runtime.scaling(spec.job),
         paths=paths,
+        checkpoints=layout,
     )
+
+
+def task_cwd(host: Host, local_workdir: str) -> str:
+    """Where a task runs: the user's workdir on this machine, the synced code dir on a host."""
+    return local_workdir if host.is_local else code_dir(host.root)
+
+
+def checkpoint_layout(spec: ClusterSpec, hosts: Sequence[Host], run_id: str,
+                      local_workdir: str) -> CheckpointLayout:
+    """Where each host's tasks checkpoint (see :class:`CheckpointLayout`)."""
+    shared_root = spec.checkpoint.dir
+    named = spec.job.checkpoint_dir if isinstance(spec.job, CommandJob) else None
+    if named is not None:
+        dirs = {h.name: named if is_url(named) or named.startswith("/") else
+                posixpath.normpath(posixpath.join(task_cwd(h, local_workdir), named))
+                for h in hosts}
+        shared = is_url(named) or (shared_root is not None and _under(named, shared_root))
+        by = "job.checkpoint_dir"
+    elif shared_root is not None:
+        dirs = {h.name: f"{shared_root}/{spec.name}/{run_id}" for h in hosts}
+        shared, by = True, "checkpoint.dir"
+    else:
+        dirs = {h.name: RunPaths.of(h.root, run_id).checkpoint_dir for h in hosts}
+        shared, by = False, ""
+    return CheckpointLayout(dirs=dirs, shared=shared, named_by=by,
+                            mirror="never" if shared else spec.checkpoint.mirror)
+
+
+def _under(path: str, root: str) -> bool:
+    path, root = posixpath.normpath(path), posixpath.normpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _roles(spec: ClusterSpec) -> list[tuple[Role, int]]:
@@ -203,7 +273,7 @@ def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
           paths: RunPaths) -> TaskPlan:
     spec = shared.spec
     config = tf_config(shared.cluster_def, role, index)
-    cwd = shared.local_workdir if host.is_local else code_dir(host.root)
+    cwd = task_cwd(host, shared.local_workdir)
     lib = [] if host.is_local else [lib_dir(host.root)]
     env = {
         **spec.env,
@@ -215,7 +285,7 @@ def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
         "ORCHESTRATE_RUN_ID": shared.run_id,
         "ORCHESTRATE_ATTEMPT": str(shared.attempt),
         "ORCHESTRATE_TASK": f"{role}:{index}",
-        "ORCHESTRATE_CHECKPOINT_DIR": paths.checkpoint_dir,
+        "ORCHESTRATE_CHECKPOINT_DIR": shared.checkpoints.of(host),
         "ORCHESTRATE_MODEL_DIR": paths.model_dir,
     }
     stem = paths.task_stem(shared.attempt, role, index)

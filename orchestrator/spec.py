@@ -242,6 +242,35 @@ class PortRange(Model):
         return self
 
 
+def check_storage_path(value: str, *, relative_ok: bool) -> str:
+    """A checkpoint location: a ``gs://bucket/...`` URL or a path (absolute unless ``relative_ok``)."""
+    if any(c in value for c in "\0\n\r"):
+        raise ValueError("the path contains a control character")
+    if "://" in value:
+        bucket = value[len("gs://"):].split("/", 1)[0] if value.startswith("gs://") else ""
+        if not re.fullmatch(r"[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9]", bucket):
+            raise ValueError(
+                f"{value!r} is not a gs://BUCKET/PATH URL: TensorFlow reads and writes gs:// "
+                "natively; other storage must be mounted and named by its absolute path")
+        return value.rstrip("/")
+    if not value.startswith("/") and not relative_ok:
+        raise ValueError(f"{value!r} is relative: give the absolute path that every host "
+                         "mounts (NFS, Filestore, gcsfuse) or a gs:// URL")
+    return value.rstrip("/") or "/"
+
+
+def is_url(location: str) -> bool:
+    return "://" in location
+
+
+# Under checkpoint.mirror: auto, the controller keeps its own copy of checkpoints up to this
+# size. 1 GiB is about 90 s on a 100 Mbit/s link (a laptop outside the cloud): a copy that
+# still keeps up with checkpoints written every few minutes, and a disk cost nobody notices.
+# Above it, the copy costs the chief's disk and network more than the rare case it saves (a
+# chief whose disk is gone) is worth; shared storage or checkpoint.mirror: always cover that.
+AUTO_MIRROR_MAX_BYTES = 1 << 30
+
+
 class ManagedJob(Model):
     """The runtime builds, compiles and fits a tf_keras model from a user module."""
 
@@ -273,6 +302,18 @@ class CommandJob(Model):
 
     mode: Literal["command"] = "command"
     command: tuple[str, ...] = Field(min_length=1)
+    checkpoint_dir: str | None = Field(
+        default=None,
+        description="The directory the script checkpoints to (BackupAndRestore's backup_dir, "
+        "a CheckpointManager's directory): relative to the code dir, absolute, or a gs:// URL. "
+        "The chief's copy is verified and given to every task before a relaunch. Default: "
+        "the run's directory, exported as ORCHESTRATE_CHECKPOINT_DIR.",
+    )
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _location(cls, value: str | None) -> str | None:
+        return None if value is None else check_storage_path(value, relative_ok=True)
 
     @field_validator("command", mode="before", json_schema_input_type=str | tuple[str, ...])
     @classmethod
@@ -289,9 +330,28 @@ Job = Annotated[ManagedJob | CommandJob, Field(discriminator="mode")]
 
 
 class Checkpoint(Model):
+    """Where the run's checkpoints live, and whether this machine keeps its own copy."""
+
     every_steps: int = Field(
         default=20, ge=1, description="The chief writes a backup every this many steps."
     )
+    dir: str | None = Field(
+        default=None,
+        description="Shared storage every task sees the same: a gs://BUCKET/PATH URL or an "
+        "absolute path on a shared file system (NFS, Filestore, gcsfuse). Each run checkpoints "
+        "to DIR/CLUSTER/RUN_ID there and nothing is copied; default: each host's own disk, "
+        "the chief's checkpoint copied to the others before a relaunch.",
+    )
+    mirror: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Keep a copy of the chief's checkpoints on this machine (for a chief whose "
+        "disk is lost): auto keeps it up to 1 GiB and never with shared storage.",
+    )
+
+    @field_validator("dir")
+    @classmethod
+    def _location(cls, value: str | None) -> str | None:
+        return None if value is None else check_storage_path(value, relative_ok=False)
 
 
 class Retry(Model):

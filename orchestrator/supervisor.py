@@ -23,17 +23,24 @@ from tenacity import (
 from orchestrator import paths
 from orchestrator import plan as planning
 from orchestrator.causes import RETRYABLE, Cause
-from orchestrator.checkpoints import CheckpointMirror, fetch_file, share_chief_checkpoint, verify_on
+from orchestrator.checkpoints import (
+    CheckpointMirror,
+    WorkerCommand,
+    fetch_file,
+    has_checkpoint,
+    share_chief_checkpoint,
+    verify_on,
+)
 from orchestrator.errors import OrchestratorError, RunFailed
 from orchestrator.events import Event
 from orchestrator.hosts import Host
 from orchestrator.launchers import launcher_for, launcher_named
-from orchestrator.plan import ClusterPlan, TaskPlan
+from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
 from orchestrator.remote.base import TaskHandle
 from orchestrator.spec import ClusterSpec
 from orchestrator.state import AttemptRecord, Store
-from orchestrator.view import Listener, RunResult, RunView, TaskView
+from orchestrator.view import Listener, RunResult, RunView, TaskView, human_bytes
 from orchestrator.watch import AttemptFailed, AttemptWatch, Watched
 
 HEARTBEAT_S = 2.0
@@ -69,6 +76,7 @@ class Supervisor:
         self._orphans: list[tuple[str, TaskHandle]] = []  # tasks left on unreachable hosts
         self._last_prestep_failure = ""
         self._chief_host: Host | None = None
+        self._layout: CheckpointLayout | None = None
         self._mirror: CheckpointMirror | None = None
         self._beat = 0.0
         self._recovered: set[int] = set()  # attempts whose recovery figures are recorded
@@ -84,9 +92,10 @@ class Supervisor:
         """
         started = self.clock()
         self.view.run_id = run_id
-        mirror = self._mirror = CheckpointMirror(paths.mirror_dir(self.spec.name, run_id),
-                                                 self.provider.runner, on_mirrored=self._mirrored,
-                                                 on_pulling=self._pulling)
+        mirror = self._mirror = CheckpointMirror(
+            paths.mirror_dir(self.spec.name, run_id), self.provider.runner, self._worker,
+            mode=self.spec.checkpoint.mirror, on_mirrored=self._mirrored,
+            on_pulling=self._pulling, on_off=self._say)
         previous = self.store.attempts(run_id) if attach else []
         self._causes.update(Cause(a.cause) for a in previous if a.cause in Cause._value2member_map_)
         base = len(previous)
@@ -127,6 +136,7 @@ class Supervisor:
         return self._succeed(run_id, finished, started)
 
     def _succeed(self, run_id: str, finished: dict[str, Event], started: float) -> RunResult:
+        self._count_mirror()
         chief = finished[next(iter(finished))]
         metrics = dict(chief.get("metrics") or {})
         model_path = self._fetch_model(run_id, str(chief.get("model_path") or ""))
@@ -135,6 +145,7 @@ class Supervisor:
             run_id=run_id, status="succeeded", metrics=metrics, model_path=model_path,
             digests={k: str(e.get("weights_sha256", "")) for k, e in finished.items()},
             attempts=self.store.attempts(run_id), seconds=self.clock() - started,
+            checkpoint_bytes=dict(self.view.checkpoint_bytes),
         )
 
     def _budget_spent(self, state: RetryCallState) -> bool:
@@ -159,8 +170,8 @@ class Supervisor:
         self._check_stopped(run_id)
         self._repair_hosts()
         plan = self._plan(run_id, number)
-        if number > 1:
-            self._restore_checkpoint(plan)
+        if number > 1 or plan.checkpoints.named_by == "job.checkpoint_dir":
+            self._restore_checkpoint(plan)  # a script's own directory may hold a checkpoint
         watched = self._launch(plan)
         self.store.start_attempt(run_id, number, [w.record(self.launcher) for w in watched])
         return self._supervise(run_id, number, plan, watched)
@@ -184,6 +195,7 @@ class Supervisor:
             busy_ports=(self.provider.busy_ports(hosts) | self._bad_ports) if busy else (),
         )
         self._chief_host = plan.chief.host
+        self._layout = plan.checkpoints
         self.view.attempt = number
         self.view.tasks = {t.key: TaskView(t.key, t.host.name, t.endpoint) for t in plan.tasks}
         self._notify(self.view, None)
@@ -239,7 +251,7 @@ class Supervisor:
     def _on_event(self, run_id: str, number: int, plan: ClusterPlan, w: Watched,
                   event: Event) -> None:
         if event.kind == "checkpoint" and w.key == plan.chief_key and self._mirror is not None \
-                and _machines(plan) > 1:
+                and plan.machines > 1 and plan.checkpoints.mirror != "never":
             self._mirror.request(plan, int(event.get("step", 0)))
         if event.kind == "progress" and number > 1 and w.key == plan.chief_key and \
                 number not in self._recovered:
@@ -278,6 +290,8 @@ class Supervisor:
                 failure.detail = "fails the same way before the first step every time: " + \
                     failure.detail
             self._last_prestep_failure = failure.signature
+        if failure.cause is Cause.CHECKPOINT_MISMATCH and self._layout is not None:
+            failure.detail += "; " + _mismatch_reason(self._layout)
         if failure.cause is Cause.PORT_CONFLICT and failure.port:
             self._bad_ports.add(failure.port)
         if failure.cause in RETRYABLE:
@@ -305,34 +319,72 @@ class Supervisor:
     def _restore_checkpoint(self, plan: ClusterPlan) -> None:
         """Make the newest checkpoint that restores the one every task starts from."""
         chief = plan.chief.host
-        runner = self.provider.runner(chief)
-        run_paths = plan.paths[chief.name]
-        directory = run_paths.chief_checkpoint_dir
-        mirror = self._mirror
-        present = runner.run(["test", "-f", f"{directory}/checkpoint"], check=False).ok
-        if mirror is not None and _machines(plan) > 1:
-            if not mirror.wait():
-                self._say("the copy of the chief's checkpoint on this machine is still being "
-                          "pulled: using the one it had")
-            if not present and mirror.has_checkpoint():
-                mirror.push(chief, directory, run_paths.run_dir)
-                present = True
-                self._say(f"restored the chief's checkpoint on {chief.name} from this machine's "
-                          f"copy (step {mirror.step})")
-        if not present:
+        runner, worker = self.provider.runner(chief), self._worker(chief)
+        layout = plan.checkpoints
+        directory = layout.of(chief)
+        if layout.shared:
+            self._say(f"checkpoints are on shared storage ({directory}): every task restores "
+                      "from there, nothing is copied")
+        elif not self._chief_has_checkpoint(plan):
             self._say("no checkpoint yet: the group starts from step 0")
+            self._share(plan)  # clears copies the other hosts may still have
             return
-        report = verify_on(runner, self.provider.python(chief), paths.lib_dir(chief.root), directory)
+        report = verify_on(runner, worker, directory)
         for bad in report["rejected"]:
             self._say(f"checkpoint {bad['path']} does not restore ({bad['problem']}): "
                       "falling back to the one before")
         if not report["ok"]:
             self._say("no checkpoint restores: the group starts from step 0")
-        if _machines(plan) > 1:
-            self._say(f"copying the chief's checkpoint to {_machines(plan) - 1} other host(s)")
-            copied = share_chief_checkpoint(plan, self.provider.runner)
-            if copied:
-                self._say(f"copied the chief's checkpoint to {', '.join(copied)}")
+        elif report.get("path") is None:
+            self._say("no checkpoint yet: the group starts from step 0")
+        if not layout.shared:
+            self._share(plan)
+
+    def _chief_has_checkpoint(self, plan: ClusterPlan) -> bool:
+        """Whether the chief's disk has a checkpoint, pushing this machine's copy there first
+        when the chief lost its own (a re-created VM)."""
+        chief = plan.chief.host
+        directory = plan.checkpoints.of(chief)
+        present = has_checkpoint(self.provider.runner(chief), directory)
+        mirror = self._mirror
+        if present or mirror is None or plan.machines < 2 or not mirror.enabled:
+            return present
+        if not mirror.wait():
+            self._say("the copy of the chief's checkpoint on this machine is still being "
+                      "pulled: using the one it had")
+        if not mirror.has_checkpoint():
+            return False
+        mirror.push(chief, directory)
+        self._count_mirror()
+        self._say(f"restored the chief's checkpoint on {chief.name} from this machine's "
+                  f"copy (step {mirror.step})")
+        return True
+
+    def _share(self, plan: ClusterPlan) -> None:
+        if plan.machines < 2:
+            return
+        copied = share_chief_checkpoint(plan, self.provider.runner, self._worker)
+        self._moved("host_to_host", copied.host_to_host_bytes)
+        if copied.cleared:
+            self._say(f"removed older checkpoint copies on {', '.join(copied.cleared)}")
+        if copied.hosts:
+            self._say(f"copied the chief's checkpoint to {', '.join(copied.hosts)} host to host "
+                      f"({copied.files} file(s), {human_bytes(copied.bytes)} each, "
+                      f"{copied.seconds:.1f}s)")
+        if copied.up_to_date:
+            self._say(f"{', '.join(copied.up_to_date)} already had the chief's checkpoint")
+
+    def _worker(self, host: Host) -> WorkerCommand:
+        return WorkerCommand(self.provider.python(host), paths.lib_dir(host.root))
+
+    def _moved(self, link: str, count: int) -> None:
+        self.view.checkpoint_bytes[link] = self.view.checkpoint_bytes.get(link, 0) + count
+
+    def _count_mirror(self) -> None:
+        mirror = self._mirror
+        if mirror is not None:
+            self.view.checkpoint_bytes["through_controller"] = \
+                mirror.bytes_pulled + mirror.bytes_pushed
 
     def _fetch_model(self, run_id: str, remote_path: str) -> str:
         """The chief's saved model, downloaded to this machine when the chief is remote."""
@@ -396,6 +448,7 @@ class Supervisor:
 
     def _mirrored(self, step: int) -> None:
         self.view.mirrored_step = step
+        self._count_mirror()
         self._notify(self.view, None)
 
     def _pulling(self, step: int | None) -> None:
@@ -407,11 +460,24 @@ class Supervisor:
         self._notify(self.view, None)
 
 
-def _machines(plan: ClusterPlan) -> int:
-    return len({t.host.machine for t in plan.tasks})
+def _mismatch_reason(layout: CheckpointLayout) -> str:
+    where = next(iter(layout.dirs.values()), "")
+    if layout.shared:
+        return (f"they share {where}, so the script restores something else that differs "
+                "between hosts")
+    if not layout.named_by:
+        return ("the orchestrator does not know the directory the script checkpoints to, so "
+                "it was not copied from the chief and each host restored what its own disk had")
+    return (f"{where} was copied from the chief to every host, so the script restores from "
+            "another directory as well, which was not")
 
 
 def _advice(failure: AttemptFailed) -> str:
+    if failure.cause is Cause.CHECKPOINT_MISMATCH:
+        return ("name the directory your script checkpoints to (BackupAndRestore's backup_dir, "
+                "a CheckpointManager's directory) in job.checkpoint_dir, relative to the code "
+                "dir, so the chief's checkpoint is given to every host before a relaunch; or "
+                "put it on storage every host shares (checkpoint.dir, a gs:// URL)")
     if failure.cause is Cause.USER_ERROR:
         return "fix the error in your training code shown above; it fails before training starts"
     if failure.cause is Cause.STARTUP_TIMEOUT:

@@ -35,6 +35,10 @@ class RunView:
     messages: list[str] = field(default_factory=list)
     mirrored_step: int | None = None  # newest chief checkpoint copied to this machine
     mirroring_step: int | None = None  # the chief checkpoint being copied now, if any
+    # Checkpoint bytes moved so far: "through_controller" (this machine's copy, pulled and
+    # pushed back) and "host_to_host" (the chief's checkpoint given to the other hosts).
+    checkpoint_bytes: dict[str, int] = field(
+        default_factory=lambda: {"through_controller": 0, "host_to_host": 0})
 
 
 Listener = Callable[[RunView, Event | None], None]
@@ -49,6 +53,7 @@ class RunResult:
     digests: dict[str, str]
     attempts: list[AttemptRecord]
     seconds: float
+    checkpoint_bytes: dict[str, int] = field(default_factory=dict)  # as in RunView
 
 
 def human_bytes(count: float) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,13 @@ PEER_ERRORS = ("UnavailableError", "CancelledError", "AbortedError", "DeadlineEx
 PEER_MARKS = (*PEER_ERRORS, "Connection reset by peer", "failed to connect to all addresses",
               "Socket closed", "Collective ops is aborted")
 PORT_CONFLICT_MARKS = ("Could not start gRPC server", "Address already in use")
+# What TensorFlow says when the tasks' collectives disagree: they restored different
+# checkpoints (or none), so their ops, shapes or types differ at the first all-reduce.
+MISMATCH = re.compile(r"Shape mismatch in the collective instance \d+|"
+                      r"Collective instance \d+ expected [^\n]{0,200}but got [^\n]{0,200}")
+# A task that reports no steps (command mode) and fails this soon after its start counts as
+# failing before its first step: the same failure twice in a row is then not retried again.
+EARLY_S = 120.0
 STEP_EVENTS = ("training", "resumed", "progress")
 SETTLE_S = 3.0  # how long peers' secondary errors wait for the primary failure to show
 
@@ -138,6 +146,7 @@ class AttemptWatch:
         self.python_for = python_for
         self.interval_s = interval_s
         self.started = time.time()
+        self._reports_steps = runtime_for(spec.job).reports_steps
         self._pool = ThreadPoolExecutor(max_workers=len(watched) + 2,
                                         thread_name_prefix="orchestrate-poll")
         self._first_failure_seen: float | None = None
@@ -232,7 +241,7 @@ class AttemptWatch:
             w.step = max(w.step, int(event.get("step", 0)))
             view.state, view.step = "training", w.step
             self.view.total_steps = event.get("total_steps", self.view.total_steps)
-        if event.kind == "started" and not runtime_for(self.spec.job).reports_steps:
+        if event.kind == "started" and not self._reports_steps:
             w.reached_step = True  # command mode reports no steps: being up is all we see
             view.state = "running"
         if event.kind == "progress":
@@ -295,8 +304,10 @@ class AttemptWatch:
             return None
         self.view.tasks[w.key].state = "failed"
         ended_at = min((w.status.ended_at if w.status else None) or time.time(), time.time())
+        early = not w.reached_step or (not self._reports_steps and
+                                       ended_at - self.started < EARLY_S)
         make = functools.partial(AttemptFailed, evidence=self._evidence(w), failed_at=ended_at,
-                                 before_first_step=not w.reached_step, exit_code=w.exit_code)
+                                 before_first_step=early, exit_code=w.exit_code)
         if w.status is not None and w.status.state is TaskState.LOST:
             return make(Cause.CRASHED, w.key, "its process group vanished without an exit code "
                         "(killed as a whole)")
@@ -372,6 +383,12 @@ def _classify(w: Watched, make: Callable[..., AttemptFailed]) -> AttemptFailed:
     code = w.exit_code
     message = str(w.error.get("message", "")) if w.error else ""
     text = "\n".join(w.tail) + "\n" + message
+    mismatch = MISMATCH.search(text)
+    if mismatch:
+        return make(Cause.CHECKPOINT_MISMATCH, w.key,
+                    f"the tasks restored different checkpoints (TensorFlow: {mismatch.group(0)})")
+    if w.error is not None and w.error.get("phase") == "storage":
+        return make(Cause.USER_ERROR, w.key, f"{message}; fix: {w.error.get('fix', '')}"[:2000])
     if any(mark in text for mark in PORT_CONFLICT_MARKS):
         return make(Cause.PORT_CONFLICT, w.key,
                     f"its gRPC port {w.plan.port} on {w.plan.host.address} was taken",
@@ -394,5 +411,6 @@ def _secondary(failure: AttemptFailed) -> bool:
 
 
 def _rank(failure: AttemptFailed) -> int:
-    order = [Cause.HOST_LOST, Cause.USER_ERROR, Cause.PORT_CONFLICT, Cause.CRASHED]
+    order = [Cause.HOST_LOST, Cause.CHECKPOINT_MISMATCH, Cause.USER_ERROR, Cause.PORT_CONFLICT,
+             Cause.CRASHED]
     return order.index(failure.cause) if failure.cause in order else len(order)

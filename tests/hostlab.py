@@ -23,6 +23,14 @@ that every host lets in with the keys given to ``LabHost.authorize(line)``, and
 whose ``$HOME`` on each host is that host's home, as if each host had its own
 account of that name (a cloud guest agent creating the user of ``ssh-keys``).
 
+Hosts share this machine's file system (only the network is per host), so an
+absolute path is the same directory on every host, as on a shared mount. The
+exception is ``LabHost.private_dir`` (``/etc/orchlab-<pid><letter>-private``):
+each host sees a directory of its own there (mode 1777), as if every host had
+its own disk at that path. ``ip netns exec NS``, which starts each host's sshd,
+bind-mounts ``/etc/netns/NS/ENTRY`` over ``/etc/ENTRY`` for the processes it
+starts; the controller sees the empty mount point. None in the loopback fallback.
+
 Fault tools on a :class:`LabHost`: ``kill()`` (SIGKILL every process in the
 namespace, sshd included), ``restart_sshd()``, ``cut()``/``restore()`` (link
 down/up), ``throttle(rate, to=address)``/``unthrottle()`` (a slow link to one
@@ -217,6 +225,13 @@ def clean_stale() -> None:
         if match and not _pid_alive(int(match.group(1))):
             _kill(_sshd_pids_in(entry))
             shutil.rmtree(entry, ignore_errors=True)
+    netns = Path("/etc/netns")
+    for name in _lab_names("\n".join(p.name for p in netns.iterdir()) if netns.is_dir() else ""):
+        shutil.rmtree(netns / name, ignore_errors=True)
+    for entry in Path("/etc").iterdir():
+        match = STALE_DIR.match(entry.name)
+        if match and entry.name.endswith("-private") and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _lab_names(listing: str) -> list[str]:
@@ -261,6 +276,11 @@ class LabHost:
     sshd: subprocess.Popen[bytes] | None = None
     is_cut: bool = False
     throttled_to: str | None = None
+
+    @property
+    def private_dir(self) -> str | None:
+        """A directory that only this host sees at its path (see the module docstring)."""
+        return f"/etc/{self.lab.private_name}" if self.namespace else None
 
     def endpoint(self, **overrides: Any) -> SSHEndpoint:
         """An SSHEndpoint for this host with the lab's client key and known_hosts."""
@@ -434,7 +454,8 @@ class HostLab:
         self.reason = ""
         self.bridge: str | None = None
         self.network: ipaddress.IPv4Network | None = None
-        self.created: dict[str, list[str]] = {"netns": [], "link": [], "user": []}
+        self.created: dict[str, list[str]] = {"netns": [], "link": [], "user": [], "path": []}
+        self.private_name = f"orchlab-{self.tag[4:]}-private"
         self._hosts: list[LabHost] = []
         self._lock = threading.Lock()
         self._close_lock = threading.RLock()  # re-entrant: a signal handler may close mid-close
@@ -532,6 +553,7 @@ class HostLab:
         Path(host.home).mkdir()
         if host.namespace:
             self._plug(host)
+            self._make_private_dir(host)
         self._add_user(host.user, host.home)
         host.host_key_line = _keygen(host.dir / "ssh_host_ed25519_key", host.name)
         (host.dir / "sshd_config").write_text(self._sshd_config(host))
@@ -578,6 +600,26 @@ class HostLab:
         _cmd("ip", "-n", ns, "link", "set", peer, "up")
         _cmd("ip", "-n", ns, "link", "set", "lo", "up")
 
+    def _make_private_dir(self, host: LabHost) -> None:
+        """The mount point /etc/NAME here, and /etc/netns/NS/NAME that ``ip netns exec``
+        binds over it for the host's sshd and everything it starts (before sshd starts)."""
+        netns, mount_point = Path("/etc/netns"), Path("/etc") / self.private_name
+        if not mount_point.exists():
+            self._mkdir(mount_point, 0o755)
+        for _ in range(20):  # another lab may remove /etc/netns between our two mkdirs
+            with contextlib.suppress(FileExistsError):
+                self._mkdir(netns, 0o755)
+            with contextlib.suppress(FileNotFoundError):
+                self._mkdir(netns / str(host.namespace), 0o755)
+                break
+        self._mkdir(netns / str(host.namespace) / self.private_name, 0o1777)
+
+    def _mkdir(self, path: Path, mode: int) -> None:
+        """Make ``path`` (not its parents) and remember it for close()."""
+        path.mkdir()
+        self.created["path"].append(str(path))
+        path.chmod(mode)
+
     def _add_user(self, user: str, home: str) -> None:
         uid_0_alias = ["-o", "-u", "0", "-g", "0", "-M", "-s", "/bin/sh", "-p", "*"]
         _with_retries("useradd", *uid_0_alias, "-d", home, user)
@@ -613,7 +655,8 @@ class HostLab:
             self._closed = True
         _OPEN_LABS.discard(self)
         problems: list[str] = []
-        for step in (self._stop_hosts, self._delete_network, self._delete_users):
+        for step in (self._stop_hosts, self._delete_network, self._delete_users,
+                     self._delete_paths):
             try:
                 step()
             except (LabError, OSError, subprocess.SubprocessError) as exc:
@@ -651,6 +694,18 @@ class HostLab:
         for user in self.created["user"]:
             _kill(_login_pids(user))
             _with_retries("userdel", "-f", user)
+
+    def _delete_paths(self) -> None:
+        """Remove the directories the lab made, newest first: the private ones with what tests
+        left in them, /etc/netns/NS (empty by then), and /etc/netns if still empty."""
+        for path in reversed(self.created["path"]):
+            if Path(path).name == self.private_name:
+                shutil.rmtree(path)
+            elif path == "/etc/netns":
+                with contextlib.suppress(OSError):  # another lab's namespace may use it now
+                    os.rmdir(path)
+            else:
+                os.rmdir(path)
 
 
 def _link_names() -> list[str]:

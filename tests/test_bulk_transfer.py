@@ -17,13 +17,15 @@ from hostlab import HostLab
 
 from orchestrator import paths, plan, spec
 from orchestrator.api import Cluster
-from orchestrator.checkpoints import CheckpointMirror
+from orchestrator.checkpoints import CheckpointMirror, WorkerCommand
 from orchestrator.events import Event
 from orchestrator.hosts import Host
 from orchestrator.remote.base import Runner
 from orchestrator.remote.local import LocalRunner
 from orchestrator.remote.ssh import SSHRunner
 from orchestrator.view import RunView
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 # -- the mirror, with a local "chief" ---------------------------------------------------------
@@ -84,11 +86,15 @@ def mirror(tmp_path: Path, link: SlowLink, calls: Calls) -> Iterator[CheckpointM
     def runner_for(host: Host) -> Runner:
         return link if host.name == "chief" else LocalRunner(host.name)
 
-    m = CheckpointMirror(tmp_path / "mirror", runner_for, on_mirrored=calls.mirrored,
-                         on_pulling=calls.pulling)
+    m = CheckpointMirror(tmp_path / "mirror", runner_for, worker_here,
+                         on_mirrored=calls.mirrored, on_pulling=calls.pulling)
     yield m
     link.gate.set()
     assert m.close()
+
+
+def worker_here(host: Host) -> WorkerCommand:
+    return WorkerCommand(sys.executable, str(REPO))
 
 
 def chief_writes(p: plan.ClusterPlan, step: int) -> None:
@@ -98,7 +104,7 @@ def chief_writes(p: plan.ClusterPlan, step: int) -> None:
 
 
 def mirrored_text(m: CheckpointMirror) -> str:
-    return (m.current / "checkpoint").read_text()
+    return (m.current / "chief" / "checkpoint").read_text()
 
 
 def test_a_requested_checkpoint_is_copied_and_reported(
@@ -151,7 +157,8 @@ def test_a_request_from_the_mirrored_callback_is_served_before_wait_says_idle(
             chief_writes(two_hosts, step + 1)
             m.request(two_hosts, step + 1)
 
-    m = CheckpointMirror(tmp_path / "mirror", lambda h: LocalRunner(h.name), on_mirrored=next_one)
+    m = CheckpointMirror(tmp_path / "mirror", lambda h: LocalRunner(h.name), worker_here,
+                         on_mirrored=next_one)
     chief_writes(two_hosts, 1)
     m.request(two_hosts, 1)
     assert m.wait()
@@ -161,7 +168,7 @@ def test_a_request_from_the_mirrored_callback_is_served_before_wait_says_idle(
 
 def test_a_failed_pull_is_reported_and_the_next_request_still_served(
         mirror: CheckpointMirror, two_hosts: plan.ClusterPlan, calls: Calls) -> None:
-    mirror.request(two_hosts, 10)  # the chief has written nothing yet: tar fails
+    mirror.request(two_hosts, 10)  # the chief has written nothing yet: nothing to pull
     assert mirror.wait()
     assert calls.items == [("pulling", 10), ("pulling", None)]
     assert not mirror.has_checkpoint() and mirror.step is None
@@ -182,7 +189,7 @@ def test_push_installs_the_whole_current_copy_while_a_newer_one_is_pulled(
     mirror.request(two_hosts, 20)
     assert link.downloading.wait(30)
     other = two_hosts.paths["other"]
-    mirror.push(two_hosts.tasks[1].host, other.chief_checkpoint_dir, other.run_dir)
+    mirror.push(two_hosts.tasks[1].host, two_hosts.checkpoints.of(two_hosts.tasks[1].host))
     assert Path(other.chief_checkpoint_dir, "checkpoint").read_text() == "step 10\n"
     link.gate.set()
     assert mirror.wait() and mirror.step == 20

@@ -13,6 +13,7 @@ import yaml
 from hostlab import HostLab
 from snapshot import assert_matches, normalise
 
+from orchestrator.api import Cluster
 from orchestrator.spec import ClusterSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,3 +85,38 @@ def test_schema_validates_the_example_specs_an_editor_would_open(orchestrate_hom
         jsonschema.validate({"name": "x", "wrokers": 2, "job": {"module": "m"}}, schema)
     with pytest.raises(jsonschema.ValidationError, match="'many'"):
         jsonschema.validate({"name": "x", "workers": "many", "job": {"module": "m"}}, schema)
+
+
+def spec_file(tmp_path: Path, name: str, extra: str = "") -> Path:
+    """A spec of two SSH hosts (never contacted by a plan)."""
+    hosts = "".join(f"    - {{address: 198.18.250.{2 + i}, user: ml, key_file: {tmp_path}/no-key}}\n"
+                    for i in range(2))
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"name: {name}\nworkers: 2\nworkdir: {REPO}\nprovider:\n  kind: static\n"
+                    f"  python: /opt/venv/bin/python\n  hosts:\n{hosts}"
+                    f"job: {{module: examples.digits}}\n{extra}")
+    return path
+
+
+def test_plan_shows_checkpoints_on_shared_storage(tmp_path: Path, orchestrate_home: Path) -> None:
+    path = spec_file(tmp_path, "gs", "checkpoint: {dir: 'gs://bucket/ckpt'}\n")
+    where = "gs://bucket/ckpt/gs/<next-run>"
+    summary = f"{where} (shared by every task: nothing is copied)"
+    document = Cluster.from_spec(path).plan_document()
+    assert document["checkpoints"] == {"dir": where, "shared": True, "named_by": "checkpoint.dir",
+                                       "mirror": "never", "summary": summary}
+    for task in document["tasks"]:
+        assert task["checkpoint_dir"] == task["env"]["ORCHESTRATE_CHECKPOINT_DIR"] == where
+    proc = cli("plan", str(path), home=orchestrate_home)
+    assert proc.returncode == 0, proc.stderr
+    assert f"\n  checkpoint {summary}\n" in proc.stdout
+
+
+def test_plan_shows_checkpoints_on_each_host_by_default(tmp_path: Path) -> None:
+    document = Cluster.from_spec(spec_file(tmp_path, "own")).plan_document()
+    where = "~/.orchestrate/clusters/own/runs/<next-run>/checkpoints"
+    assert document["checkpoints"] == {
+        "dir": where, "shared": False, "named_by": "", "mirror": "auto",
+        "summary": f"{where} on each host (the chief's is copied host to host before a "
+                   "relaunch; this machine keeps a copy up to 1 GiB)"}
+    assert [t["checkpoint_dir"] for t in document["tasks"]] == [where, where]

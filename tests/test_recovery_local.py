@@ -175,7 +175,9 @@ def test_the_same_failure_before_the_first_step_twice_is_a_user_error(tmp_path: 
 
 
 def test_per_cause_budget_stops_before_max_restarts(tmp_path: Path) -> None:
-    (tmp_path / "job.py").write_text("import time, sys\ntime.sleep(0.3)\nsys.exit(4)\n")
+    (tmp_path / "job.py").write_text(  # a different failure each time: not a user error
+        "import os, sys, time\ntime.sleep(0.3)\n"
+        "print('attempt', os.environ['ORCHESTRATE_ATTEMPT'], file=sys.stderr)\nsys.exit(4)\n")
     path = tmp_path / "c.yaml"
     path.write_text("name: budget\nworkers: 1\njob: {command: python job.py}\n"
                     "retry: {max_restarts: 5, per_cause: {crashed: 1}}\n")

@@ -75,7 +75,9 @@ def test_one_crashed_task_restarts_the_whole_group(tmp_path: Path) -> None:
 
 
 def test_spent_budget_fails_with_a_report_of_every_attempt(tmp_path: Path) -> None:
-    s, path = make(tmp_path, "import sys; print('boom', file=sys.stderr); sys.exit(7)\n")
+    s, path = make(tmp_path, "import os, sys\n"
+                   "print('boom', os.environ['ORCHESTRATE_ATTEMPT'], file=sys.stderr)\n"
+                   "sys.exit(7)\n")  # a different failure each time: retried to the end
     sleeps: list[float] = []
     sup, store, run_id = supervise(s, path, sleeps)
     with pytest.raises(RunFailed) as info:
@@ -88,6 +90,22 @@ def test_spent_budget_fails_with_a_report_of_every_attempt(tmp_path: Path) -> No
     assert len(sleeps) == 2 and sleeps[1] > sleeps[0] * 0.9  # exponential, with jitter
     assert store.get_run(run_id).status == "failed"
     assert [a.exit_code for a in store.attempts(run_id)] == [7, 7, 7]
+
+
+def test_command_failing_the_same_way_twice_right_after_start_is_not_retried_again(
+        tmp_path: Path) -> None:
+    """A command job reports no steps: the same failure twice in a row, each soon after its
+    start, is deterministic (e.g. tasks restoring different checkpoints), not bad luck."""
+    s, path = make(tmp_path, "import sys; print('boom', file=sys.stderr); sys.exit(7)\n")
+    sleeps: list[float] = []
+    sup, store, run_id = supervise(s, path, sleeps)
+    with pytest.raises(RunFailed) as info:
+        sup.run(run_id)
+    attempts = store.attempts(run_id)
+    assert [a.cause for a in attempts] == ["crashed", "user_error"]
+    assert "fails the same way before the first step every time" in attempts[1].detail
+    assert "failed after 2 attempt(s)" in str(info.value)
+    assert len(sleeps) == 1
 
 
 def test_task_killed_as_a_whole_group_is_a_crash(tmp_path: Path) -> None:

@@ -19,8 +19,16 @@ def restores(tf: Any, path: str) -> str | None:
     return None
 
 
-def verify(directory: str) -> dict[str, Any]:
-    """Check the checkpoints in ``directory``, newest first; point the index at the newest good one.
+def restore_dir(tf: Any, directory: str) -> str:
+    """Where the tasks restore from: ``DIR/chief`` in BackupAndRestore's layout (the chief writes
+    there), else ``DIR`` itself (a CheckpointManager's directory)."""
+    chief = os.path.join(directory, "chief")
+    return chief if tf.io.gfile.exists(os.path.join(chief, "checkpoint")) else directory
+
+
+def verify(base: str) -> dict[str, Any]:
+    """Check the checkpoints the tasks restore from ``base`` (see ``restore_dir``), newest first;
+    point the index at the newest good one.
 
     Corrupt or partial ones newer than it leave the index and their files are deleted, so
     every task restores from the same good checkpoint. Names in the index stay relative:
@@ -28,9 +36,10 @@ def verify(directory: str) -> dict[str, Any]:
     """
     import tensorflow as tf
 
+    directory = restore_dir(tf, base)
     state = tf.train.get_checkpoint_state(directory)
     if state is None:
-        return {"ok": True, "path": None, "rejected": []}
+        return {"ok": True, "dir": directory, "path": None, "rejected": []}
     names = [os.path.basename(p) for p in
              (state.all_model_checkpoint_paths or [state.model_checkpoint_path])]
     rejected: list[dict[str, str]] = []
@@ -44,9 +53,9 @@ def verify(directory: str) -> dict[str, Any]:
                 for bad in rejected:
                     for leftover in tf.io.gfile.glob(bad["path"] + ".*"):
                         tf.io.gfile.remove(leftover)
-            return {"ok": True, "path": path, "rejected": rejected}
+            return {"ok": True, "dir": directory, "path": path, "rejected": rejected}
         rejected.append({"path": path, "problem": problem})
-    return {"ok": False, "path": None, "rejected": rejected}
+    return {"ok": False, "dir": directory, "path": None, "rejected": rejected}
 
 
 def main(directory: str) -> int:

@@ -3,6 +3,10 @@
 Python and TensorFlow versions, the GPUs (nvidia-smi where present, and TensorFlow's own
 view), free disk where checkpoints go, whether the tasks' ports are free, and whether this
 host can open a TCP connection to every other host's task port while it listens on its own.
+With ``--write-check DIR`` it also creates DIR and writes (then deletes) a file there, or
+for a gs:// URL does the same through TensorFlow's ``tf.io.gfile``, under a deadline; with
+``--marker`` it leaves a file there that the controller then reads from the other hosts
+(``--read-marker``, ``--remove-marker``: small modes of their own).
 Only the standard library is needed; TensorFlow is imported when asked, in a thread that
 overlaps the network checks. The controller also runs this file as ``python -c SOURCE``,
 so it imports nothing from the ``worker`` package.
@@ -18,6 +22,8 @@ import importlib.util
 import json
 import os
 import platform
+import pwd
+import secrets
 import shutil
 import socket
 import subprocess
@@ -29,12 +35,25 @@ from typing import Any
 
 BANNER = b"orchestrate-doctor\n"
 SMI_QUERY = "--query-gpu=name,memory.total,driver_version"
+MARKER_PREFIX = ".orchestrate-doctor-"
+STORAGE_CHECK_ENV = "ORCHESTRATE_STORAGE_CHECK_S"
+STORAGE_CHECK_S = 20.0  # a storage write that takes longer is reported as failed
+IMPORT_LIMIT_S = 120.0  # the longest wait for TensorFlow's import before a gs:// check
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.read_marker or args.remove_marker:
+        sys.stdout.write(json.dumps({"marker": marker_facts(args.read_marker,
+                                                            args.remove_marker)}) + "\n")
+        return 0
     started = time.monotonic()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    storage = None
+    if args.write_check:
+        storage = StorageCheck(args.write_check, args.storage_timeout, args.marker,
+                               args.marker_content)
+        threading.Thread(target=storage.run, daemon=True).start()
     listeners = [Listener(port, args.expect) for port in args.port]
     deadline = time.monotonic() + args.window
     probes = [Probe(endpoint, args.name, deadline) for endpoint in args.peer]
@@ -59,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         thread.join()
     report["ports"] = [listener.result() for listener in listeners]
     report["peers"] = [probe.result() for probe in probes]
+    if storage is not None:
+        report["storage"] = storage.wait()
     report["seconds"] = round(time.monotonic() - started, 3)
     sys.stdout.write(json.dumps(report) + "\n")
+    if storage is not None and not storage.finished:
+        sys.stdout.flush()  # a storage client still stuck in its thread must not hold the exit
+        os._exit(0)
     return 0
 
 
@@ -81,7 +105,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--import-tensorflow", choices=("auto", "always", "never"),
                         default="auto", help="import TensorFlow (seconds) to see the GPUs it "
                         "sees: auto = only where nvidia-smi lists GPUs")
+    parser.add_argument("--write-check", metavar="DIR",
+                        help="create DIR (a path, ~ expanded, or a gs:// URL) and write and "
+                        "delete a file there")
+    parser.add_argument("--storage-timeout", type=float, metavar="S",
+                        default=_env_seconds(STORAGE_CHECK_ENV, STORAGE_CHECK_S),
+                        help=f"seconds the write check may take (default ${STORAGE_CHECK_ENV} "
+                        f"or {STORAGE_CHECK_S:g}); a gs:// check counts from TensorFlow's import")
+    parser.add_argument("--marker", metavar="NAME",
+                        help="after the write check, leave a file NAME in DIR for other hosts "
+                        "to read")
+    parser.add_argument("--marker-content", default="", help="what the --marker file holds")
+    parser.add_argument("--read-marker", metavar="PATH",
+                        help="only print what the file PATH holds (or why it cannot be read)")
+    parser.add_argument("--remove-marker", metavar="PATH", help="only delete the file PATH")
     return parser
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 # -- software ------------------------------------------------------------------------------
@@ -191,6 +236,157 @@ def disk_facts(directory: str) -> dict[str, Any]:
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
     usage = shutil.disk_usage(existing)
     return {"path": str(path), "free_bytes": usage.free, "total_bytes": usage.total}
+
+
+# -- checkpoint storage --------------------------------------------------------------------
+class StorageError(Exception):
+    """A step of the write check failed; the text says which and why, in one line."""
+
+
+class StorageCheck:
+    """Can this host write checkpoints to a directory (a path or a gs:// URL)?
+
+    Runs in a daemon thread: a hung network mount, or a storage client retrying for minutes
+    without credentials, cannot hold the report past ``timeout`` seconds (for a gs:// URL,
+    counted from the end of TensorFlow's import).
+    """
+
+    def __init__(self, location: str, timeout: float, marker: str | None = None,
+                 content: str = "") -> None:
+        self.location = location
+        self.timeout = timeout
+        self.marker = marker
+        self.content = content
+        self.url = "://" in location
+        self.ok: bool | None = None
+        self.error: str | None = None
+        self.skipped: str | None = None
+        self.marker_written = False
+        self._ready = threading.Event()  # set when the timed part starts (after any import)
+        self._done = threading.Event()
+        self._started = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def run(self) -> None:
+        try:
+            if self.url:
+                self._write_url()
+            else:
+                self._ready.set()
+                self._write_path()
+            self.ok = None if self.skipped else True
+        except StorageError as exc:
+            self.ok, self.error = False, str(exc)
+        except Exception as exc:
+            self.ok, self.error = False, _first_line(exc)
+        finally:
+            self._ready.set()
+            self._done.set()
+
+    def wait(self) -> dict[str, Any]:
+        """The check's result, once it ended or its time ran out."""
+        imported = self._ready.wait(IMPORT_LIMIT_S)
+        left = self.timeout - (time.monotonic() - self._started)
+        done = imported and self._done.wait(max(0.0, left))
+        facts: dict[str, Any] = {
+            "path": self.location, "url": self.url, "user": login_user(),
+            "timeout_s": self.timeout, "seconds": round(time.monotonic() - self._started, 3),
+        }
+        if not done:
+            why = ("TensorFlow's GCS client got no answer" if self.url else
+                   "the file system did not answer")
+            error = (f"timed out after {self.timeout:g} s ({why})" if imported else
+                     f"TensorFlow did not import within {IMPORT_LIMIT_S:g} s")
+            return {**facts, "ok": False, "skipped": None, "marker": None, "error": error}
+        marker = {"name": self.marker, "written": self.marker_written} if self.marker else None
+        return {**facts, "ok": self.ok, "error": self.error, "skipped": self.skipped,
+                "marker": marker}
+
+    def _write_path(self) -> None:
+        path = Path(self.location).expanduser()
+        if path.exists() and not path.is_dir():
+            raise StorageError("it is a file, not a directory")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create it: {_os_error(exc)}") from exc
+        probe = path / f"{MARKER_PREFIX}{secrets.token_hex(6)}"
+        try:
+            with open(probe, "x", encoding="utf-8") as f:
+                f.write("orchestrate doctor: write check\n")
+        except OSError as exc:
+            raise StorageError(f"cannot write a file in it: {_os_error(exc)}") from exc
+        try:
+            probe.unlink()
+        except OSError as exc:
+            raise StorageError(f"cannot delete a file in it: {_os_error(exc)}") from exc
+        if self.marker:
+            try:
+                with open(path / self.marker, "x", encoding="utf-8") as f:
+                    f.write(self.content)
+            except OSError as exc:
+                raise StorageError(f"cannot write a file in it: {_os_error(exc)}") from exc
+            self.marker_written = True
+
+    def _write_url(self) -> None:
+        if importlib.util.find_spec("tensorflow") is None:
+            self.skipped = "TensorFlow is not installed: gs:// cannot be checked"
+            return
+        try:
+            import tensorflow as tf
+        except Exception as exc:
+            self.skipped = f"TensorFlow does not import ({_first_line(exc)})"
+            return
+        self._started = time.monotonic()
+        self._ready.set()
+        probe = f"{self.location}/{MARKER_PREFIX}{secrets.token_hex(6)}"
+        try:
+            with tf.io.gfile.GFile(probe, "w") as f:
+                f.write("orchestrate doctor: write check\n")
+        except Exception as exc:
+            raise StorageError(f"cannot write an object there: {_first_line(exc)}") from exc
+        try:
+            tf.io.gfile.remove(probe)
+        except Exception as exc:
+            raise StorageError(f"cannot delete an object there: {_first_line(exc)}") from exc
+
+
+def marker_facts(read: str | None, remove: str | None) -> dict[str, Any]:
+    """What the file ``read`` holds (or why it cannot be read); ``remove`` deleted."""
+    facts: dict[str, Any] = {"path": read or remove, "content": None, "error": None}
+    try:
+        if read:
+            facts["content"] = Path(read).expanduser().read_text(encoding="utf-8",
+                                                                 errors="replace")
+        if remove:
+            Path(remove).expanduser().unlink(missing_ok=True)
+    except OSError as exc:
+        facts["error"] = _os_error(exc)
+    return facts
+
+
+def login_user() -> str:
+    """The name this host's login knows us by (whom a directory must be writable by)."""
+    for name in ("LOGNAME", "USER"):
+        if os.environ.get(name):
+            return os.environ[name]
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
+
+
+def _os_error(exc: OSError) -> str:
+    return exc.strerror or f"{type(exc).__name__}: {exc}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 # -- network -------------------------------------------------------------------------------

@@ -133,8 +133,10 @@ class Runner(ABC):
 
     # -- transport hooks -------------------------------------------------
     @abstractmethod
-    def _exec(self, script: str, timeout_s: float | None = None) -> ExecResult:
-        """Run ``script`` with ``sh -c`` on the host and wait for it."""
+    def _exec(self, script: str, timeout_s: float | None = None,
+              input: str | None = None) -> ExecResult:
+        """Run ``script`` with ``sh -c`` on the host and wait for it; ``input`` is its stdin
+        (secrets go there, never on a command line that ``ps`` shows)."""
 
     @abstractmethod
     def put_file(self, local_path: str, remote_path: str, mode: int | None = None) -> None:
@@ -149,11 +151,13 @@ class Runner(ABC):
 
     # -- commands --------------------------------------------------------
     def run(
-        self, argv: Sequence[str] | str, *, check: bool = True, timeout_s: float | None = None
+        self, argv: Sequence[str] | str, *, check: bool = True, timeout_s: float | None = None,
+        input: str | None = None,
     ) -> ExecResult:
-        """Run a command to completion. A sequence is quoted word by word; a str is a script."""
+        """Run a command to completion. A sequence is quoted word by word; a str is a script.
+        ``input`` is written to its stdin (then closed); without it stdin is empty."""
         script = argv if isinstance(argv, str) else quote_argv(argv)
-        result = self._exec(script, timeout_s=timeout_s)
+        result = self._exec(script, timeout_s=timeout_s, input=input)
         if check and not result.ok:
             raise CommandError(
                 self.host_name, script, result.exit_code, result.stdout + result.stderr

@@ -18,10 +18,12 @@ class LocalRunner(Runner):
     def __init__(self, host_name: str = "localhost") -> None:
         super().__init__(host_name)
 
-    def _exec(self, script: str, timeout_s: float | None = None) -> ExecResult:
+    def _exec(self, script: str, timeout_s: float | None = None,
+              input: str | None = None) -> ExecResult:
+        stdin = {"input": input} if input is not None else {"stdin": subprocess.DEVNULL}
         try:
             proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
-                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
+                                  timeout=timeout_s, **stdin)
         except subprocess.TimeoutExpired:
             raise RemoteError(f"command did not finish within {timeout_s}s: {script[:200]}",
                               host=self.host_name) from None

@@ -280,11 +280,15 @@ class SSHRunner(Runner):
             raise self._changed_key(recorded, key)
 
     # -- commands --------------------------------------------------------
-    def _exec(self, script: str, timeout_s: float | None = None) -> ExecResult:
+    def _exec(self, script: str, timeout_s: float | None = None,
+              input: str | None = None) -> ExecResult:
         deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         with self._slots, self._session() as chan:
             try:
                 chan.exec_command("sh -c " + shlex.quote(script))
+                if input is not None:
+                    chan.sendall(input.encode())
+                chan.shutdown_write()
                 out, err = _collect(chan, deadline)
             except _Timeout:
                 raise RemoteError(

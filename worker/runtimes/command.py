@@ -11,12 +11,22 @@ import time
 
 from worker.events import emit
 from worker.runtimes.common import WorkerRuntime, emit_error
+from worker.storage import IndexWatch, check_checkpoint_storage, is_chief_task, is_url
+
+STORAGE_ERROR = 2
 
 
 def run_command(argv: list[str]) -> int:
-    """Run ``argv`` with TF_CONFIG set; return its exit code (128 + N for signal N)."""
+    """Run ``argv`` with TF_CONFIG set; return its exit code (128 + N for signal N).
+
+    The chief's checkpoints (in ORCHESTRATE_CHECKPOINT_DIR, the directory the spec names)
+    are reported as events as the script writes them, so that the controller can copy them.
+    """
     # tf.keras is tf_keras in the script: the Keras whose fit() works under MWMS.
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    checkpoints = os.environ.get("ORCHESTRATE_CHECKPOINT_DIR", "")
+    if checkpoints and not check_checkpoint_storage(checkpoints):
+        return STORAGE_ERROR
     started = time.monotonic()
     try:
         proc = subprocess.Popen(argv)
@@ -24,8 +34,12 @@ def run_command(argv: list[str]) -> int:
         emit_error(exc, "connect")
         return 127
     emit("started", pid=proc.pid, mode="command", argv=argv)
+    watch = IndexWatch(checkpoints).start() if checkpoints and not is_url(checkpoints) \
+        and is_chief_task() else None
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     code = proc.wait()
+    if watch is not None:
+        watch.stop()
     elapsed = round(time.monotonic() - started, 3)
     if code == 0:
         emit("finished", metrics={}, model_path="", seconds=elapsed)

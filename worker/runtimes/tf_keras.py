@@ -22,10 +22,12 @@ from worker.runtimes.common import (
     save_model,
     weights_digest,
 )
+from worker.storage import check_checkpoint_storage
 
 # tf_keras' WorkerTrainingState keeps one checkpoint; keep a few so that a corrupt newest
 # one can fall back to the one before.
 KEEP = 3
+STORAGE_ERROR = 2
 EPOCH_KEY = "ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE"
 BATCH_KEY = "ckpt_saved_batch/.ATTRIBUTES/VARIABLE_VALUE"
 
@@ -34,6 +36,8 @@ def run_managed(job: dict[str, Any]) -> int:
     """Train the job's model on this task; return the process exit code."""
     phase: Phase = "connect"
     emit("started", pid=os.getpid(), mode="managed", python=sys.version.split()[0])
+    if not check_checkpoint_storage(os.environ["ORCHESTRATE_CHECKPOINT_DIR"]):
+        return STORAGE_ERROR
     try:
         import tensorflow as tf
 

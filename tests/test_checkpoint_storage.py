@@ -1,0 +1,232 @@
+"""Checkpoints on real layouts, end to end on namespace hosts with real TensorFlow: a tutorial
+script in command mode resumes from the chief's backup, shared storage copies nothing, a large
+checkpoint goes host to host intact, and tasks that restored different checkpoints are
+diagnosed instead of retried."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers import write_spec
+from hostlab import HostLab, LabHost
+
+from orchestrator.api import Cluster
+from orchestrator.errors import RunFailed
+from orchestrator.events import Event
+from orchestrator.state import AttemptRecord
+from orchestrator.view import RunResult, RunView
+
+pytestmark = [pytest.mark.ssh, pytest.mark.tf, pytest.mark.netns]
+
+TUTORIAL = """\
+name: {name}
+job:
+  command: python tests/workloads/tutorial_backup.py
+{job_extra}retry: {{max_restarts: 3, backoff_initial_s: 0.2, backoff_max_s: 1}}
+timeouts: {{stop_grace_s: 1, poll_s: 4, hang_s: 60, startup_s: 120}}
+env: {{TUTORIAL_EPOCHS: "5", {env}}}
+{extra}"""
+CACHES = "  sync_excludes: [.mypy_cache, .ruff_cache, .pytest_cache, backup]\n"
+
+
+KillWhen = Callable[[RunView, Event], bool]
+
+
+def first_backup(view: RunView, event: Event) -> bool:
+    return event.attempt == 1 and event.kind == "checkpoint" and event.task == "worker:0"
+
+
+def train_and_kill(cluster: Cluster, victim: str, when: KillWhen = first_backup,
+                   on_view: Callable[[RunView], None] | None = None,
+                   once_exists: Path | None = None) -> RunResult:
+    """Train, killing ``victim``'s training process (SIGKILL) once ``when`` says so, or, with
+    ``once_exists``, once that file exists (a checkpoint the orchestrator is not told of)."""
+    started: dict[str, int] = {}
+    killed: list[int] = []
+    done = threading.Event()
+
+    def kill() -> None:
+        if not killed:
+            os.kill(started[victim], signal.SIGKILL)  # the training process (a command's script)
+            killed.append(started[victim])
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if on_view is not None:
+            on_view(view)
+        if event is None:
+            return
+        if event.kind == "started" and event.attempt == 1:
+            started[event.task] = int(event.get("pid"))
+        if once_exists is None and when(view, event):
+            kill()
+
+    def watch_file() -> None:
+        while once_exists is not None and not done.wait(0.1):
+            if victim in started and once_exists.exists():
+                kill()
+                return
+
+    watcher = threading.Thread(target=watch_file, daemon=True)
+    watcher.start()
+    try:
+        return cluster.train(listener=listener).wait()
+    finally:
+        done.set()
+        watcher.join()
+        assert killed, "the fault was never injected"
+
+
+@pytest.fixture
+def clusters() -> Iterator[list[Cluster]]:
+    """Clusters to take down after the test has read their hosts' files."""
+    made: list[Cluster] = []
+    yield made
+    for cluster in made:
+        cluster.down()
+
+
+def cluster_for(made: list[Cluster], tmp_path: Path, hostlab: HostLab, hosts: list[LabHost],
+                body: str) -> Cluster:
+    cluster = Cluster.from_spec(write_spec(tmp_path, hostlab, hosts, body, provider_extra=CACHES))
+    made.append(cluster)
+    return cluster
+
+
+def log_lines(hosts: list[LabHost], attempt: AttemptRecord) -> dict[str, list[str]]:
+    out = {}
+    for task in attempt.tasks:
+        host = hosts[int(task.task.split(":")[1])]
+        done = host.run(["cat", task.log])
+        assert done.returncode == 0, (task.log, done.stderr)
+        out[task.task] = done.stdout.splitlines()
+    return out
+
+
+def first_epochs(hosts: list[LabHost], attempt: AttemptRecord) -> dict[str, int]:
+    """The epoch each task's script began with in ``attempt``."""
+    logs = log_lines(hosts, attempt)
+    epochs = {task: [int(line.split()[1]) for line in lines if line.startswith("EPOCH-BEGIN")]
+              for task, lines in logs.items()}
+    assert all(epochs.values()), logs
+    return {task: numbers[0] for task, numbers in epochs.items()}
+
+
+def final_weights(hosts: list[LabHost], attempt: AttemptRecord) -> set[str]:
+    return {next(line.split()[1] for line in lines if line.startswith("WEIGHTS "))
+            for lines in log_lines(hosts, attempt).values()}
+
+
+def test_tutorial_script_with_a_relative_backup_dir_resumes_from_the_chiefs_backup(
+        hostlab: HostLab, tmp_path: Path, clusters: list[Cluster]) -> None:
+    hosts = hostlab.hosts(2)
+    body = TUTORIAL.format(name="ck-tutorial", job_extra="  checkpoint_dir: backup\n",
+                           env='TUTORIAL_BACKUP_DIR: "backup"', extra="")
+    cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
+    result = train_and_kill(cluster, "worker:1")
+
+    assert result.status == "succeeded"
+    first, second = result.attempts  # one restart
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1"), first.detail
+    resumed = first_epochs(hosts, second)
+    assert len(set(resumed.values())) == 1 and resumed["worker:0"] >= 1, resumed
+    assert len(final_weights(hosts, second)) == 1  # the group trained as one
+    assert result.checkpoint_bytes["host_to_host"] > 0  # the chief's backup went to worker:1
+
+
+def test_shared_checkpoint_dir_copies_nothing_and_resumes(
+        hostlab: HostLab, tmp_path: Path, clusters: list[Cluster]) -> None:
+    hosts = hostlab.hosts(2)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    body = TUTORIAL.format(name="ck-shared", job_extra="", env="",
+                           extra=f"checkpoint: {{dir: {shared}}}\n")
+    cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
+    messages: list[str] = []
+    result = train_and_kill(cluster, "worker:1", on_view=lambda v: messages.extend(
+        m for m in v.messages if m not in messages))
+
+    assert result.status == "succeeded"
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1"), first.detail
+    resumed = first_epochs(hosts, second)
+    assert len(set(resumed.values())) == 1 and resumed["worker:0"] >= 1, resumed
+    assert result.checkpoint_bytes == {"through_controller": 0, "host_to_host": 0}
+    assert any("shared storage" in m and str(shared) in m for m in messages), messages
+
+
+def test_large_checkpoint_goes_host_to_host_intact(
+        hostlab: HostLab, tmp_path: Path, clusters: list[Cluster]) -> None:
+    hosts = hostlab.hosts(3)
+    mib = 300
+    body = f"""\
+        name: ck-large
+        job: {{module: tests.workloads.big_state, epochs: 1, steps_per_epoch: 60,
+               progress_every_steps: 1}}
+        checkpoint: {{every_steps: 20, mirror: never}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
+        timeouts: {{stop_grace_s: 1, poll_s: 8, hang_s: 120, startup_s: 240}}
+        env: {{BIG_STATE_MIB: "{mib}"}}
+        """
+    cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
+    digests: list[dict[str, dict[str, str]]] = []
+
+    def after_the_copy(view: RunView) -> None:
+        """Right after the relaunch's copy (the tasks are not started yet): every file of
+        every host's copy, by digest."""
+        if digests or not any("host to host" in m for m in view.messages):
+            return
+        root = f".orchestrate/clusters/ck-large/runs/{view.run_id}/checkpoints"
+        digests.append({h.name: _digests(Path(h.home) / root) for h in hosts})
+
+    result = train_and_kill(cluster, "worker:2", on_view=after_the_copy)
+
+    assert result.status == "succeeded"
+    assert [a.cause for a in result.attempts] == ["crashed", ""]
+    (copies,) = digests
+    chief = copies[hosts[0].name]
+    assert sum(1 for name in chief if ".data-" in name) >= 1
+    for host in hosts[1:]:
+        assert copies[host.name] == chief, host.name
+    assert result.checkpoint_bytes["host_to_host"] >= 2 * mib * 2**20  # to each of 2 hosts
+    assert result.checkpoint_bytes["through_controller"] == 0  # mirror: never
+    assert len(set(result.digests.values())) == 1
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    out = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        if "workertemp_" in str(path.relative_to(directory)):
+            continue
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        out[path.relative_to(directory).as_posix()] = digest.hexdigest()
+    return out
+
+
+def test_tasks_that_restored_different_checkpoints_are_diagnosed_not_retried(
+        hostlab: HostLab, tmp_path: Path, clusters: list[Cluster]) -> None:
+    """The script backs up to ./backup, which the spec does not name: nothing copies the
+    chief's backup, so after the restart the chief resumes and worker:1 starts afresh."""
+    hosts = hostlab.hosts(2)
+    body = TUTORIAL.format(name="ck-mismatch", job_extra="", env='TUTORIAL_BACKUP_DIR: "backup"',
+                           extra="")
+    cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
+    backup = Path(hosts[0].home, ".orchestrate/clusters/ck-mismatch/code/backup/chief/checkpoint")
+    with pytest.raises(RunFailed) as info:
+        train_and_kill(cluster, "worker:1", once_exists=backup)
+
+    text = str(info.value)
+    assert "restored different checkpoints" in text, text
+    assert "does not know the directory the script checkpoints to" in text
+    assert info.value.fix is not None and "job.checkpoint_dir" in info.value.fix
+    assert "failed after 2 attempt(s)" in text  # the budget (3 restarts) was not burnt
+    assert "attempt 2: checkpoint_mismatch" in text

@@ -1,0 +1,370 @@
+"""worker.transfer: host-to-host checkpoint copies, run as real processes on 127.0.0.1 sockets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.transfer import listing, needed
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+TOKEN = secrets.token_hex(16)
+INDEX = b'model_checkpoint_path: "ckpt-3"\n'
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write(path: Path, data: bytes, mtime_ns: int | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    if mtime_ns is not None:
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def checkpoint(root: Path, big: int = 20 << 20) -> None:
+    """A chief's checkpoint dir: an index file, a nested subdir, one large random file, TF's junk."""
+    write(root / "checkpoint", INDEX, 1_700_000_000_123_456_789)
+    write(root / "chief" / "ckpt-3.index", os.urandom(3000))
+    write(root / "chief" / "ckpt-3.data-00000-of-00001", os.urandom(big))
+    write(root / "chief" / "nested" / "deeper" / "meta.json", b"{}")
+    write(root / "chief" / "empty", b"")
+    write(root / "workertemp_1" / "ckpt-3.index", b"temp")
+    write(root / ".orchestrate-incoming-abc" / "x", b"staging")
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {f["path"]: hashlib.sha256((root / f["path"]).read_bytes()).hexdigest()
+            for f in listing(str(root))["files"]}
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(".orchestrate-")]
+
+
+class Procs:
+    """Every process a test starts, killed at teardown if it is still running."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(self, *args: str, stdin: dict[str, Any] | None = None) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.transfer", *args], cwd=REPO, env=ENV,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        self.started.append(proc)
+        assert proc.stdin is not None
+        if stdin is not None:
+            proc.stdin.write(json.dumps(stdin))
+        proc.stdin.close()
+        proc.stdin = None  # so that communicate() does not flush it
+        return proc
+
+    def receiver(self, dest: Path, port: int, manifest: list[dict[str, Any]], send: list[str],
+                 *extra: str, token: str = TOKEN, timeout: float = 20) -> subprocess.Popen[str]:
+        return self.start("receive", "--dest", str(dest), "--port", str(port), "--bind", "127.0.0.1",
+                          "--timeout", str(timeout), *extra,
+                          stdin={"token": token, "manifest": manifest, "send": send})
+
+    def sender(self, source: Path, port: int, send: list[str], timeout: float = 20) -> subprocess.Popen[str]:
+        return self.start("send", "--source", str(source), "--to", f"127.0.0.1:{port}",
+                          "--timeout", str(timeout), stdin={"token": TOKEN, "send": send})
+
+
+def result(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, dict[str, Any]]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, (out, err)
+    return proc.returncode, json.loads(lines[0])
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    procs = Procs()
+    yield procs
+    for proc in procs.started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def chain(procs: Procs, source: Path, dests: list[Path], manifest: list[dict[str, Any]],
+          send: list[str]) -> tuple[tuple[int, dict[str, Any]], list[tuple[int, dict[str, Any]]]]:
+    """sender -> dests[0] -> dests[1] -> ...; the results of the sender and of every receiver."""
+    ports = [free_port() for _ in dests]
+    receivers: list[subprocess.Popen[str]] = []
+    for i in reversed(range(len(dests))):
+        forward = ["--forward", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < len(dests) else []
+        receivers.insert(0, procs.receiver(dests[i], ports[i], manifest, send, *forward))
+    sent = result(procs.sender(source, ports[0], send))
+    return sent, [result(r) for r in receivers]
+
+
+# -- list and needed ---------------------------------------------------------------------------
+def test_list_files_sizes_mtimes_and_exclusions(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    checkpoint(root, big=5000)
+    (root / "chief" / "link").symlink_to(root / "checkpoint")
+    (root / "linkdir").symlink_to(root / "chief")
+    proc = subprocess.run([sys.executable, "-m", "worker.transfer", "list", str(root)], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=30, check=True)
+    assert len(proc.stdout.splitlines()) == 1
+    listed = json.loads(proc.stdout)
+    paths = [f["path"] for f in listed["files"]]
+    assert paths == ["checkpoint", "chief/ckpt-3.data-00000-of-00001", "chief/ckpt-3.index", "chief/empty",
+                     "chief/nested/deeper/meta.json"]
+    assert listed["exists"] is True
+    assert listed["bytes"] == sum(f["size"] for f in listed["files"]) == len(INDEX) + 5000 + 3000 + 0 + 2
+    first = listed["files"][0]
+    assert first == {"path": "checkpoint", "size": len(INDEX), "mtime_ns": 1_700_000_000_123_456_789}
+    assert listed == listing(str(root))
+
+    missing = subprocess.run([sys.executable, "-m", "worker.transfer", "list", str(tmp_path / "nope")],
+                             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 0
+    assert json.loads(missing.stdout) == {"exists": False, "files": [], "bytes": 0}
+
+
+def test_needed_compares_size_and_mtime() -> None:
+    source = [{"path": "a", "size": 1, "mtime_ns": 10}, {"path": "b", "size": 2, "mtime_ns": 20},
+              {"path": "c", "size": 3, "mtime_ns": 30}, {"path": "d", "size": 4, "mtime_ns": 40}]
+    present = [{"path": "a", "size": 1, "mtime_ns": 10}, {"path": "b", "size": 2, "mtime_ns": 21},
+               {"path": "c", "size": 4, "mtime_ns": 30}, {"path": "old", "size": 9, "mtime_ns": 9}]
+    assert needed(source, present) == ["b", "c", "d"]
+    assert needed(source, source) == []
+    assert needed(source, []) == ["a", "b", "c", "d"]
+    assert needed([], present) == []
+
+
+# -- copies ------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_chain_of_two_copies_everything(tmp_path: Path, procs: Procs) -> None:
+    source = tmp_path / "chief-host" / "ckpt"
+    checkpoint(source)
+    dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
+    manifest = listing(str(source))["files"]
+    send = [f["path"] for f in manifest]
+
+    (rc, sent), received = chain(procs, source, dests, manifest, send)
+
+    total = sum(f["size"] for f in manifest)
+    assert (rc, sent["ok"], sent["files"], sent["bytes"]) == (0, True, 5, total)
+    for dest, (rc, got) in zip(dests, received, strict=True):
+        assert rc == 0, got
+        assert got["ok"] is True
+        assert (got["files"], got["received"], got["linked"], got["bytes"]) == (5, 5, 0, total)
+        assert listing(str(dest))["files"] == manifest  # same paths, sizes and mtimes
+        assert digests(dest) == digests(source)
+        assert leftovers(dest.parent) == []
+
+
+@pytest.mark.timeout(60)
+def test_delta_sends_only_the_changed_file(tmp_path: Path, procs: Procs) -> None:
+    source = tmp_path / "chief-host" / "ckpt"
+    checkpoint(source, big=2 << 20)
+    dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
+    for dest in dests:
+        shutil.copytree(source, dest)  # copy2: same mtimes
+        write(dest / "chief" / "ckpt-2.index", b"an older checkpoint")
+    write(source / "checkpoint", b'model_checkpoint_path: "ckpt-4"\n', 1_700_000_100_000_000_000)
+    manifest = listing(str(source))["files"]
+    send = sorted(set(needed(manifest, listing(str(dests[0]))["files"]))
+                  | set(needed(manifest, listing(str(dests[1]))["files"])))
+    assert send == ["checkpoint"]
+
+    (rc, sent), received = chain(procs, source, dests, manifest, send)
+
+    assert (rc, sent["files"], sent["bytes"]) == (0, 1, len(INDEX))
+    for dest, (rc, got) in zip(dests, received, strict=True):
+        assert rc == 0, got
+        assert (got["files"], got["received"], got["linked"], got["bytes"]) == (5, 1, 4, len(INDEX))
+        assert listing(str(dest))["files"] == manifest  # the older file and TF's junk are gone
+        assert digests(dest) == digests(source)
+        assert leftovers(dest.parent) == []
+
+
+@pytest.mark.timeout(60)
+def test_wrong_token_is_ignored_and_the_real_sender_succeeds(tmp_path: Path, procs: Procs) -> None:
+    source, dest = tmp_path / "src", tmp_path / "h1" / "ckpt"
+    write(source / "a", b"payload")
+    manifest = listing(str(source))["files"]
+    port = free_port()
+    receiver = procs.receiver(dest, port, manifest, ["a"])
+    with _connect(port) as rogue:
+        rogue.sendall(b"0" * 32 + b"\n" + b'{"path": "a", "size": 4}\nevil')
+        assert rogue.recv(100) == b""  # closed on us, without an ack
+    assert receiver.poll() is None  # still waiting for the real sender
+
+    with _connect(port):  # a connection that never sends its token holds up nobody
+        rc, sent = result(procs.sender(source, port, ["a"]))
+    assert (rc, sent["ok"]) == (0, True)
+    rc, got = result(receiver)
+    assert (rc, got["ok"], got["received"], got["rejected"]) == (0, True, 1, 1)
+    assert (dest / "a").read_bytes() == b"payload"
+
+
+def frames(path: str, data: bytes, digest: str, *, cut: int | None = None) -> bytes:
+    header = json.dumps({"path": path, "size": len(data)}).encode() + b"\n"
+    if cut is not None:
+        return TOKEN.encode() + b"\n" + header + data[:cut]
+    return TOKEN.encode() + b"\n" + header + data + digest.encode() + b"\n" + b'{"end": true}\n'
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("stream", "error"), [
+    (frames("a", b"new payload", "0" * 64), "sha256 mismatch for a"),
+    (frames("a", b"new payload", "", cut=4), "short stream"),
+    (frames("b", b"new payload", "0" * 64), "expected a next"),
+], ids=["bad-digest", "short", "wrong-path"])
+def test_a_bad_stream_leaves_the_destination_untouched(
+        tmp_path: Path, procs: Procs, stream: bytes, error: str) -> None:
+    dest = tmp_path / "h1" / "ckpt"
+    write(dest / "a", b"old payload")
+    write(dest / "keep", b"kept")
+    before = listing(str(dest))
+    manifest = [{"path": "a", "size": 11, "mtime_ns": 1_700_000_000_000_000_000},
+                {"path": "keep", **{k: v for k, v in before["files"][1].items() if k != "path"}}]
+    port = free_port()
+    receiver = procs.receiver(dest, port, manifest, ["a"])
+    sock = _connect(port)
+    with sock:
+        sock.sendall(stream)
+        if b'"end"' not in stream:
+            sock.shutdown(socket.SHUT_WR)
+        ack = json.loads(sock.makefile("rb").readline())
+    rc, got = result(receiver)
+    assert rc == 1
+    assert got["ok"] is False and error in got["error"]
+    assert ack["ok"] is False and error in ack["error"]
+    assert listing(str(dest)) == before
+    assert (dest / "a").read_bytes() == b"old payload"
+    assert leftovers(dest.parent) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_down_the_chain_names_its_host(tmp_path: Path, procs: Procs) -> None:
+    source = tmp_path / "src"
+    write(source / "a", os.urandom(3 << 20))
+    write(source / "b", b"only the source and h1 have this")
+    dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
+    shutil.copytree(source, dests[0])
+    write(dests[1] / "a", b"stale")
+    manifest = listing(str(source))["files"]
+    ports = [free_port(), free_port()]
+    tail = procs.receiver(dests[1], ports[1], manifest, ["a"])
+    head = procs.receiver(dests[0], ports[0], manifest, ["a"], "--forward", f"127.0.0.1:{ports[1]}")
+
+    rc, sent = result(procs.sender(source, ports[0], ["a"]))
+
+    assert rc == 1
+    assert sent["error"] == f"127.0.0.1:{ports[1]}: missing b"
+    assert result(tail) == (1, {"ok": False, "error": "missing b", "rejected": 0})
+    rc, got = result(head)
+    assert (rc, got["error"]) == (1, f"127.0.0.1:{ports[1]}: missing b")
+    assert digests(dests[0]) == digests(source)
+    assert (dests[1] / "a").read_bytes() == b"stale"
+    assert leftovers(dests[0].parent) == leftovers(dests[1].parent) == []
+
+
+# -- failing fast ------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_a_taken_port_exits_75_at_once(tmp_path: Path, procs: Procs) -> None:
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        receiver = procs.start("receive", "--dest", str(tmp_path / "ckpt"), "--port", str(port),
+                               stdin={"token": TOKEN, "manifest": [], "send": []})
+        rc, got = result(receiver)
+    assert time.monotonic() - started < 10
+    assert rc == 75
+    assert got["ok"] is False and got["error"].startswith(f"port {port} is taken: ")
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_with_nobody_listening_fails_clearly(tmp_path: Path, procs: Procs) -> None:
+    write(tmp_path / "src" / "a", b"x")
+    port = free_port()
+    started = time.monotonic()
+    rc, got = result(procs.sender(tmp_path / "src", port, ["a"], timeout=1))
+    assert time.monotonic() - started < 10
+    assert rc == 1
+    assert got["ok"] is False and got["error"].startswith(f"could not connect to 127.0.0.1:{port} within 1 s")
+
+
+@pytest.mark.timeout(30)
+def test_a_receiver_nobody_connects_to_gives_up_at_its_timeout(tmp_path: Path, procs: Procs) -> None:
+    dest = tmp_path / "ckpt"
+    write(dest / "a", b"old")
+    started = time.monotonic()
+    rc, got = result(procs.receiver(dest, free_port(), listing(str(dest))["files"], [], timeout=1))
+    assert time.monotonic() - started < 10
+    assert rc == 1
+    assert got["error"].startswith("timed out after 1 s waiting for the upstream sender")
+    assert (dest / "a").read_bytes() == b"old"
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_missing_a_file_fails_both_ends(tmp_path: Path, procs: Procs) -> None:
+    source, dest = tmp_path / "src", tmp_path / "h1" / "ckpt"
+    write(source / "a", b"a")
+    write(dest / "a", b"old")
+    manifest = [*listing(str(source))["files"], {"path": "gone", "size": 1, "mtime_ns": 1}]
+    port = free_port()
+    receiver = procs.receiver(dest, port, manifest, ["a", "gone"])
+    rc, sent = result(procs.sender(source, port, ["a", "gone"]))
+    assert (rc, sent["error"]) == (1, f"gone is missing from {source}")
+    rc, got = result(receiver)
+    assert rc == 1 and "closed the connection" in got["error"]
+    assert (dest / "a").read_bytes() == b"old"
+    assert leftovers(dest.parent) == []
+
+
+@pytest.mark.timeout(30)
+def test_install_swaps_a_staging_dir_in(tmp_path: Path) -> None:
+    dest, staging = tmp_path / "ckpt", tmp_path / ".orchestrate-upload-1"
+    write(dest / "old", b"old")
+    write(staging / "new", b"new")
+    with subprocess.Popen([sys.executable, "-m", "worker.transfer", "install", "--dest", str(dest)], cwd=REPO,
+                          env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"staging": str(staging)}) + "\n")
+        proc.stdin.flush()  # and left open, as an SSH channel may leave it
+        line = proc.stdout.readline()
+        proc.stdin.close()
+        rc, got = proc.wait(), json.loads(line)
+    assert (rc, got) == (0, {"ok": True})
+    assert [f["path"] for f in listing(str(dest))["files"]] == ["new"]
+    assert leftovers(tmp_path) == []
+
+
+def _connect(port: int) -> socket.socket:
+    """A test's own upstream connection, once the receiver listens."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=10)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
