@@ -16,10 +16,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def write_spec(tmp_path: Path, lab: HostLab, hosts: list[LabHost], body: str,
-               provider_extra: str = "", known_hosts: str | None = None) -> Path:
-    """A static-provider spec for ``hosts`` (workers = len(hosts)) followed by ``body``."""
+               provider_extra: str = "", known_hosts: str | None = None,
+               user: str | None = None) -> Path:
+    """A static-provider spec for ``hosts`` (workers = len(hosts)) followed by ``body``;
+    ``user`` logs in on every host instead of each host's own (e.g. ``lab.plain_user()``)."""
     host_lines = "".join(
-        f"    - {{address: {h.address}, ssh_port: {h.port}, user: {h.user}, "
+        f"    - {{address: {h.address}, ssh_port: {h.port}, user: {user or h.user}, "
         f"key_file: {lab.client_key_path}}}\n" for h in hosts
     )
     path = tmp_path / "cluster.yaml"

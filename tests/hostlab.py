@@ -31,6 +31,12 @@ its own disk at that path. ``ip netns exec NS``, which starts each host's sshd,
 bind-mounts ``/etc/netns/NS/ENTRY`` over ``/etc/ENTRY`` for the processes it
 starts; the controller sees the empty mount point. None in the loopback fallback.
 
+An unprivileged login: ``hostlab.plain_user()`` names a user with a uid of its own (not a
+root alias), made on first use, whose ``$HOME`` on each host is that host's
+``LabHost.plain_home`` (owned by it), and who can execute this test run's Python (each
+directory on the way to the interpreter, its library and its site-packages that others may
+not enter gets a POSIX ACL entry for that user alone, removed when the lab closes).
+
 Fault tools on a :class:`LabHost`: ``kill()`` (SIGKILL every process in the
 namespace, sshd included), ``restart_sshd()``, ``cut()``/``restore()`` (link
 down/up), ``throttle(rate, to=address)``/``unthrottle()`` (a slow link to one
@@ -59,7 +65,10 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -75,7 +84,7 @@ from orchestrator.hosts import SSHEndpoint
 
 FORCE_LOOPBACK_ENV = "ORCHESTRATE_LAB_FORCE_LOOPBACK"
 SSHD = "/usr/sbin/sshd"
-STALE_NAME = re.compile(r"^orch(\d+)[a-z](?:br|t|g|[hpnu]\d+)$")
+STALE_NAME = re.compile(r"^orch(\d+)[a-z](?:br|t|g|q|[hpnu]\d+)$")
 STALE_DIR = re.compile(r"^orchlab-(\d+)[a-z]-")
 _LAB_SERIAL = itertools.count()
 _OPEN_LABS: set[HostLab] = set()
@@ -190,13 +199,15 @@ def _keygen(path: Path, comment: str) -> str:
 
 
 # -- tools and stale leftovers -----------------------------------------------
-def ensure_tools() -> None:
-    """Install openssh-server and iproute2 with apt-get where sshd or ip is missing."""
+def ensure_tools(acl: bool = False) -> None:
+    """Install openssh-server and iproute2 with apt-get where sshd or ip is missing (and acl,
+    for ``setfacl``, when asked)."""
     missing = [
         pkg
         for present, pkg in (
             (os.path.exists(SSHD), "openssh-server"),
             (shutil.which("ip") is not None, "iproute2"),
+            (not acl or shutil.which("setfacl") is not None, "acl"),
         )
         if not present
     ]
@@ -276,6 +287,11 @@ class LabHost:
     sshd: subprocess.Popen[bytes] | None = None
     is_cut: bool = False
     throttled_to: str | None = None
+
+    @property
+    def plain_home(self) -> str:
+        """The home of ``HostLab.plain_user()`` on this host."""
+        return str(self.dir / "plain-home")
 
     @property
     def private_dir(self) -> str | None:
@@ -455,6 +471,7 @@ class HostLab:
         self.bridge: str | None = None
         self.network: ipaddress.IPv4Network | None = None
         self.created: dict[str, list[str]] = {"netns": [], "link": [], "user": [], "path": []}
+        self.acl_entries: list[tuple[str, str]] = []  # (directory, user) given by plain_user
         self.private_name = f"orchlab-{self.tag[4:]}-private"
         self._hosts: list[LabHost] = []
         self._lock = threading.Lock()
@@ -502,6 +519,51 @@ class HostLab:
             if user not in self.created["user"]:
                 self._add_user(user, str(self.dir))
         return user
+
+    def plain_user(self) -> str:
+        """An unprivileged user every host lets in (see the module docstring)."""
+        user = f"{self.tag}q"
+        with self._lock:
+            if user not in self.created["user"]:
+                _with_retries("useradd", "-M", "-s", "/bin/sh", "-p", "*", "-d",
+                              str(self.dir / "plain-home"), user)
+                self.created["user"].append(user)
+                self.dir.chmod(0o711)  # the user's homes and the authorized keys are in here
+                for host in self._hosts:
+                    self._plain_home(host, user)
+                self._let_run_python(user)
+        return user
+
+    def _plain_home(self, host: LabHost, user: str) -> None:
+        home = Path(host.plain_home)
+        home.mkdir(exist_ok=True)
+        shutil.chown(home, user, user)
+        home.chmod(0o700)
+
+    def _let_run_python(self, user: str) -> None:
+        """POSIX ACL entries (execute only, for ``user``) on the directories above this run's
+        interpreter, its shared library and its site-packages that others may not enter."""
+        if shutil.which("setfacl") is None:
+            ensure_tools(acl=True)
+        targets = [os.path.realpath(sys.executable), sysconfig.get_paths()["purelib"],
+                   sysconfig.get_config_var("LIBDIR") or sys.base_prefix]
+        closed: list[str] = []
+        for target in targets:
+            for parent in [*reversed(Path(target).parents), Path(target)]:
+                mode = parent.stat().st_mode if parent.exists() else 0
+                if parent.is_dir() and not mode & stat.S_IXOTH and str(parent) not in closed:
+                    closed.append(str(parent))
+        for directory in closed:
+            _cmd("setfacl", "-m", f"u:{user}:x", directory)
+            self.acl_entries.append((directory, user))
+
+    def _remove_acl_entries(self) -> None:
+        for directory, user in reversed(self.acl_entries):
+            _cmd("setfacl", "-x", f"u:{user}", directory, check=False)
+            left = _cmd("getfacl", "-c", "-n", directory, check=False).stdout
+            if not re.search(r"^(user|group):\d+:", left, re.M):
+                _cmd("setfacl", "-b", directory, check=False)  # no other named entry: as before
+        self.acl_entries.clear()
 
     def require_partition(self) -> None:
         """Skip the calling test, with the reason, where hosts cannot be cut off or killed."""
@@ -555,6 +617,8 @@ class HostLab:
             self._plug(host)
             self._make_private_dir(host)
         self._add_user(host.user, host.home)
+        if f"{self.tag}q" in self.created["user"]:
+            self._plain_home(host, f"{self.tag}q")
         host.host_key_line = _keygen(host.dir / "ssh_host_ed25519_key", host.name)
         (host.dir / "sshd_config").write_text(self._sshd_config(host))
         try:
@@ -632,7 +696,7 @@ class HostLab:
             "HostKey": str(host.dir / "ssh_host_ed25519_key"),
             "PidFile": str(host.dir / "sshd.pid"),
             "AuthorizedKeysFile": f"{self.authorized_keys_path} {host.authorized_keys_path}",
-            "AllowUsers": f"{host.user} {self.tag}g",
+            "AllowUsers": f"{host.user} {self.tag}g {self.tag}q",
             "PasswordAuthentication": "no",
             "KbdInteractiveAuthentication": "no",
             "PubkeyAuthentication": "yes",
@@ -643,7 +707,8 @@ class HostLab:
             "PrintMotd": "no",
             "Subsystem": "sftp internal-sftp",
         }
-        shared = f"Match User {self.tag}g\n    SetEnv HOME={host.home}\n"
+        shared = (f"Match User {self.tag}g\n    SetEnv HOME={host.home}\n"
+                  f"Match User {self.tag}q\n    SetEnv HOME={host.plain_home}\n")
         return "".join(f"{key} {value}\n" for key, value in settings.items()) + shared
 
     # -- teardown --------------------------------------------------------
@@ -655,7 +720,8 @@ class HostLab:
             self._closed = True
         _OPEN_LABS.discard(self)
         problems: list[str] = []
-        for step in (self._stop_hosts, self._delete_network, self._delete_users,
+        for step in (self._stop_hosts, self._delete_network, self._remove_acl_entries,
+                     self._delete_users,
                      self._delete_paths):
             try:
                 step()

@@ -1,13 +1,16 @@
 """Checkpoints on real layouts, end to end on namespace hosts with real TensorFlow: a tutorial
 script in command mode resumes from the chief's backup, shared storage copies nothing, a large
 checkpoint goes host to host intact, and tasks that restored different checkpoints are
-diagnosed instead of retried."""
+diagnosed instead of retried. Every host is logged into as an unprivileged user with a home of
+its own on each host (``hostlab.plain_user()``)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -93,7 +96,8 @@ def clusters() -> Iterator[list[Cluster]]:
 
 def cluster_for(made: list[Cluster], tmp_path: Path, hostlab: HostLab, hosts: list[LabHost],
                 body: str) -> Cluster:
-    cluster = Cluster.from_spec(write_spec(tmp_path, hostlab, hosts, body, provider_extra=CACHES))
+    cluster = Cluster.from_spec(write_spec(tmp_path, hostlab, hosts, body, provider_extra=CACHES,
+                                           user=hostlab.plain_user()))
     made.append(cluster)
     return cluster
 
@@ -139,12 +143,20 @@ def test_tutorial_script_with_a_relative_backup_dir_resumes_from_the_chiefs_back
     assert result.checkpoint_bytes["host_to_host"] > 0  # the chief's backup went to worker:1
 
 
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every lab host sees (they share this file system), writable by all; not
+    under tmp_path, whose parents only root may enter."""
+    path = Path(tempfile.mkdtemp(prefix="orchestrate-shared-ckpt-"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path)
+
+
 def test_shared_checkpoint_dir_copies_nothing_and_resumes(
-        hostlab: HostLab, tmp_path: Path, clusters: list[Cluster]) -> None:
+        hostlab: HostLab, tmp_path: Path, clusters: list[Cluster], shared_dir: Path) -> None:
     hosts = hostlab.hosts(2)
-    shared = tmp_path / "shared"
-    shared.mkdir(mode=0o1777)
-    shared.chmod(0o1777)
+    shared = shared_dir
     body = TUTORIAL.format(name="ck-shared", job_extra="", env="",
                            extra=f"checkpoint: {{dir: {shared}}}\n")
     cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
@@ -183,7 +195,7 @@ def test_large_checkpoint_goes_host_to_host_intact(
         if digests or not any("host to host" in m for m in view.messages):
             return
         root = f".orchestrate/clusters/ck-large/runs/{view.run_id}/checkpoints"
-        digests.append({h.name: _digests(Path(h.home) / root) for h in hosts})
+        digests.append({h.name: _digests(Path(h.plain_home) / root) for h in hosts})
 
     result = train_and_kill(cluster, "worker:2", on_view=after_the_copy)
 
@@ -220,7 +232,8 @@ def test_tasks_that_restored_different_checkpoints_are_diagnosed_not_retried(
     body = TUTORIAL.format(name="ck-mismatch", job_extra="", env='TUTORIAL_BACKUP_DIR: "backup"',
                            extra="")
     cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
-    backup = Path(hosts[0].home, ".orchestrate/clusters/ck-mismatch/code/backup/chief/checkpoint")
+    backup = Path(hosts[0].plain_home,
+                  ".orchestrate/clusters/ck-mismatch/code/backup/chief/checkpoint")
     with pytest.raises(RunFailed) as info:
         train_and_kill(cluster, "worker:1", once_exists=backup)
 

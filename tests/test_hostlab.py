@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import socket
 import subprocess
 import sys
@@ -208,3 +209,34 @@ def test_stale_objects_are_removed_only_when_their_owner_is_gone() -> None:
     finally:
         for name in (stale, live):
             subprocess.run(["ip", "link", "del", name], capture_output=True)
+
+
+def test_plain_user_is_unprivileged_with_a_home_per_host_and_runs_this_python(
+        hostlab: HostLab) -> None:
+    user = hostlab.plain_user()
+    hosts = hostlab.hosts(2)
+    for host in hosts:
+        with SSHRunner(host.name, host.endpoint(user=user)) as r:
+            uid, home = r.run('id -u; echo "$HOME"').stdout.split()
+            assert int(uid) != 0 and home == host.plain_home
+            assert not r.run(["touch", "/etc/orchestrate-plain-user-probe"], check=False).ok
+            r.run(["touch", f"{home}/mine"])  # its own home is writable
+            version = r.run([sys.executable, "-c", "import sys; print(sys.version)"]).stdout
+            assert version.strip() == sys.version
+    assert Path(hosts[0].plain_home, "mine").is_file()
+
+
+def test_a_lab_with_a_plain_user_removes_it_and_its_acl_entries(hostlab: HostLab) -> None:
+    lab = HostLab.start()
+    try:
+        lab.hosts(1)
+        user = lab.plain_user()
+        uid = pwd.getpwnam(user).pw_uid
+        entries = list(lab.acl_entries)
+    finally:
+        lab.close()
+    assert user not in Path("/etc/passwd").read_text()
+    for directory, _ in entries:
+        acl = subprocess.run(["getfacl", "-n", "-p", directory], capture_output=True,
+                             text=True, check=True).stdout
+        assert f"user:{uid}:" not in acl, acl
