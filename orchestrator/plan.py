@@ -55,6 +55,7 @@ class CheckpointLayout:
     shared: bool = False
     named_by: str = ""
     mirror: Literal["auto", "always", "never"] = "auto"  # "never" when shared
+    machines: int = 1  # how many machines the tasks run on
 
     def of(self, host: Host) -> str:
         return self.dirs[host.name]
@@ -64,6 +65,8 @@ class CheckpointLayout:
         where = next(iter(self.dirs.values()), "")
         if self.shared:
             return f"{where} (shared by every task: nothing is copied)"
+        if self.machines < 2:
+            return f"{where} (every task runs on this one machine: nothing is copied)"
         mirror = {"auto": "this machine keeps a copy up to 1 GiB", "always": "this machine "
                   "keeps a copy", "never": "this machine keeps no copy"}[self.mirror]
         return (f"{where} on each host (the chief's is copied host to host before a relaunch; "
@@ -196,7 +199,8 @@ def checkpoint_layout(spec: ClusterSpec, hosts: Sequence[Host], run_id: str,
         dirs = {h.name: RunPaths.of(h.root, run_id).checkpoint_dir for h in hosts}
         shared, by = False, ""
     return CheckpointLayout(dirs=dirs, shared=shared, named_by=by,
-                            mirror="never" if shared else spec.checkpoint.mirror)
+                            mirror="never" if shared else spec.checkpoint.mirror,
+                            machines=len({h.machine for h in hosts}))
 
 
 def _under(path: str, root: str) -> bool:

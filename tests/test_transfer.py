@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from worker.transfer import listing, needed
+from worker.transfer import listing, needed, remove_leftovers
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -368,3 +368,16 @@ def _connect(port: int) -> socket.socket:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_a_receive_removes_what_an_earlier_killed_receive_left(tmp_path: Path) -> None:
+    dest = tmp_path / "ckpt"
+    dest.mkdir()
+    stale = [tmp_path / ".orchestrate-incoming-ckpt-0123456789ab",
+             tmp_path / ".orchestrate-old-ckpt-ba9876543210"]
+    other = tmp_path / ".orchestrate-incoming-another-0123456789ab"  # another directory's
+    for path in [*stale, other]:
+        path.mkdir()
+        (path / "big").write_bytes(b"x" * 1000)
+    assert sorted(remove_leftovers(str(dest))) == sorted(p.name for p in stale)
+    assert not any(p.exists() for p in stale) and other.exists() and dest.exists()

@@ -42,6 +42,7 @@ its ack, so anything readable from a peer mid-stream is its error (or its close)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
 import json
@@ -142,7 +143,22 @@ def swap_in(staging: str, dest: str) -> None:
 
 
 def _sibling(dest: str, kind: str) -> str:
-    return os.path.join(os.path.dirname(dest), f".orchestrate-{kind}-{secrets.token_hex(6)}")
+    return os.path.join(os.path.dirname(dest),
+                        f".orchestrate-{kind}-{os.path.basename(dest)}-{secrets.token_hex(6)}")
+
+
+def remove_leftovers(dest: str) -> list[str]:
+    """Delete the staging and old directories of ``dest`` that an earlier receive left behind
+    (a receiver killed by SIGKILL cannot clean up; the next one does). Only one receive into
+    ``dest`` runs at a time: the controller copies once per relaunch."""
+    parent, name = os.path.split(os.path.abspath(dest))
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.listdir(parent):
+            if any(entry.startswith(f".orchestrate-{kind}-{name}-") for kind in ("incoming", "old")):
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+                removed.append(entry)
+    return removed
 
 
 # -- connections -------------------------------------------------------------------------------
@@ -401,6 +417,7 @@ class Receiver:
         """The staging dir, with every manifest file that is not sent hard-linked from DIR."""
         parent = os.path.dirname(self.dest)
         os.makedirs(parent, exist_ok=True)
+        remove_leftovers(self.dest)
         staging = _sibling(self.dest, "incoming")
         os.mkdir(staging, 0o755)
         self.staging = staging
