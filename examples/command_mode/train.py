@@ -2,8 +2,11 @@
 
 It knows nothing about the orchestrator: it reads TF_CONFIG, builds a
 MultiWorkerMirroredStrategy, fits with tf.keras (Keras 2 via
-TF_USE_LEGACY_KERAS=1, which the orchestrator sets), and saves the model from
-the chief while the other workers save to temporary paths that they delete.
+TF_USE_LEGACY_KERAS=1, which the orchestrator sets) and BackupAndRestore, and
+saves the model from the chief while the other workers save to temporary paths
+that they delete. Its backups go to ORCHESTRATE_CHECKPOINT_DIR when the
+orchestrator runs it (so a restarted group resumes from the chief's backup on
+every host), else to --backup-dir.
 
     python examples/command_mode/train.py --model-dir /tmp/digits-model
 """
@@ -57,7 +60,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", default="/tmp/keras-model")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--backup-dir", default="/tmp/keras-backup")
     args = parser.parse_args()
+    backup_dir = os.environ.get("ORCHESTRATE_CHECKPOINT_DIR", args.backup_dir)
 
     tf_config = json.loads(os.environ["TF_CONFIG"])
     num_workers = len(tf_config["cluster"]["worker"])
@@ -66,7 +71,9 @@ def main():
     global_batch_size = 32 * num_workers
     with strategy.scope():
         model = build_and_compile_model()
-    history = model.fit(digits_dataset(global_batch_size), epochs=args.epochs, steps_per_epoch=30)
+    callbacks = [tf.keras.callbacks.BackupAndRestore(backup_dir=backup_dir)]
+    history = model.fit(digits_dataset(global_batch_size), epochs=args.epochs, steps_per_epoch=30,
+                        callbacks=callbacks)
     print("final loss", history.history["loss"][-1])
 
     task_type, task_id = strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id
