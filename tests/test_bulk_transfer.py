@@ -4,6 +4,7 @@ run whose large checkpoint is pulled over a slow link while the chief's log keep
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import sys
 import threading
@@ -206,6 +207,73 @@ def test_close_ends_the_thread_and_later_requests_are_ignored(
     mirror.request(two_hosts, 20)
     assert mirror.wait(timeout_s=0) and mirror.step == 10
     assert calls.of("mirrored") == [10]
+
+
+class CountingLink(LocalRunner):
+    """A LocalRunner that counts the files it downloads."""
+
+    def __init__(self) -> None:
+        super().__init__("chief")
+        self.got: list[str] = []
+
+    def get_file(self, remote_path: str, local_path: str) -> None:
+        self.got.append(Path(remote_path).name)
+        super().get_file(remote_path, local_path)
+
+
+def test_a_pull_downloads_only_the_files_that_changed(tmp_path: Path,
+                                                      two_hosts: plan.ClusterPlan) -> None:
+    link = CountingLink()
+    m = CheckpointMirror(tmp_path / "mirror", lambda h: link, worker_here)
+    chief = Path(two_hosts.paths["chief"].chief_checkpoint_dir)
+    chief.mkdir(parents=True)
+    (chief / "ckpt-1.data-00000-of-00001").write_bytes(os.urandom(1 << 20))
+    (chief / "ckpt-1.index").write_bytes(b"i1")
+    (chief / "checkpoint").write_text('model_checkpoint_path: "ckpt-1"\n')
+    assert m.pull(two_hosts, 1)
+    assert sorted(link.got) == ["checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
+    assert link.got[0] == "checkpoint"  # the index first: a newer save cannot outrun it
+
+    link.got.clear()
+    (chief / "ckpt-2.index").write_bytes(b"i2")
+    (chief / "checkpoint").write_text('model_checkpoint_path: "ckpt-2"\n')
+    assert m.pull(two_hosts, 2)
+    assert sorted(link.got) == ["checkpoint", "ckpt-2.index"]  # ckpt-1's 1 MiB stays
+    copy = m.current / "chief"
+    assert (copy / "ckpt-1.data-00000-of-00001").read_bytes() == \
+        (chief / "ckpt-1.data-00000-of-00001").read_bytes()
+    assert m.bytes_pulled == (1 << 20) + 2 * len('model_checkpoint_path: "ckpt-1"\n') + 4
+    assert m.close()
+
+
+def test_auto_turns_the_mirror_off_above_its_limit_and_says_so_once(
+        tmp_path: Path, two_hosts: plan.ClusterPlan) -> None:
+    said: list[str] = []
+    m = CheckpointMirror(tmp_path / "mirror", lambda h: LocalRunner(h.name), worker_here,
+                         mode="auto", max_bytes=1000, on_off=said.append)
+    chief_writes(two_hosts, 10)
+    assert m.pull(two_hosts, 10)  # small: kept
+    big = Path(two_hosts.paths["chief"].chief_checkpoint_dir) / "ckpt-2.data-00000-of-00001"
+    big.write_bytes(os.urandom(4000))
+    for step in (20, 30):
+        m.request(two_hosts, step)
+        assert m.wait()
+    assert not m.enabled and len(said) == 1
+    assert "checkpoint.mirror: always" in said[0] and "above" in said[0]
+    assert m.step == 10 and not (m.current / "chief" / big.name).exists()  # the older copy stays
+    m.request(two_hosts, 40)  # ignored from now on
+    assert m.wait(timeout_s=0) and len(said) == 1
+    assert m.close()
+
+
+def test_never_pulls_nothing(tmp_path: Path, two_hosts: plan.ClusterPlan) -> None:
+    link = CountingLink()
+    m = CheckpointMirror(tmp_path / "mirror", lambda h: link, worker_here, mode="never")
+    chief_writes(two_hosts, 10)
+    m.request(two_hosts, 10)
+    assert m.wait() and not m.pull(two_hosts, 10)
+    assert link.got == [] and not m.has_checkpoint()
+    assert m.close()
 
 
 # -- the lab's throttle -------------------------------------------------------------------------

@@ -19,9 +19,10 @@ the secret token, so nobody else can inject a checkpoint or make it give up; the
 every file catches a corrupted or truncated stream. The data itself is NOT encrypted: anyone
 who can read the VPC's traffic can read the checkpoint, as they can read TF's own traffic.
 
-Why staging + rename. A receiver writes into ``<parent>/.orchestrate-incoming-<random>``, then
-renames DIR away and the staging dir into place, so a host never sees a half-copied checkpoint:
-on any failure the staging dir is removed and DIR is left as it was.
+Why staging + rename. A receiver writes into ``<parent>/.orchestrate-incoming-<name>-<random>``,
+then renames DIR away and the staging dir into place, so a host never sees a half-copied one:
+on any failure the staging dir is removed and DIR is left as it was; one that a SIGKILL left
+behind is removed by the next receive into DIR.
 
 Frames (one TCP connection per hop; "line" = UTF-8 text ending in ``\\n``):
 
