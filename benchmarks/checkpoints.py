@@ -12,10 +12,10 @@ directory every host sees (shared storage). Figures per size:
   the ratios b/a, c/a, d/a, c/b and d/b. Goal: c/b and d/b >= 0.95.
 - bytes through the controller's link, counted by the kernel: every host's traffic to the
   controller goes through a tc class at 10 Gbit/s (it slows nothing) whose byte counter is read
-  before the run and once more before the final model is downloaded; per checkpoint, beside
-  the product's own figure (``RunResult.checkpoint_bytes``). (b) is the control traffic alone
-  (polls, log reads); the excess of (c) and (d) over it is what their checkpoints cost. Goal:
-  shared storage moves 0 checkpoint bytes through the controller.
+  before the run and once more just before the final model is downloaded; per checkpoint,
+  beside the product's own figure (``RunResult.checkpoint_bytes``). (b) is the control traffic
+  alone (polls, log reads); the excess of (c) and (d) over it is what their checkpoints cost.
+  Goal: shared storage moves 0 checkpoint bytes through the controller.
 - the relaunch copy: the chief's checkpoint directory as a run of (b) left it (hard-linked at
   its last checkpoint: tf_keras deletes it when training ends) given to the 2 other hosts by
   ``share_chief_checkpoint`` (a pipelined chain, chief -> h1 -> h2), their copies removed
@@ -24,8 +24,15 @@ directory every host sees (shared storage). Figures per size:
   bytes through the controller during the chain copy, and a second copy right after (nothing
   changed: nothing should be sent). Goal: chain <= 1.3x the plain copy.
 
-    python benchmarks/checkpoints.py           # 3 sizes; 2 repeats (1 at 1 GiB); ~20 min (root)
-    python benchmarks/checkpoints.py --quick   # 1 MiB, once, few steps
+A size whose 3 workers would not fit in this machine's free memory (big_state holds about 6x
+its state per worker, 8x at its peak) is not trained: its chief's directory is made by hand
+(the layout tf_keras leaves: an index and up to 3 checkpoints), the controller's copy is pulled
+once per new checkpoint (``CheckpointMirror.pull``, what mirror: always does after each
+checkpoint event), and the relaunch copy is measured on it. On a 23 GiB machine that is 1 GiB,
+so 300 MiB is trained as well, as the largest size that fits.
+
+    python benchmarks/checkpoints.py           # 2 repeats (1 at 300 MiB); about 15 min (root)
+    python benchmarks/checkpoints.py --quick   # 1 MiB trained, 16 MiB by hand, once
 """
 
 from __future__ import annotations
@@ -62,10 +69,11 @@ from orchestrator import paths
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.api import Cluster
-from orchestrator.checkpoints import Copied, WorkerCommand, share_chief_checkpoint
+from orchestrator.checkpoints import CheckpointMirror, Copied, WorkerCommand, share_chief_checkpoint
 from orchestrator.events import Event
 from orchestrator.hosts import Host
 from orchestrator.providers import for_spec
+from orchestrator.providers.base import Provider
 from orchestrator.view import RunView, human_bytes
 
 WORKERS = 3
@@ -75,6 +83,12 @@ STEPS_GOAL = 0.95  # c/b and d/b
 COPY_GOAL = 1.3  # chain copy to 2 hosts / plain copy to 1
 SHARED_SLACK = 0.05  # measured excess of (d) over (b) per checkpoint, as a share of a checkpoint
 PLAIN_PORT = 29870  # inside the receiving host's own namespace: no other process uses it
+KEEP = 3  # checkpoints tf_keras keeps in the chief's directory (worker/runtimes/tf_keras.py)
+# Resident memory of one big_state worker: about 0.65 GiB of TensorFlow and 6x the state while
+# it trains, 8x at its peaks (building the model, the final save); measured at 100 and 256 MiB.
+WORKER_BASE_GIB = 0.7
+PEAK_PER_STATE = 8.0
+MEMORY_MARGIN_GIB = 2.0
 CONFIGS = ("none", "off", "on", "shared")
 LABELS = {"none": "(a) no checkpoints", "off": "(b) mirror never", "on": "(c) mirror always",
           "shared": "(d) shared storage"}
@@ -84,24 +98,36 @@ SETTINGS = {"retry": {"max_restarts": 0},
 
 @dataclass(frozen=True)
 class Size:
-    """One checkpoint size: ``every`` steps between checkpoints, ``steps`` in the run, and at
-    most ``max_repeats`` repeats (a 1 GiB run takes minutes)."""
+    """One checkpoint size: a checkpoint every ``every`` steps of ``steps``, at most
+    ``max_repeats`` repeats; ``train=False``: the chief's directory is only made by hand."""
 
     mib: int
     every: int
     steps: int
     max_repeats: int = 99
+    train: bool = True
 
     @property
     def name(self) -> str:
         return f"{self.mib} MiB" if self.mib < 1024 else f"{self.mib // 1024} GiB"
 
+    @property
+    def need_gib(self) -> float:
+        """Memory its 3 workers need at their peak."""
+        return WORKERS * (WORKER_BASE_GIB + PEAK_PER_STATE * self.mib / 1024)
 
-# A checkpoint every N steps with N chosen so that a save (tens of ms at 1 MiB, seconds at
-# 1 GiB: every one of the 3 workers writes the whole state) takes a comparable share of each
-# interval, and at least 4 checkpoints fall inside the measured window (the last 80% of steps).
-FULL = (Size(1, 25, 165), Size(100, 50, 330), Size(1024, 100, 560, max_repeats=1))
-QUICK = (Size(1, 10, 70),)
+
+# N is chosen per size so that several checkpoints (5 to 10) fall inside the measured window
+# (the last 80% of the steps) while a save (tens of ms at 1 MiB, about a second at 300 MiB:
+# each of the 3 workers writes the whole state) stays a modest share of each interval.
+FULL = (Size(1, 25, 330), Size(100, 50, 330), Size(300, 100, 560, max_repeats=1),
+        Size(1024, 100, 560, max_repeats=1))
+QUICK = (Size(1, 10, 70), Size(16, 0, 0, train=False))
+
+
+def available_gib() -> float:
+    words = Path("/proc/meminfo").read_text().split()
+    return int(words[words.index("MemAvailable:") + 1]) / 2**20
 
 
 # -- one run -------------------------------------------------------------------------------
@@ -139,20 +165,24 @@ class Recorder:
             if not self.fetched:
                 self.before_fetch = sent_to_controller(self.hosts)
 
-    def steps_per_s(self) -> float | None:
+    def window(self) -> tuple[tuple[int, float], tuple[int, float]] | None:
         steps = sorted(self.steps)
         if len(steps) < 3:
             return None
-        first = next(s for s in steps if s[0] >= steps[-1][0] * WARMUP)
-        last = steps[-1]
+        return next(s for s in steps if s[0] >= steps[-1][0] * WARMUP), steps[-1]
+
+    def steps_per_s(self) -> float | None:
+        window = self.window()
+        if window is None:
+            return None
+        first, last = window
         return (last[0] - first[0]) / (last[1] - first[1]) if last[1] > first[1] else None
 
     def checkpoints_in_window(self) -> int:
-        steps = sorted(self.steps)
-        if not steps:
+        window = self.window()
+        if window is None:
             return 0
-        start = next(s for s in steps if s[0] >= steps[-1][0] * WARMUP)
-        return sum(1 for _, at in self.checkpoints if start[1] <= at <= steps[-1][1])
+        return sum(1 for _, at in self.checkpoints if window[0][1] <= at <= window[1][1])
 
 
 def sent_to_controller(hosts: list[LabHost]) -> int:
@@ -162,14 +192,14 @@ def sent_to_controller(hosts: list[LabHost]) -> int:
 def snapshot(chief_dir: Path, keep: Path) -> None:
     """Hard-link the checkpoints that ``chief_dir``'s index lists (and the index) into ``keep``,
     replacing what it held: the directory a relaunch would copy, before tf_keras deletes it."""
-    fresh = keep.with_name(keep.name + ".new")
-    shutil.rmtree(fresh, ignore_errors=True)
-    fresh.mkdir(parents=True)
     try:
         index = (chief_dir / "checkpoint").read_text()
     except OSError:
         return
     listed = {Path(line.split('"')[1]).name for line in index.splitlines() if '"' in line}
+    fresh = keep.with_name(keep.name + ".new")
+    shutil.rmtree(fresh, ignore_errors=True)
+    fresh.mkdir(parents=True)
     for path in chief_dir.iterdir():
         if path.is_file() and (path.name == "checkpoint" or path.name.split(".")[0] in listed):
             with contextlib.suppress(OSError):  # deleted by the next save meanwhile
@@ -203,7 +233,7 @@ def train(path: Path, config: str, hosts: list[LabHost], keep: Path | None) -> S
         raise RuntimeError(f"{path.parent.name}: the chief never finished ({result.status})")
     name = specs.load(path).name
     for local in (paths.mirror_dir(name, result.run_id), paths.fetched_model_dir(name, result.run_id)):
-        shutil.rmtree(local, ignore_errors=True)  # a GiB each at the largest size
+        shutil.rmtree(local, ignore_errors=True)  # the size of the state each
     return Sample(config, result.run_id, recorder.steps_per_s(), len(recorder.checkpoints),
                   recorder.checkpoints_in_window(), len(recorder.mirrored),
                   recorder.before_fetch - before, after - recorder.before_fetch,
@@ -217,7 +247,114 @@ def drop_run(hosts: list[LabHost], spec: specs.ClusterSpec, run_id: str) -> None
         shutil.rmtree(paths.RunPaths.of(root, run_id).run_dir, ignore_errors=True)
 
 
-# -- the relaunch copy ---------------------------------------------------------------------
+# -- a relaunch: the plan, the chief's directory, the copies -------------------------------
+@dataclass
+class Relaunch:
+    """The plan of a relaunch (attempt 2) of a run, with the provider for its runners."""
+
+    plan: planning.ClusterPlan
+    provider: Provider
+    hosts: list[LabHost]
+
+    @property
+    def chief_dir(self) -> Path:
+        """The chief's checkpoint directory (tf_keras writes ``chief/`` inside it)."""
+        return Path(self.plan.checkpoints.of(self.plan.chief.host))
+
+    @property
+    def targets(self) -> list[Host]:
+        return [t.host for t in self.plan.tasks[1:]]
+
+    def lab_host(self, host: Host) -> LabHost:
+        return next(h for h in self.hosts if h.address == host.address)
+
+    def worker_for(self, host: Host) -> WorkerCommand:
+        return WorkerCommand(self.provider.python(host), paths.lib_dir(host.root))
+
+    def clear_targets(self) -> None:
+        for host in self.targets:
+            shutil.rmtree(self.plan.checkpoints.of(host), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def relaunch(path: Path, run_id: str, hosts: list[LabHost], *, up: bool) -> Iterator[Relaunch]:
+    """A relaunch of ``run_id`` (``up``: the cluster's code and worker synced first); every
+    host's copy of the run's checkpoints is removed at the end."""
+    spec = specs.load(path)
+    provider = for_spec(spec, path)
+    try:
+        found = provider.up() if up else provider.hosts()
+        plan = planning.build(spec, found, run_id=run_id, attempt=2,
+                              python=provider.python(found[0]),
+                              local_workdir=str(specs.workdir_of(spec, path)),
+                              busy_ports=provider.busy_ports(found))
+        chosen = Relaunch(plan, provider, hosts)
+        try:
+            yield chosen
+        finally:
+            chosen.clear_targets()
+            shutil.rmtree(chosen.chief_dir, ignore_errors=True)
+    finally:
+        provider.close()
+
+
+def install_kept(r: Relaunch, keep: Path) -> None:
+    """The kept checkpoints as the chief's directory, as they were when training ended."""
+    shutil.rmtree(r.chief_dir, ignore_errors=True)
+    r.chief_dir.mkdir(parents=True)
+    keep.rename(r.chief_dir / "chief")
+
+
+def write_checkpoint(chief: Path, number: int, size: int, block: bytes) -> None:
+    """Checkpoint ``number`` as tf_keras writes it (data, index, the ``checkpoint`` file that
+    names the newest and the kept ones); the oldest beyond KEEP is deleted."""
+    chief.mkdir(parents=True, exist_ok=True)
+    with open(chief / f"ckpt-{number}.data-00000-of-00001", "wb") as f:
+        left = size
+        while left:
+            left -= f.write(block[:left])
+    (chief / f"ckpt-{number}.index").write_bytes(os.urandom(1557))
+    kept = list(range(max(1, number - KEEP + 1), number + 1))
+    for old in chief.glob("ckpt-*"):
+        if int(old.name.split(".")[0].split("-")[1]) not in kept:
+            old.unlink()
+    index = "".join([f'model_checkpoint_path: "ckpt-{number}"\n',
+                     *(f'all_model_checkpoint_paths: "ckpt-{n}"\n' for n in kept)])
+    (chief / "checkpoint.tmp").write_text(index)
+    (chief / "checkpoint.tmp").rename(chief / "checkpoint")
+
+
+def measure_pulls(r: Relaunch, size: Size, runs: int, home: Path) -> dict[str, Any]:
+    """The controller's copy (mirror: always) pulled after each of ``runs`` new checkpoints of
+    a chief's directory made by hand; the first pull, of the first checkpoint, is not counted."""
+    chief = r.chief_dir / "chief"
+    block = os.urandom(min(size.mib << 20, 64 << 20))  # repeated: nothing on the way compresses
+    state = (size.mib << 20) + 8  # tf_keras' data file: the state and a few bytes
+    mirror = CheckpointMirror(home / "mirror", r.provider.runner, r.worker_for, mode="always")
+    pulls: list[dict[str, Any]] = []
+    for number in range(1, runs + 2):
+        write_checkpoint(chief, number, state, block)
+        before, product = sent_to_controller(r.hosts), mirror.bytes_pulled
+        started = time.monotonic()
+        if not mirror.pull(r.plan, number * 100):
+            raise RuntimeError(f"the mirror did not pull checkpoint {number}")
+        took = time.monotonic() - started
+        if number > 1:
+            pulls.append({"seconds": took, "controller_bytes": sent_to_controller(r.hosts) - before,
+                          "product_bytes": mirror.bytes_pulled - product})
+            note(f"{size.name}: mirror pull of checkpoint {number} took {took:.2f}s, "
+                 f"{human_bytes(pulls[-1]['controller_bytes'])} through the controller")
+    shutil.rmtree(home / "mirror", ignore_errors=True)
+    seconds = median_of([p["seconds"] for p in pulls])
+    return {"checkpoint_bytes": state, "pulls": len(pulls),
+            "seconds": spread([p["seconds"] for p in pulls]),
+            "controller_bytes": spread([p["controller_bytes"] for p in pulls], 0),
+            "product_bytes": spread([p["product_bytes"] for p in pulls], 0),
+            "mb_per_s": round(state / seconds / 1e6, 1) if seconds else None}
+
+
+# The plain copy: one Python process reads the files and writes them to a socket, the other
+# writes what it receives to one file, 1 MiB at a time (as worker.transfer does), nothing else.
 RECEIVER = """
 import socket, sys
 srv = socket.socket()
@@ -279,85 +416,51 @@ def plain_copy(source: LabHost, target: LabHost, files: list[str], out: str) -> 
     return took
 
 
-@contextlib.contextmanager
-def relaunch_plan(path: Path, run_id: str) -> Iterator[tuple[planning.ClusterPlan, Any]]:
-    """The plan of a relaunch (attempt 2) of ``run_id``, and the provider for its runners."""
-    spec = specs.load(path)
-    provider = for_spec(spec, path)
-    try:
-        hosts = provider.hosts()
-        yield planning.build(spec, hosts, run_id=run_id, attempt=2,
-                             python=provider.python(hosts[0]),
-                             local_workdir=str(specs.workdir_of(spec, path)),
-                             busy_ports=provider.busy_ports(hosts)), provider
-    finally:
-        provider.close()
+def measure_copies(r: Relaunch, runs: int) -> dict[str, Any]:
+    """``runs`` times, alternating which goes first: the chain copy of the chief's directory
+    to the other hosts (their copies removed first) and the same again at once; a plain copy
+    of the same files from the chief's host to the first other host."""
+    files = sorted(str(p) for p in r.chief_dir.rglob("*") if p.is_file())
+    size = sum(os.path.getsize(f) for f in files)
+    source, first = r.lab_host(r.plan.chief.host), r.lab_host(r.targets[0])
+    plain_out = f"{first.home}/plain-copy.bin"
+    chain: list[dict[str, Any]] = []
+    again: list[dict[str, Any]] = []
+    plain: list[float] = []
 
+    def timed_chain() -> tuple[Copied, float, int]:
+        before = sent_to_controller(r.hosts)
+        started = time.monotonic()
+        copied = share_chief_checkpoint(r.plan, r.provider.runner, r.worker_for)
+        return copied, time.monotonic() - started, sent_to_controller(r.hosts) - before
 
-def measure_copies(path: Path, run_id: str, keep: Path, hosts: list[LabHost],
-                   runs: int) -> dict[str, Any]:
-    """Put the kept checkpoint back as the chief's, then ``runs`` times: the chain copy to the
-    other hosts (their copies removed first), the same again at once, and a plain copy."""
-    with relaunch_plan(path, run_id) as (plan, provider):
-        layout = plan.checkpoints
-        chief_dir = Path(layout.of(plan.chief.host))
-        shutil.rmtree(chief_dir, ignore_errors=True)
-        chief_dir.mkdir(parents=True)
-        keep.rename(chief_dir / "chief")
-        files = sorted(str(p) for p in chief_dir.rglob("*") if p.is_file())
-        size = sum(os.path.getsize(f) for f in files)
-        targets = list(plan.tasks[1:])
-        lab_of = {h.address: h for h in hosts}
-        source, first = lab_of[plan.chief.host.address], lab_of[targets[0].host.address]
-        plain_out = f"{first.home}/plain-copy.bin"
+    def one_chain() -> None:
+        r.clear_targets()
+        os.sync()  # no writeback of an earlier copy's pages during this one
+        copied, took, through = timed_chain()
+        if sorted(copied.hosts) != sorted(h.name for h in r.targets) or copied.bytes != size:
+            raise RuntimeError(f"the chain copied {copied} of {size} bytes")
+        chain.append({"seconds": took, "controller_bytes": through})
+        copied, took, through = timed_chain()
+        again.append({"seconds": took, "controller_bytes": through, "bytes": copied.bytes})
 
-        def worker_for(host: Host) -> WorkerCommand:
-            return WorkerCommand(provider.python(host), paths.lib_dir(host.root))
+    def one_plain() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(plain_out)
+        os.sync()
+        plain.append(plain_copy(source, first, files, plain_out))
+        os.remove(plain_out)
 
-        chain: list[dict[str, Any]] = []
-        again: list[dict[str, Any]] = []
-        plain: list[float] = []
-        for i in range(runs):
-            def timed_chain() -> tuple[Copied, float, int]:
-                before = sent_to_controller(hosts)
-                started = time.monotonic()
-                copied = share_chief_checkpoint(plan, provider.runner, worker_for)
-                return copied, time.monotonic() - started, sent_to_controller(hosts) - before
-
-            def one_chain() -> None:
-                for task in targets:
-                    shutil.rmtree(layout.of(task.host), ignore_errors=True)
-                os.sync()
-                copied, took, through = timed_chain()
-                if sorted(copied.hosts) != sorted(t.host.name for t in targets) or copied.bytes != size:
-                    raise RuntimeError(f"the chain copied {copied} of {size} bytes")
-                chain.append({"seconds": took, "controller_bytes": through, "files": copied.files,
-                              "bytes": copied.bytes})
-                copied, took, through = timed_chain()
-                again.append({"seconds": took, "controller_bytes": through, "bytes": copied.bytes,
-                              "hosts_sent": len(copied.hosts)})
-
-            def one_plain() -> None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(plain_out)
-                os.sync()
-                plain.append(plain_copy(source, first, files, plain_out))
-                os.remove(plain_out)
-
-            for step in ((one_chain, one_plain) if i % 2 == 0 else (one_plain, one_chain)):
-                step()
-            note(f"relaunch copy of {human_bytes(size)}: chain to {len(targets)} hosts "
-                 f"{chain[-1]['seconds']:.2f}s ({chain[-1]['controller_bytes']} B through the "
-                 f"controller), again {again[-1]['seconds']:.2f}s, plain copy to 1 host "
-                 f"{plain[-1]:.2f}s")
-        for task in targets:
-            shutil.rmtree(layout.of(task.host), ignore_errors=True)
-        shutil.rmtree(chief_dir, ignore_errors=True)
-    chain_s = median_of([c["seconds"] for c in chain])
-    plain_s = median_of(plain)
+    for i in range(runs):
+        for step in ((one_chain, one_plain) if i % 2 == 0 else (one_plain, one_chain)):
+            step()
+        note(f"relaunch copy of {human_bytes(size)}: chain to {len(r.targets)} hosts "
+             f"{chain[-1]['seconds']:.2f}s ({human_bytes(chain[-1]['controller_bytes'])} through the "
+             f"controller), again {again[-1]['seconds']:.2f}s, plain copy to 1 host {plain[-1]:.2f}s")
+    chain_s, plain_s = median_of([c["seconds"] for c in chain]), median_of(plain)
     value = ratio(chain_s, plain_s, 2)
     return {
-        "bytes": size, "files": len(files), "hosts": len(targets),
+        "bytes": size, "files": len(files), "hosts": len(r.targets),
         "chain_s": spread([c["seconds"] for c in chain]), "plain_s": spread(plain),
         "chain_over_plain": value, "goal_met": value is not None and value <= COPY_GOAL,
         "chain_mb_per_s": round(size / chain_s / 1e6, 1) if chain_s else None,
@@ -372,17 +475,17 @@ def measure_copies(path: Path, run_id: str, keep: Path, hosts: list[LabHost],
 # -- one size ------------------------------------------------------------------------------
 def spec_for(directory: Path, project: Path, size: Size, config: str, lab: HostLab,
              hosts: list[LabHost], shared: Path) -> Path:
-    checkpoint: dict[str, Any] = {"every_steps": size.every, "mirror": "never"}
+    checkpoint: dict[str, Any] = {"every_steps": max(1, size.every), "mirror": "never"}
     if config == "none":
-        checkpoint["every_steps"] = size.steps * 10
+        checkpoint["every_steps"] = max(1, size.steps * 10)
     elif config == "on":
-        checkpoint["mirror"] = "always"  # auto turns off above 1 GiB
+        checkpoint["mirror"] = "always"  # auto turns itself off above 1 GiB
     elif config == "shared":
-        checkpoint = {"every_steps": size.every, "dir": str(shared)}
+        checkpoint = {"every_steps": max(1, size.every), "dir": str(shared)}
     spec = {
         "name": f"bench-ck-{size.mib}", "workers": WORKERS, "workdir": str(project),
-        "job": {"module": "tests.workloads.big_state", "epochs": 1, "steps_per_epoch": size.steps,
-                "progress_every_steps": 1},
+        "job": {"module": "tests.workloads.big_state", "epochs": 1,
+                "steps_per_epoch": max(1, size.steps), "progress_every_steps": 1},
         "checkpoint": checkpoint, "env": {"BIG_STATE_MIB": str(size.mib)}, "ports": PORTS,
         "provider": static_provider(lab, hosts), **SETTINGS,
     }
@@ -395,13 +498,29 @@ def measure_size(size: Size, directory: Path, project: Path, lab: HostLab, hosts
                  shared: Path, runs: int, copy_runs: int) -> dict[str, Any]:
     specs_by = {c: spec_for(directory, project, size, c, lab, hosts, shared) for c in CONFIGS}
     samples: dict[str, list[Sample]] = {c: [] for c in CONFIGS}
-    copies: dict[str, Any] = {}
+    found: dict[str, Any] = {"size_mib": size.mib, "every_steps": size.every, "steps": size.steps}
+    keep = directory / f"keep-{size.mib}"
+    free = available_gib()
     try:
+        if not size.train:
+            found["not_trained"] = "--quick makes this size's checkpoints by hand"
+        elif free - MEMORY_MARGIN_GIB < size.need_gib:
+            found["not_trained"] = (
+                f"its {WORKERS} workers need about {size.need_gib:.0f} GiB at their peak "
+                f"({WORKER_BASE_GIB} GiB + {PEAK_PER_STATE:g}x the state each), "
+                f"{free:.1f} GiB is available")
+        if "not_trained" in found:
+            note(f"{size.name}: not trained ({found['not_trained']}): the chief's checkpoints "
+                 "are made by hand")
+            with relaunch(specs_by["off"], f"by-hand-{size.mib}", hosts, up=True) as r:
+                found["mirror_pull"] = measure_pulls(r, size, copy_runs, directory)
+                found["relaunch"] = measure_copies(r, copy_runs)
+            return found
         for i in range(runs):
             for config in CONFIGS[i % len(CONFIGS):] + CONFIGS[:i % len(CONFIGS)]:
                 path = specs_by[config]
-                keep = directory / f"keep-{size.mib}" if config == "off" and not copies else None
-                sample = train(path, config, hosts, keep)
+                keeping = config == "off" and "relaunch" not in found
+                sample = train(path, config, hosts, keep if keeping else None)
                 samples[config].append(sample)
                 note(f"{size.name}, {LABELS[config]}: {sample.steps_per_s or 0:.1f} steps/s, "
                      f"{sample.checkpoints} checkpoints ({sample.in_window} measured), "
@@ -409,24 +528,25 @@ def measure_size(size: Size, directory: Path, project: Path, lab: HostLab, hosts
                      f"(product: {human_bytes(sample.product.get('through_controller', 0))}), "
                      f"{sample.mirrored} mirrored, model fetch "
                      f"{human_bytes(sample.model_fetch_bytes)}, {sample.seconds:.0f}s")
-                if keep is not None:
+                if keeping:
                     if not keep.is_dir():
                         raise RuntimeError(f"{size.name}: no checkpoint of the chief was kept")
-                    copies = measure_copies(path, sample.run_id, keep, hosts, copy_runs)
+                    with relaunch(path, sample.run_id, hosts, up=False) as r:
+                        install_kept(r, keep)
+                        found["relaunch"] = measure_copies(r, copy_runs)
                 drop_run(hosts, specs.load(path), sample.run_id)
     finally:
         with contextlib.suppress(Exception):
             Cluster.from_spec(specs_by["none"]).down()  # the cluster's directory on every host
-        shutil.rmtree(directory / f"keep-{size.mib}", ignore_errors=True)
-    return summarize(size, samples, copies)
+        shutil.rmtree(keep, ignore_errors=True)
+    return {**found, **summarize(size, samples)}
 
 
-def summarize(size: Size, samples: dict[str, list[Sample]], copies: dict[str, Any]) -> dict[str, Any]:
+def summarize(size: Size, samples: dict[str, list[Sample]]) -> dict[str, Any]:
     rates = {c: median_of([s.steps_per_s for s in samples[c]]) for c in CONFIGS}
     configs: dict[str, Any] = {}
     for c in CONFIGS:
         runs = samples[c]
-        per = [s.controller_bytes / s.checkpoints if s.checkpoints else None for s in runs]
         product = [s.product.get("through_controller", 0) for s in runs]
         configs[c] = {
             "steps_per_s": spread([s.steps_per_s for s in runs], 2),
@@ -435,7 +555,8 @@ def summarize(size: Size, samples: dict[str, list[Sample]], copies: dict[str, An
             "checkpoints_measured": spread([s.in_window for s in runs], 0),
             "mirrored": spread([s.mirrored for s in runs], 0),
             "controller_bytes": spread([s.controller_bytes for s in runs], 0),
-            "controller_bytes_per_checkpoint": spread(per, 0),
+            "controller_bytes_per_checkpoint": spread(
+                [s.controller_bytes / s.checkpoints if s.checkpoints else None for s in runs], 0),
             "product_through_controller": spread(product, 0),
             "product_per_checkpoint": spread([p / s.checkpoints if s.checkpoints else None
                                               for p, s in zip(product, runs, strict=True)], 0),
@@ -448,21 +569,17 @@ def summarize(size: Size, samples: dict[str, list[Sample]], copies: dict[str, An
         value = configs[c]["controller_bytes_per_checkpoint"]["median"]
         configs[c]["excess_per_checkpoint"] = (None if value is None or baseline is None
                                                else round(value - baseline))
-    state = size.mib << 20
     shared_excess = configs["shared"]["excess_per_checkpoint"]
     on_over_off, shared_over_off = ratio(rates["on"], rates["off"]), ratio(rates["shared"], rates["off"])
     return {
-        "size_mib": size.mib, "every_steps": size.every, "steps": size.steps,
         "repeats": len(samples["none"]), "configs": configs,
         "on_over_off": on_over_off, "shared_over_off": shared_over_off,
-        "relaunch": copies,
-        "goals": {
-            "shared_moves_no_checkpoint_bytes": (
+        "goals": {  # None: not measured at this size
+            "shared_moves_no_checkpoint_bytes": None if shared_excess is None else (
                 configs["shared"]["product_through_controller"]["max"] == 0
-                and shared_excess is not None and shared_excess <= SHARED_SLACK * state),
-            "relaunch_copy_within_1_3x": bool(copies.get("goal_met")),
-            "mirror_keeps_0_95": on_over_off is not None and on_over_off >= STEPS_GOAL,
-            "shared_keeps_0_95": shared_over_off is not None and shared_over_off >= STEPS_GOAL,
+                and shared_excess <= SHARED_SLACK * (size.mib << 20)),
+            "mirror_keeps_0_95": None if on_over_off is None else on_over_off >= STEPS_GOAL,
+            "shared_keeps_0_95": None if shared_over_off is None else shared_over_off >= STEPS_GOAL,
         },
     }
 
@@ -477,26 +594,37 @@ def make_project(directory: Path) -> Path:
     return project
 
 
+def yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
+
+
 def rows_of(results: list[dict[str, Any]]) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for r in results:
-        size = Size(r["size_mib"], r["every_steps"], r["steps"]).name
-        for c in CONFIGS:
-            f = r["configs"][c]
-            per = f["controller_bytes_per_checkpoint"]["median"]
-            rows.append([size, LABELS[c], show(f["steps_per_s"]), f["ratio_to_none"] or "-",
-                         show(f["checkpoints"]),
-                         human_bytes(f["controller_bytes"]["median"] or 0),
-                         "-" if per is None else human_bytes(per),
-                         human_bytes(f["product_through_controller"]["median"] or 0),
-                         show(f["mirrored"])])
+        size = Size(r["size_mib"], 0, 0).name
+        if "not_trained" in r:
+            pull = r["mirror_pull"]
+            rows.append([size, "not trained", r["not_trained"], "", "", "", "", "", ""])
+            rows.append([size, "mirror pull", f"{show(pull['seconds'], 's')}", "", "",
+                         "", human_bytes(pull["controller_bytes"]["median"] or 0),
+                         human_bytes(pull["product_bytes"]["median"] or 0), ""])
+        else:
+            for c in CONFIGS:
+                f = r["configs"][c]
+                per = f["controller_bytes_per_checkpoint"]["median"]
+                rows.append([size, LABELS[c], show(f["steps_per_s"]), f["ratio_to_none"] or "-",
+                             show(f["checkpoints"]), human_bytes(f["controller_bytes"]["median"] or 0),
+                             "-" if per is None else human_bytes(per),
+                             human_bytes(f["product_through_controller"]["median"] or 0),
+                             show(f["mirrored"])])
+            rows.append([size, "c/b, d/b", r["on_over_off"], r["shared_over_off"], "", "", "", "",
+                         " ".join(f"{k}={yes_no(v)}" for k, v in r["goals"].items())])
         copy = r["relaunch"]
-        rows.append([size, "relaunch copy", f"{human_bytes(copy['bytes'])} chain to {copy['hosts']}:",
+        rows.append([size, "relaunch copy", f"{human_bytes(copy['bytes'])} chain to {copy['hosts']}",
                      show(copy["chain_s"], "s"), f"plain to 1: {show(copy['plain_s'], 's')}",
-                     f"x{copy['chain_over_plain']}", f"again {show(copy['again_s'], 's')}",
-                     f"ctl {human_bytes(copy['controller_bytes']['median'] or 0)}", ""])
-        rows.append([size, "c/b, d/b", r["on_over_off"], r["shared_over_off"], "", "", "", "",
-                     " ".join(f"{k}={'yes' if v else 'no'}" for k, v in r["goals"].items())])
+                     f"x{copy['chain_over_plain']} ({yes_no(copy['goal_met'])})",
+                     f"again {show(copy['again_s'], 's')}",
+                     human_bytes(copy["controller_bytes"]["median"] or 0), ""])
     return rows
 
 
@@ -514,23 +642,23 @@ def main() -> None:
             return
         directory = Path(scratch)
         project = make_project(directory)
-        shared = Path(tempfile.mkdtemp(prefix="orchestrate-bench-shared-"))
-        shared.chmod(0o1777)  # every host's user writes there
+        shared = directory / "shared"  # the lab's hosts share this machine's file system
+        shared.mkdir()
+        shared.chmod(0o1777)
         hosts = lab.hosts(WORKERS)
         for host in hosts:
             host.throttle(RATE, to=str(lab.bridge_address))
         results = []
         try:
             for size in sizes:
-                runs = min(repeats(args), size.max_repeats) if args.repeats is None else repeats(args)
+                runs = repeats(args) if args.repeats is not None else min(repeats(args), size.max_repeats)
                 results.append(measure_size(size, directory, project, lab, hosts, shared, runs,
                                             copy_runs=1 if args.quick else 3))
         finally:
             for host in hosts:
                 host.unthrottle()
-            shutil.rmtree(shared, ignore_errors=True)
     publish("checkpoints", args, host_facts, started,
-            {"job": f"tests.workloads.big_state, {WORKERS} workers on 3 namespace hosts",
+            {"job": f"tests.workloads.big_state, {WORKERS} workers on {WORKERS} namespace hosts",
              "rate": RATE, "warmup": WARMUP,
              "goals": {"steps": f"c/b and d/b >= {STEPS_GOAL}",
                        "copy": f"chain to 2 hosts <= {COPY_GOAL}x a plain copy to 1",

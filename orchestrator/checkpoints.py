@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 from orchestrator.errors import OrchestratorError, RemoteError
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
-from orchestrator.remote.base import Runner
+from orchestrator.remote.base import Runner, quote_argv
 from orchestrator.spec import AUTO_MIRROR_MAX_BYTES
 
 RunnerFor = Callable[[Host], Runner]
@@ -98,13 +98,15 @@ class Copied:
     hosts: list[str] = field(default_factory=list)  # the hosts that were sent files
     up_to_date: list[str] = field(default_factory=list)  # the hosts that had them all
     cleared: list[str] = field(default_factory=list)  # hosts whose stale copy was moved aside
+    chain_error: str = ""  # why the host-to-host copy failed, when it was relayed through here
+    through_controller: int = 0  # bytes the relay moved through this machine's link
     files: int = 0  # files sent down the chain
     bytes: int = 0  # bytes sent down the chain (each host received them once)
     seconds: float = 0.0
 
     @property
     def host_to_host_bytes(self) -> int:
-        return self.bytes * len(self.hosts)
+        return 0 if self.chain_error else self.bytes * len(self.hosts)
 
 
 def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
@@ -142,22 +144,61 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
     send = [f["path"] for f in source.files if f["path"] in wanted]
     sizes = {f["path"]: int(f["size"]) for f in source.files}
     copied.files, copied.bytes = len(send), sum(sizes[p] for p in send)
-    _run_chain(plan, chain, source, send, copied.bytes, runner_for, worker_for)
+    try:
+        _run_chain(plan, chain, source, send, copied.bytes, runner_for, worker_for)
+    except OrchestratorError as exc:  # e.g. a firewall between hosts: relay it through here
+        copied.chain_error = exc.message
+        copied.files, copied.bytes = len(source.files), source.bytes
+        copied.through_controller = relay_through_here(plan, chain, source, runner_for,
+                                                       worker_for)
     copied.hosts = [h.name for h in chain]
     copied.seconds = time.monotonic() - started
     return copied
 
 
+def relay_through_here(plan: ClusterPlan, targets: Sequence[Host], source: Listing,
+                       runner_for: RunnerFor, worker_for: Callable[[Host], WorkerCommand]) -> int:
+    """The fallback when hosts cannot copy to each other: download the chief's whole checkpoint
+    directory here (a temp dir, removed after), then upload it to every target in parallel.
+    Returns the bytes that crossed this machine's link (down once, up once per target)."""
+    chief = plan.chief.host
+    directory = plan.checkpoints.of(chief)
+    with tempfile.TemporaryDirectory(prefix="orchestrate-relay-") as scratch:
+        local = Path(scratch)
+        runner = runner_for(chief)
+        for f in source.files:
+            target = local / f["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            runner.get_file(f"{directory}/{f['path']}", str(target))
+            os.utime(target, ns=(int(f["mtime_ns"]), int(f["mtime_ns"])))
+        with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
+            sent = list(pool.map(lambda h: install_from_here(
+                runner_for(h), worker_for(h), local, plan.checkpoints.of(h)), targets))
+    return source.bytes + sum(sent)
+
+
 def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: list[str],
                total: int, runner_for: RunnerFor,
                worker_for: Callable[[Host], WorkerCommand]) -> None:
+    """Run the receivers and the sender; when one of them fails, stop the others at once
+    (a sender would otherwise wait out its timeout for an acknowledgement)."""
     token = secrets.token_hex(32)
     timeout = 120 + total / BYTES_PER_S_FLOOR
     ports = {h.name: next(t.port for t in plan.tasks if t.host.name == h.name) for h in chain}
     receive_input = json.dumps({"token": token, "manifest": list(source.files), "send": send})
+    chief = plan.chief.host
+    pid_files = {h.name: f"{plan.paths[h.name].run_dir}/.transfer-{token[:12]}.pid"
+                 for h in [chief, *chain]}
 
     def address(host: Host) -> str:
         return f"{host.address}:{ports[host.name]}"
+
+    def run(host: Host, args: list[str], stdin: str, what: str) -> dict[str, Any]:
+        runner, pid_file = runner_for(host), shlex.quote(pid_files[host.name])
+        script = (f"mkdir -p $(dirname {pid_file}) && echo $$ > {pid_file} && "
+                  f"exec {quote_argv(worker_for(host).argv('worker.transfer', *args))}")
+        result = runner.run(script, check=False, timeout_s=timeout + 60, input=stdin)
+        return _report(result.stdout, runner, what)
 
     def receive(i: int) -> dict[str, Any]:
         host = chain[i]
@@ -165,25 +206,28 @@ def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: 
                 "--timeout", f"{timeout:.0f}"]
         if i + 1 < len(chain):
             args += ["--forward", address(chain[i + 1])]
-        runner = runner_for(host)
-        result = runner.run(worker_for(host).argv("worker.transfer", *args), check=False,
-                            timeout_s=timeout + 60, input=receive_input)
-        return _report(result.stdout, runner, "receive the chief's checkpoint")
+        return run(host, args, receive_input, "receive the chief's checkpoint")
 
     def send_all() -> dict[str, Any]:
-        chief = plan.chief.host
-        runner = runner_for(chief)
-        result = runner.run(
-            worker_for(chief).argv("worker.transfer", "send", "--source", plan.checkpoints.of(chief),
-                                   "--to", address(chain[0]), "--timeout", f"{timeout:.0f}"),
-            check=False, timeout_s=timeout + 60, input=json.dumps({"token": token, "send": send}))
-        return _report(result.stdout, runner, "send the chief's checkpoint")
+        args = ["send", "--source", plan.checkpoints.of(chief), "--to", address(chain[0]),
+                "--timeout", f"{timeout:.0f}"]
+        return run(chief, args, json.dumps({"token": token, "send": send}),
+                   "send the chief's checkpoint")
 
-    with ThreadPoolExecutor(max_workers=len(chain) + 1) as pool:
-        receivers = [pool.submit(receive, i) for i in range(len(chain))]
-        sender = pool.submit(send_all)
-        outcomes = [(h.name, _outcome(f)) for h, f in zip(chain, receivers, strict=True)]
-        outcomes.append((plan.chief.host.name, _outcome(sender)))
+    def stop(host: Host, signal: str) -> None:
+        pid_file = shlex.quote(pid_files[host.name])
+        runner_for(host).run(f"[ -f {pid_file} ] && kill -{signal} $(cat {pid_file}) "
+                             f"2>/dev/null; rm -f {pid_file}", check=False, timeout_s=30)
+
+    with ThreadPoolExecutor(max_workers=2 * len(chain) + 2) as pool:
+        futures = {pool.submit(receive, i): host for i, host in enumerate(chain)}
+        futures[pool.submit(send_all)] = chief
+        for future in as_completed(futures):
+            if not _outcome(future).get("ok"):  # stop the rest: they cannot succeed now
+                list(pool.map(lambda h: stop(h, "TERM"), futures.values()))
+                break
+        outcomes = [(host.name, _outcome(f)) for f, host in futures.items()]
+        list(pool.map(lambda h: stop(h, "0"), futures.values()))  # only removes the pid files
     failed = [f"{name}: {report.get('error', 'failed')}" for name, report in outcomes
               if not report.get("ok")]
     if failed:

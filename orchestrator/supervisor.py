@@ -77,6 +77,7 @@ class Supervisor:
         self._last_prestep_failure = ""
         self._chief_host: Host | None = None
         self._layout: CheckpointLayout | None = None
+        self._relayed_bytes = 0  # checkpoint bytes relayed through here when hosts could not
         self._mirror: CheckpointMirror | None = None
         self._beat = 0.0
         self._recovered: set[int] = set()  # attempts whose recovery figures are recorded
@@ -365,9 +366,15 @@ class Supervisor:
             return
         copied = share_chief_checkpoint(plan, self.provider.runner, self._worker)
         self._moved("host_to_host", copied.host_to_host_bytes)
+        self._relayed_bytes += copied.through_controller
+        self._count_mirror()
+        if copied.chain_error:
+            self._say(f"the hosts could not copy the checkpoint to each other, so it went "
+                      f"through this machine ({human_bytes(copied.through_controller)}): "
+                      f"{copied.chain_error}")
         if copied.cleared:
             self._say(f"removed older checkpoint copies on {', '.join(copied.cleared)}")
-        if copied.hosts:
+        if copied.hosts and not copied.chain_error:
             self._say(f"copied the chief's checkpoint to {', '.join(copied.hosts)} host to host "
                       f"({copied.files} file(s), {human_bytes(copied.bytes)} each, "
                       f"{copied.seconds:.1f}s)")
@@ -381,10 +388,10 @@ class Supervisor:
         self.view.checkpoint_bytes[link] = self.view.checkpoint_bytes.get(link, 0) + count
 
     def _count_mirror(self) -> None:
+        """Checkpoint bytes through this machine: the mirror's pulls and pushes, and relays."""
         mirror = self._mirror
-        if mirror is not None:
-            self.view.checkpoint_bytes["through_controller"] = \
-                mirror.bytes_pulled + mirror.bytes_pushed
+        pulled = mirror.bytes_pulled + mirror.bytes_pushed if mirror is not None else 0
+        self.view.checkpoint_bytes["through_controller"] = pulled + self._relayed_bytes
 
     def _fetch_model(self, run_id: str, remote_path: str) -> str:
         """The chief's saved model, downloaded to this machine when the chief is remote."""

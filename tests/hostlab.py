@@ -529,6 +529,9 @@ class HostLab:
                               str(self.dir / "plain-home"), user)
                 self.created["user"].append(user)
                 self.dir.chmod(0o711)  # the user's homes and the authorized keys are in here
+                login_home = self.dir / "plain-home"  # its passwd home: sshd starts there
+                login_home.mkdir(mode=0o700, exist_ok=True)
+                shutil.chown(login_home, user, user)
                 for host in self._hosts:
                     self._plain_home(host, user)
                 self._let_run_python(user)

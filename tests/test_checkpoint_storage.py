@@ -10,8 +10,11 @@ import hashlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +22,10 @@ import pytest
 from helpers import write_spec
 from hostlab import HostLab, LabHost
 
+from orchestrator import paths
 from orchestrator.api import Cluster
+from orchestrator.checkpoints import WorkerCommand, share_chief_checkpoint
+from orchestrator.plan import build
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event
 from orchestrator.state import AttemptRecord
@@ -243,3 +249,46 @@ def test_tasks_that_restored_different_checkpoints_are_diagnosed_not_retried(
     assert info.value.fix is not None and "job.checkpoint_dir" in info.value.fix
     assert "failed after 2 attempt(s)" in text  # the budget (3 restarts) was not burnt
     assert "attempt 2: checkpoint_mismatch" in text
+
+
+def test_hosts_that_cannot_reach_each_other_get_the_checkpoint_through_the_controller(
+        hostlab: HostLab, tmp_path: Path, clusters: list[Cluster]) -> None:
+    """The receiving host's port is taken (as a firewall between hosts would also stop the
+    chain): the copy is relayed through this machine instead, and says so."""
+    hosts = hostlab.hosts(2)
+    body = """\
+        name: ck-relay
+        job: {module: examples.digits}
+        """
+    cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
+    provider = cluster.provider
+    up = cluster.up()
+    plan = build(cluster.spec, up, run_id="relay", python=provider.python(up[0]),
+                 local_workdir=str(tmp_path))
+    chief, other = (t.host for t in plan.tasks)
+    source = plan.checkpoints.of(chief)
+    provider.runner(chief).run(
+        f"mkdir -p {source}/chief && head -c 3000000 /dev/urandom > {source}/chief/ckpt-1.data"
+        f" && echo 'model_checkpoint_path: \"ckpt-1\"' > {source}/chief/checkpoint")
+    blocker = subprocess.Popen(
+        ["ip", "netns", "exec", str(hosts[1].namespace), sys.executable, "-c",
+         "import socket, time; s = socket.socket(); "
+         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+         f"s.bind(('', {plan.task('worker:1').port})); s.listen(); time.sleep(120)"])
+    try:
+        time.sleep(0.5)
+        copied = share_chief_checkpoint(
+            plan, provider.runner,
+            lambda h: WorkerCommand(provider.python(h), paths.lib_dir(h.root)))
+    finally:
+        blocker.kill()
+        blocker.wait()
+    assert "taken" in copied.chain_error, copied
+    assert copied.hosts == [other.name] and copied.host_to_host_bytes == 0
+    size = 3000000 + len('model_checkpoint_path: "ckpt-1"\n')
+    assert copied.through_controller == 2 * size  # down from the chief, up to the other
+    relative = Path(source).relative_to(hosts[0].plain_home)  # the same under each home
+    copy, original = (_digests(Path(h.plain_home) / relative) for h in (hosts[1], hosts[0]))
+    assert copy == original and len(copy) == 2
+    leftovers = list(Path(hosts[0].plain_home).rglob(".transfer-*.pid"))
+    assert leftovers == []  # the sender was stopped and its pid file removed
