@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -65,7 +66,7 @@ from common import (
 from hostlab import HostLab, LabHost
 from jobs import PORTS, namespace_lab, static_provider, supervise, write_spec
 
-from orchestrator import paths
+from orchestrator import paths, supervisor
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.api import Cluster
@@ -133,9 +134,9 @@ def available_gib() -> float:
 # -- one run -------------------------------------------------------------------------------
 @dataclass
 class Recorder:
-    """The run's listener: the chief's steps and checkpoints (worker timestamps), the bytes the
-    hosts sent the controller up to the final model download, and (``keep``) a hard-linked copy
-    of the chief's checkpoint directory at each of its checkpoints."""
+    """The run's listener: the chief's steps and checkpoints (worker timestamps), and (``keep``)
+    a hard-linked copy of the chief's checkpoint directory at each of its checkpoints. With
+    ``instrumented``, also the mirror's pulls and the bytes the final model download sent."""
 
     hosts: list[LabHost]
     keep: Path | None = None
@@ -143,27 +144,24 @@ class Recorder:
     checkpoints: list[tuple[int, float]] = field(default_factory=list)
     mirrored: set[int] = field(default_factory=set)
     finished: bool = False
-    fetched: bool = False
-    before_fetch: int | None = None
+    pulls: list[str] = field(default_factory=list)  # "copied", "skipped" or "failed", each
+    pulling: int = 0
+    fetch_bytes: int = 0
+    fetch_overlapped_pull: bool = False
 
     def __call__(self, view: RunView, event: Event | None) -> None:
         if view.mirrored_step is not None:
             self.mirrored.add(view.mirrored_step)
-        if event is not None and event.attempt == 1 and event.task == "worker:0":
-            if event.kind == "progress":
-                self.steps.append((int(event.get("step")), event.time))
-            elif event.kind == "checkpoint":
-                self.checkpoints.append((int(event.get("step")), event.time))
-                if self.keep is not None:
-                    snapshot(Path(str(event.get("path"))), self.keep)
-            elif event.kind == "finished":
-                self.finished = True
-        if self.finished and not self.fetched:
-            # From the chief's end of training to the model download: the last count before the
-            # download is what the run's checkpoints and control traffic cost.
-            self.fetched = any(m.startswith("fetched the model") for m in view.messages)
-            if not self.fetched:
-                self.before_fetch = sent_to_controller(self.hosts)
+        if event is None or event.attempt != 1 or event.task != "worker:0":
+            return
+        if event.kind == "progress":
+            self.steps.append((int(event.get("step")), event.time))
+        elif event.kind == "checkpoint":
+            self.checkpoints.append((int(event.get("step")), event.time))
+            if self.keep is not None:
+                snapshot(Path(str(event.get("path"))), self.keep)
+        elif event.kind == "finished":
+            self.finished = True
 
     def window(self) -> tuple[tuple[int, float], tuple[int, float]] | None:
         steps = sorted(self.steps)
@@ -208,6 +206,42 @@ def snapshot(chief_dir: Path, keep: Path) -> None:
     fresh.rename(keep)
 
 
+@contextlib.contextmanager
+def instrumented(recorder: Recorder) -> Iterator[None]:
+    """Count the run's mirror pulls and the bytes of its final model download (which follows
+    training: it is no checkpoint's cost), by wrapping the two functions in this process."""
+    fetch_name = "fetch_file"  # what the supervisor calls to download the model
+    real_fetch, real_pull = getattr(supervisor, fetch_name), CheckpointMirror.pull
+
+    def fetch(*args: Any, **kwargs: Any) -> str:
+        recorder.fetch_overlapped_pull = recorder.pulling > 0
+        before = sent_to_controller(recorder.hosts)
+        try:
+            path: str = real_fetch(*args, **kwargs)
+            return path
+        finally:
+            recorder.fetch_bytes += sent_to_controller(recorder.hosts) - before
+
+    def pull(self: CheckpointMirror, *args: Any, **kwargs: Any) -> bool:
+        outcome = "failed"
+        recorder.pulling += 1
+        try:
+            copied = real_pull(self, *args, **kwargs)
+            outcome = "copied" if copied else "skipped"
+            return copied
+        finally:
+            recorder.pulling -= 1
+            recorder.pulls.append(outcome)
+
+    setattr(supervisor, fetch_name, fetch)
+    CheckpointMirror.pull = pull  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        setattr(supervisor, fetch_name, real_fetch)
+        CheckpointMirror.pull = real_pull  # type: ignore[method-assign]
+
+
 @dataclass
 class Sample:
     config: str
@@ -216,28 +250,37 @@ class Sample:
     checkpoints: int
     in_window: int
     mirrored: int
-    controller_bytes: int  # every host to the controller, from the start to the model download
-    model_fetch_bytes: int  # from there to the end of the run
+    pulls: dict[str, int]
+    controller_bytes: int  # every host to the controller during the run, less the model download
+    model_fetch_bytes: int
     product: dict[str, int]
     seconds: float
+    controller_cpu: float  # this process's CPU time (the supervisor, its mirror thread) / wall
 
 
 def train(path: Path, config: str, hosts: list[LabHost], keep: Path | None) -> Sample:
     recorder = Recorder(hosts, keep)
     before = sent_to_controller(hosts)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     started = time.monotonic()
-    result = supervise(path, recorder)
+    with instrumented(recorder):
+        result = supervise(path, recorder)
     seconds = time.monotonic() - started
-    after = sent_to_controller(hosts)
-    if not recorder.finished or recorder.before_fetch is None:
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    total = sent_to_controller(hosts) - before
+    if not recorder.finished or not recorder.fetch_bytes:
         raise RuntimeError(f"{path.parent.name}: the chief never finished ({result.status})")
+    if recorder.fetch_overlapped_pull:
+        note(f"{path.parent.name}: a mirror pull was still running during the model download")
     name = specs.load(path).name
     for local in (paths.mirror_dir(name, result.run_id), paths.fetched_model_dir(name, result.run_id)):
         shutil.rmtree(local, ignore_errors=True)  # the size of the state each
+    cpu = (after.ru_utime + after.ru_stime) - (usage.ru_utime + usage.ru_stime)
     return Sample(config, result.run_id, recorder.steps_per_s(), len(recorder.checkpoints),
                   recorder.checkpoints_in_window(), len(recorder.mirrored),
-                  recorder.before_fetch - before, after - recorder.before_fetch,
-                  dict(result.checkpoint_bytes), seconds)
+                  {o: recorder.pulls.count(o) for o in ("copied", "skipped", "failed")},
+                  total - recorder.fetch_bytes, recorder.fetch_bytes,
+                  dict(result.checkpoint_bytes), seconds, cpu / seconds)
 
 
 def drop_run(hosts: list[LabHost], spec: specs.ClusterSpec, run_id: str) -> None:
@@ -526,7 +569,8 @@ def measure_size(size: Size, directory: Path, project: Path, lab: HostLab, hosts
                      f"{sample.checkpoints} checkpoints ({sample.in_window} measured), "
                      f"{human_bytes(sample.controller_bytes)} to the controller "
                      f"(product: {human_bytes(sample.product.get('through_controller', 0))}), "
-                     f"{sample.mirrored} mirrored, model fetch "
+                     f"{sample.mirrored} mirrored (pulls {sample.pulls}), controller CPU "
+                     f"{sample.controller_cpu:.0%} of a core, model fetch "
                      f"{human_bytes(sample.model_fetch_bytes)}, {sample.seconds:.0f}s")
                 if keeping:
                     if not keep.is_dir():
@@ -554,6 +598,8 @@ def summarize(size: Size, samples: dict[str, list[Sample]]) -> dict[str, Any]:
             "checkpoints": spread([s.checkpoints for s in runs], 0),
             "checkpoints_measured": spread([s.in_window for s in runs], 0),
             "mirrored": spread([s.mirrored for s in runs], 0),
+            "pulls": {o: spread([s.pulls[o] for s in runs], 0) for o in ("copied", "skipped", "failed")},
+            "controller_cpu": spread([s.controller_cpu for s in runs]),
             "controller_bytes": spread([s.controller_bytes for s in runs], 0),
             "controller_bytes_per_checkpoint": spread(
                 [s.controller_bytes / s.checkpoints if s.checkpoints else None for s in runs], 0),
@@ -604,7 +650,7 @@ def rows_of(results: list[dict[str, Any]]) -> list[list[Any]]:
         size = Size(r["size_mib"], 0, 0).name
         if "not_trained" in r:
             pull = r["mirror_pull"]
-            rows.append([size, "not trained", r["not_trained"], "", "", "", "", "", ""])
+            rows.append([size, "not trained", r["not_trained"].split(" (")[0], "", "", "", "", "", ""])
             rows.append([size, "mirror pull", f"{show(pull['seconds'], 's')}", "", "",
                          "", human_bytes(pull["controller_bytes"]["median"] or 0),
                          human_bytes(pull["product_bytes"]["median"] or 0), ""])

@@ -77,16 +77,39 @@ def check_control_path(record: dict[str, Any]) -> None:
         assert measured(result["download_s"]) and result["max_poll_of_poll_timeout"] > 0
 
 
+def check_checkpoints(record: dict[str, Any]) -> None:
+    if "skipped" in record:  # not root: no namespace hosts
+        assert record["skipped"]
+        return
+    trained, by_hand = record["results"]
+    assert (trained["size_mib"], by_hand["size_mib"]) == (1, 16) and "not_trained" in by_hand
+    for config in ("none", "off", "on", "shared"):
+        figures = trained["configs"][config]
+        assert measured(figures["steps_per_s"]) and measured(figures["controller_bytes"]), config
+    assert trained["configs"]["off"]["checkpoints"]["median"] >= 2
+    assert trained["configs"]["on"]["product_through_controller"]["median"] > 0
+    assert trained["configs"]["shared"]["product_through_controller"]["max"] >= 0
+    assert set(trained["goals"]) == {"shared_moves_no_checkpoint_bytes", "mirror_keeps_0_95",
+                                     "shared_keeps_0_95"}
+    assert measured(by_hand["mirror_pull"]["seconds"])
+    assert by_hand["mirror_pull"]["product_bytes"]["median"] >= 16 << 20
+    for size in (trained, by_hand):
+        copy = size["relaunch"]
+        assert copy["bytes"] > 0 and copy["hosts"] == 2 and copy["again_bytes_sent"] >= 0
+        assert measured(copy["chain_s"]) and measured(copy["plain_s"])
+        assert isinstance(copy["goal_met"], bool)
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "launch": check_launch, "steady": check_steady, "recovery": check_recovery,
     "peer": check_peer, "provision": check_provision, "controller": check_controller,
-    "control_path": check_control_path,
+    "control_path": check_control_path, "checkpoints": check_checkpoints,
 }
 
 
 MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
          "peer": [pytest.mark.tf], "controller": [pytest.mark.ssh],
-         "control_path": [pytest.mark.ssh]}
+         "control_path": [pytest.mark.ssh], "checkpoints": [pytest.mark.ssh, pytest.mark.tf]}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS.get(n, [])) for n in sorted(CHECKS)])

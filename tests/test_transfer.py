@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from worker.transfer import listing, needed, remove_leftovers
+from worker.transfer import listing, needed, receiver_proof, remove_leftovers
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -165,7 +166,8 @@ def test_chain_of_two_copies_everything(tmp_path: Path, procs: Procs) -> None:
     (rc, sent), received = chain(procs, source, dests, manifest, send)
 
     total = sum(f["size"] for f in manifest)
-    assert (rc, sent["ok"], sent["files"], sent["bytes"]) == (0, True, 5, total)
+    assert (rc, sent["ok"]) == (0, True), (sent, received)
+    assert (sent["files"], sent["bytes"]) == (5, total)
     for dest, (rc, got) in zip(dests, received, strict=True):
         assert rc == 0, got
         assert got["ok"] is True
@@ -248,7 +250,9 @@ def test_a_bad_stream_leaves_the_destination_untouched(
         sock.sendall(stream)
         if b'"end"' not in stream:
             sock.shutdown(socket.SHUT_WR)
-        ack = json.loads(sock.makefile("rb").readline())
+        lines = sock.makefile("rb")
+        assert lines.readline().strip() == receiver_proof(TOKEN)  # it holds the token too
+        ack = json.loads(lines.readline())
     rc, got = result(receiver)
     assert rc == 1
     assert got["ok"] is False and error in got["error"]
@@ -381,3 +385,31 @@ def test_a_receive_removes_what_an_earlier_killed_receive_left(tmp_path: Path) -
         (path / "big").write_bytes(b"x" * 1000)
     assert sorted(remove_leftovers(str(dest))) == sorted(p.name for p in stale)
     assert not any(p.exists() for p in stale) and other.exists() and dest.exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("answer", [b"", b"0" * 64 + b"\n"], ids=["silent", "wrong-proof"])
+def test_a_port_squatter_gets_nothing_but_the_token(tmp_path: Path, procs: Procs,
+                                                    answer: bytes) -> None:
+    """A process that took the receiver's port cannot prove it holds the token: the sender
+    stops before any file byte leaves."""
+    source = tmp_path / "src"
+    write(source / "a", b"secret weights")
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        sender = procs.sender(source, squatter.getsockname()[1], ["a"])
+        conn, _ = squatter.accept()
+        with conn:
+            conn.settimeout(30)
+            got = conn.recv(4096)
+            if answer:
+                conn.sendall(answer)
+            rc, sent = result(sender)
+            conn.settimeout(1)
+            rest = b""
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(4096):
+                    rest += chunk
+    assert rc == 1 and "not our receiver" in sent["error"], sent
+    assert got + rest == TOKEN.encode() + b"\n"  # no header, no file bytes

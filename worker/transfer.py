@@ -31,13 +31,16 @@ Frames (one TCP connection per hop; "line" = UTF-8 text ending in ``\\n``):
                                                 exactly n raw bytes
                                                 digest line, the hex sha256 of those bytes
                             end line            ``{"end": true}``
-    downstream -> upstream  one ack line        ``{"ok": true}`` or ``{"ok": false, "error": e}``
+    downstream -> upstream  proof line          right after the token: the hex HMAC-SHA256 of
+                                                "orchestrate-transfer receiver" keyed by the
+                                                token (a port squatter gets nothing)
+                            one ack line        ``{"ok": true}`` or ``{"ok": false, "error": e}``
 
 A receiver forwards the same frames downstream and acks upstream only after its downstream
 acked and it swapped its copy in, so the sender's ack means the whole chain has the files. An
 error that happened further down is passed up prefixed with that host's HOST:PORT and marked
 ``"located": true`` so that hosts above pass it on unchanged. A receiver sends nothing before
-its ack, so anything readable from a peer mid-stream is its error (or its close).
+its ack but the proof, so anything readable from a peer mid-stream is its error (or its close).
 """
 
 from __future__ import annotations
@@ -215,8 +218,8 @@ class Channel:
             self.sock.sendall(data)
         except OSError as exc:
             raise self.failure(exc) from exc
-        if not last and select.select([self.sock], [], [], 0)[0]:
-            raise self.failure()
+        if not last and (self.buf or select.select([self.sock], [], [], 0)[0]):
+            raise self.failure()  # (an answer read along with the receiver's proof is in buf)
 
     def failure(self, exc: OSError | None = None) -> TransferError:
         """What went wrong at the peer: its error ack when it sent one, else the lost connection."""
@@ -290,11 +293,29 @@ def connect(address: str, token: str, timeout: float) -> Channel:
             if time.monotonic() + CONNECT_EVERY_S > deadline:
                 raise TransferError(f"could not connect to {address} within {limit:g} s: {exc}") from exc
             time.sleep(CONNECT_EVERY_S)
-    sock.settimeout(timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     channel = Channel(sock, address)
-    channel.push(token.encode() + b"\n")
+    channel.push(token.encode() + b"\n", last=True)  # what comes back now is the proof
+    sock.settimeout(TOKEN_WITHIN_S)  # a receiver proves at once that it holds the token too
+    try:
+        proof = channel.line()
+    except (TransferError, OSError) as exc:
+        channel.close()
+        raise TransferError(f"{address} did not answer the token: not our receiver "
+                            f"(another process on that port?): {exc}") from None
+    if not hmac.compare_digest(proof, receiver_proof(token)):
+        channel.close()
+        raise TransferError(f"{address} answered without the token: not our receiver (another "
+                            "process on that port?); nothing was sent")
+    sock.settimeout(timeout)
     return channel
+
+
+def receiver_proof(token: str) -> bytes:
+    """What a receiver answers to the right token: it holds the token as well, so a process
+    that took the receiver's port first cannot collect the checkpoint."""
+    return hmac.new(token.encode(), b"orchestrate-transfer receiver", hashlib.sha256) \
+        .hexdigest().encode()
 
 
 def listen(address: str, port: int) -> socket.socket:
@@ -362,8 +383,13 @@ class Gate:
             self._reject(sock)
             return None
         del self.pending[sock]
-        host, port = sock.getpeername()[:2]
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            host, port = sock.getpeername()[:2]
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(receiver_proof(self.token.decode()) + b"\n")
+        except OSError:
+            sock.close()
+            return None
         return Channel(sock, f"upstream {host}:{port}", rest)
 
     def _expire(self) -> None:
