@@ -25,9 +25,9 @@ from hostlab import HostLab, LabHost
 from orchestrator import paths
 from orchestrator.api import Cluster
 from orchestrator.checkpoints import WorkerCommand, share_chief_checkpoint
-from orchestrator.plan import build
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event
+from orchestrator.plan import build
 from orchestrator.state import AttemptRecord
 from orchestrator.view import RunResult, RunView
 
