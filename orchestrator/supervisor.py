@@ -278,6 +278,10 @@ class Supervisor:
 
     def _confirm(self, failure: AttemptFailed) -> AttemptFailed:
         """Ask the provider about a lost host (preempted?), and spot code failing the same way."""
+        if failure.vanished and failure.cause is Cause.CRASHED and failure.host and \
+                not self._answers(failure.host):  # the whole machine went, not just the task
+            failure.cause = Cause.HOST_LOST
+            failure.detail = f"host {failure.host} stopped answering as its task vanished"
         if failure.cause is Cause.HOST_LOST and failure.host:
             host = self._host(failure.host)
             health = self.provider.host_health(host)
@@ -298,6 +302,15 @@ class Supervisor:
         if failure.cause in RETRYABLE:
             self._causes[failure.cause] += 1
         return failure
+
+    def _answers(self, host_name: str) -> bool:
+        """Whether a host answers a command now (within ``timeouts.poll_s``)."""
+        try:
+            self.provider.runner(self._host(host_name)).run(
+                "true", check=False, timeout_s=self.spec.timeouts.poll_s)
+        except OrchestratorError:
+            return False
+        return True
 
     def _host(self, name: str) -> Host:
         return next(h for h in self.provider.hosts() if h.name == name)
@@ -364,6 +377,8 @@ class Supervisor:
     def _share(self, plan: ClusterPlan) -> None:
         if plan.machines < 2:
             return
+        self._say(f"copying the chief's checkpoint to {plan.machines - 1} other host(s), "
+                  "host to host, where it changed")
         copied = share_chief_checkpoint(plan, self.provider.runner, self._worker)
         self._moved("host_to_host", copied.host_to_host_bytes)
         self._relayed_bytes += copied.through_controller

@@ -52,6 +52,7 @@ class AttemptFailed(Exception):
         self, cause: Cause, task: str, detail: str, *, exit_code: int | None = None,
         evidence: str = "", failed_at: float | None = None, host: str | None = None,
         port: tuple[str, int] | None = None, before_first_step: bool = False,
+        vanished: bool = False,
     ) -> None:
         super().__init__(f"{cause.value}: {task}: {detail}")
         self.cause = cause
@@ -63,6 +64,7 @@ class AttemptFailed(Exception):
         self.host = host  # the host to repair, for host_lost / preempted
         self.port = port  # the (address, port) to avoid, for port_conflict
         self.before_first_step = before_first_step
+        self.vanished = vanished  # the task's process group was gone without an exit code
 
     @property
     def signature(self) -> str:
@@ -310,7 +312,7 @@ class AttemptWatch:
                                  before_first_step=early, exit_code=w.exit_code)
         if w.status is not None and w.status.state is TaskState.LOST:
             return make(Cause.CRASHED, w.key, "its process group vanished without an exit code "
-                        "(killed as a whole)")
+                        "(killed as a whole)", vanished=True, host=w.plan.host.name)
         return _classify(w, make)
 
     def _check_startup(self) -> None:
