@@ -12,10 +12,12 @@ directory every host sees (shared storage). Figures per size:
   the ratios b/a, c/a, d/a, c/b and d/b. Goal: c/b and d/b >= 0.95.
 - bytes through the controller's link, counted by the kernel: every host's traffic to the
   controller goes through a tc class at 10 Gbit/s (it slows nothing) whose byte counter is read
-  before the run and once more just before the final model is downloaded; per checkpoint,
-  beside the product's own figure (``RunResult.checkpoint_bytes``). (b) is the control traffic
-  alone (polls, log reads); the excess of (c) and (d) over it is what their checkpoints cost.
-  Goal: shared storage moves 0 checkpoint bytes through the controller.
+  before and after the run, and around the final model download (the model, the size of the
+  state, is not a checkpoint: its bytes are reported apart); per checkpoint, beside the
+  product's own figure (``RunResult.checkpoint_bytes``). (b) is the control traffic alone
+  (polls, log reads); the excess of (c) and (d) over it is what their checkpoints cost. Also the
+  mirror's pulls (copied, failed) and this process's CPU time (the supervisor and its mirror
+  thread) over the run. Goal: shared storage moves 0 checkpoint bytes through the controller.
 - the relaunch copy: the chief's checkpoint directory as a run of (b) left it (hard-linked at
   its last checkpoint: tf_keras deletes it when training ends) given to the 2 other hosts by
   ``share_chief_checkpoint`` (a pipelined chain, chief -> h1 -> h2), their copies removed
@@ -31,7 +33,7 @@ once per new checkpoint (``CheckpointMirror.pull``, what mirror: always does aft
 checkpoint event), and the relaunch copy is measured on it. On a 23 GiB machine that is 1 GiB,
 so 300 MiB is trained as well, as the largest size that fits.
 
-    python benchmarks/checkpoints.py           # 2 repeats (1 at 300 MiB); about 15 min (root)
+    python benchmarks/checkpoints.py           # 3 repeats (1 at 300 MiB); 12 to 22 min (root)
     python benchmarks/checkpoints.py --quick   # 1 MiB trained, 16 MiB by hand, once
 """
 
@@ -39,12 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +95,7 @@ WORKER_BASE_GIB = 0.7
 PEAK_PER_STATE = 8.0
 MEMORY_MARGIN_GIB = 2.0
 CONFIGS = ("none", "off", "on", "shared")
+OUTCOMES = ("copied", "skipped", "failed")
 LABELS = {"none": "(a) no checkpoints", "off": "(b) mirror never", "on": "(c) mirror always",
           "shared": "(d) shared storage"}
 SETTINGS = {"retry": {"max_restarts": 0},
@@ -144,7 +149,8 @@ class Recorder:
     checkpoints: list[tuple[int, float]] = field(default_factory=list)
     mirrored: set[int] = field(default_factory=set)
     finished: bool = False
-    pulls: list[str] = field(default_factory=list)  # "copied", "skipped" or "failed", each
+    pulls: list[tuple[str, float, int]] = field(default_factory=list)  # outcome, s, bytes
+    pull_errors: list[str] = field(default_factory=list)
     pulling: int = 0
     fetch_bytes: int = 0
     fetch_overlapped_pull: bool = False
@@ -223,15 +229,20 @@ def instrumented(recorder: Recorder) -> Iterator[None]:
             recorder.fetch_bytes += sent_to_controller(recorder.hosts) - before
 
     def pull(self: CheckpointMirror, *args: Any, **kwargs: Any) -> bool:
-        outcome = "failed"
+        """Each pull's outcome ("copied"; "skipped": no checkpoint; "failed": an error, e.g. a
+        file deleted by the next save, its files thrown away), seconds and bytes downloaded."""
+        outcome, pulled, started = "failed", self.bytes_pulled, time.monotonic()
         recorder.pulling += 1
         try:
             copied = real_pull(self, *args, **kwargs)
             outcome = "copied" if copied else "skipped"
             return copied
+        except Exception as exc:
+            recorder.pull_errors.append(failed_file(str(exc)))
+            raise
         finally:
             recorder.pulling -= 1
-            recorder.pulls.append(outcome)
+            recorder.pulls.append((outcome, time.monotonic() - started, self.bytes_pulled - pulled))
 
     setattr(supervisor, fetch_name, fetch)
     CheckpointMirror.pull = pull  # type: ignore[method-assign]
@@ -242,6 +253,19 @@ def instrumented(recorder: Recorder) -> Iterator[None]:
         CheckpointMirror.pull = real_pull  # type: ignore[method-assign]
 
 
+def failed_file(error: str) -> str:
+    """Why a pull failed, without the run's paths: the file it could not download (a TF temp
+    file of a save in progress, or a checkpoint file deleted meanwhile: ``ckpt-N.index``), or
+    the error's first line."""
+    match = re.search(r"download of (\S+) to ", error)
+    if match is None:  # e.g. the index names a checkpoint saved after the listing
+        return re.sub(r"ckpt-\d+", "ckpt-N", error.splitlines()[0])[:200] if error else "?"
+    name = Path(match.group(1)).name
+    if ".tempstate" in name:
+        return "a temp file of a save in progress"
+    return re.sub(r"ckpt-\d+", "ckpt-N", name)
+
+
 @dataclass
 class Sample:
     config: str
@@ -250,7 +274,8 @@ class Sample:
     checkpoints: int
     in_window: int
     mirrored: int
-    pulls: dict[str, int]
+    pulls: list[tuple[str, float, int]]
+    pull_errors: list[str]
     controller_bytes: int  # every host to the controller during the run, less the model download
     model_fetch_bytes: int
     product: dict[str, int]
@@ -278,7 +303,7 @@ def train(path: Path, config: str, hosts: list[LabHost], keep: Path | None) -> S
     cpu = (after.ru_utime + after.ru_stime) - (usage.ru_utime + usage.ru_stime)
     return Sample(config, result.run_id, recorder.steps_per_s(), len(recorder.checkpoints),
                   recorder.checkpoints_in_window(), len(recorder.mirrored),
-                  {o: recorder.pulls.count(o) for o in ("copied", "skipped", "failed")},
+                  recorder.pulls, recorder.pull_errors,
                   total - recorder.fetch_bytes, recorder.fetch_bytes,
                   dict(result.checkpoint_bytes), seconds, cpu / seconds)
 
@@ -481,6 +506,8 @@ def measure_copies(r: Relaunch, runs: int) -> dict[str, Any]:
         r.clear_targets()
         os.sync()  # no writeback of an earlier copy's pages during this one
         copied, took, through = timed_chain()
+        if copied.chain_error:  # relayed through this machine instead: not the chain's time
+            raise RuntimeError(f"the host-to-host chain failed: {copied.chain_error}")
         if sorted(copied.hosts) != sorted(h.name for h in r.targets) or copied.bytes != size:
             raise RuntimeError(f"the chain copied {copied} of {size} bytes")
         chain.append({"seconds": took, "controller_bytes": through})
@@ -569,7 +596,9 @@ def measure_size(size: Size, directory: Path, project: Path, lab: HostLab, hosts
                      f"{sample.checkpoints} checkpoints ({sample.in_window} measured), "
                      f"{human_bytes(sample.controller_bytes)} to the controller "
                      f"(product: {human_bytes(sample.product.get('through_controller', 0))}), "
-                     f"{sample.mirrored} mirrored (pulls {sample.pulls}), controller CPU "
+                     f"{sample.mirrored} mirrored (pulls: "
+                     f"{', '.join(f'{sum(1 for p in sample.pulls if p[0] == o)} {o}' for o in OUTCOMES)}), "
+                     f"controller CPU "
                      f"{sample.controller_cpu:.0%} of a core, model fetch "
                      f"{human_bytes(sample.model_fetch_bytes)}, {sample.seconds:.0f}s")
                 if keeping:
@@ -598,7 +627,12 @@ def summarize(size: Size, samples: dict[str, list[Sample]]) -> dict[str, Any]:
             "checkpoints": spread([s.checkpoints for s in runs], 0),
             "checkpoints_measured": spread([s.in_window for s in runs], 0),
             "mirrored": spread([s.mirrored for s in runs], 0),
-            "pulls": {o: spread([s.pulls[o] for s in runs], 0) for o in ("copied", "skipped", "failed")},
+            "pulls": {o: spread([sum(1 for p in s.pulls if p[0] == o) for s in runs], 0)
+                      for o in OUTCOMES},
+            "failed_pull_bytes": spread([sum(p[2] for p in s.pulls if p[0] == "failed")
+                                         for s in runs], 0),
+            "pull_s": spread([p[1] for s in runs for p in s.pulls if p[0] == "copied"], 2),
+            "pull_failures": dict(Counter(e for s in runs for e in s.pull_errors)),
             "controller_cpu": spread([s.controller_cpu for s in runs]),
             "controller_bytes": spread([s.controller_bytes for s in runs], 0),
             "controller_bytes_per_checkpoint": spread(
@@ -644,42 +678,47 @@ def yes_no(value: bool | None) -> str:
     return "-" if value is None else "yes" if value else "no"
 
 
+HEADER = ["size", "config", "steps/s", "/ (a)", "checkpoints", "to controller", "per checkpoint",
+          "product says", "pulls ok/failed", "controller CPU"]
+
+
 def rows_of(results: list[dict[str, Any]]) -> list[list[Any]]:
     rows: list[list[Any]] = []
+    blank = [""] * (len(HEADER) - 3)
     for r in results:
         size = Size(r["size_mib"], 0, 0).name
         if "not_trained" in r:
             pull = r["mirror_pull"]
-            rows.append([size, "not trained", r["not_trained"].split(" (")[0], "", "", "", "", "", ""])
-            rows.append([size, "mirror pull", f"{show(pull['seconds'], 's')}", "", "",
-                         "", human_bytes(pull["controller_bytes"]["median"] or 0),
-                         human_bytes(pull["product_bytes"]["median"] or 0), ""])
+            rows.append([size, "not trained", r["not_trained"].split(" (")[0], *blank])
+            rows.append([size, "mirror pull", show(pull["seconds"], "s"), "", "", "",
+                         human_bytes(pull["controller_bytes"]["median"] or 0),
+                         human_bytes(pull["product_bytes"]["median"] or 0), "", ""])
         else:
             for c in CONFIGS:
                 f = r["configs"][c]
                 per = f["controller_bytes_per_checkpoint"]["median"]
+                pulls = "" if c != "on" else \
+                    f"{show(f['pulls']['copied'])}/{show(f['pulls']['failed'])}"
                 rows.append([size, LABELS[c], show(f["steps_per_s"]), f["ratio_to_none"] or "-",
                              show(f["checkpoints"]), human_bytes(f["controller_bytes"]["median"] or 0),
                              "-" if per is None else human_bytes(per),
-                             human_bytes(f["product_through_controller"]["median"] or 0),
-                             show(f["mirrored"])])
-            rows.append([size, "c/b, d/b", r["on_over_off"], r["shared_over_off"], "", "", "", "",
+                             human_bytes(f["product_through_controller"]["median"] or 0), pulls,
+                             f"{(f['controller_cpu']['median'] or 0):.0%}"])
+            rows.append([size, "c/b, d/b", r["on_over_off"], r["shared_over_off"], *blank[:-2],
                          " ".join(f"{k}={yes_no(v)}" for k, v in r["goals"].items())])
         copy = r["relaunch"]
         rows.append([size, "relaunch copy", f"{human_bytes(copy['bytes'])} chain to {copy['hosts']}",
                      show(copy["chain_s"], "s"), f"plain to 1: {show(copy['plain_s'], 's')}",
                      f"x{copy['chain_over_plain']} ({yes_no(copy['goal_met'])})",
                      f"again {show(copy['again_s'], 's')}",
-                     human_bytes(copy["controller_bytes"]["median"] or 0), ""])
+                     human_bytes(copy["controller_bytes"]["median"] or 0), "", ""])
     return rows
 
 
 def main() -> None:
-    args = parser(__doc__, full_repeats=2).parse_args()
+    args = parser(__doc__, full_repeats=3).parse_args()
     host_facts, started = describe_machine(), time.monotonic()
     sizes = QUICK if args.quick else FULL
-    header = ["size", "config", "steps/s", "/ (a)", "checkpoints", "to controller",
-              "per checkpoint", "product says", "mirrored"]
     with temp_home("checkpoints"), tempfile.TemporaryDirectory(prefix="orchestrate-bench-") as scratch, \
             namespace_lab(WORKERS) as (lab, why):
         if lab is None:
@@ -710,7 +749,7 @@ def main() -> None:
                        "copy": f"chain to 2 hosts <= {COPY_GOAL}x a plain copy to 1",
                        "shared": "0 checkpoint bytes through the controller"},
              "results": results},
-            header, rows_of(results))
+            HEADER, rows_of(results))
 
 
 if __name__ == "__main__":
