@@ -31,6 +31,7 @@ from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.remote.base import Runner, quote_argv
 from orchestrator.spec import AUTO_MIRROR_MAX_BYTES
+from worker.transfer import listing, needed
 
 RunnerFor = Callable[[Host], Runner]
 INDEX = "checkpoint"  # TF's checkpoint index file in a checkpoint directory
@@ -66,8 +67,7 @@ class Listing:
 
     def needed_by(self, present: Listing) -> list[str]:
         """Files of this listing that ``present`` lacks with the same size and mtime."""
-        have = {(f["path"], f["size"], f["mtime_ns"]) for f in present.files}
-        return [f["path"] for f in self.files if (f["path"], f["size"], f["mtime_ns"]) not in have]
+        return needed(list(self.files), list(present.files))
 
 
 def has_checkpoint(runner: Runner, directory: str) -> bool:
@@ -462,14 +462,8 @@ class CheckpointMirror:
 
 
 def _local_listing(directory: Path) -> Listing:
-    if not directory.is_dir():
-        return Listing(False, ())
-    files = []
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        stat = path.stat()
-        files.append({"path": path.relative_to(directory).as_posix(), "size": stat.st_size,
-                      "mtime_ns": stat.st_mtime_ns})
-    return Listing(True, tuple(files))
+    found = listing(str(directory))
+    return Listing(bool(found["exists"]), tuple(found["files"]))
 
 
 def _check_index(directory: Path) -> None:
