@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import paths
 from orchestrator.api import Cluster
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event, parse_line
@@ -33,8 +34,17 @@ def spec_file(tmp_path: Path, body: str, name: str = "cluster.yaml") -> Path:
     return path
 
 
+def release(view: RunView) -> None:
+    """Let a ``tests.workloads.paced_digits`` run go at full speed."""
+    run_dir = Path(paths.RunPaths.of(str(paths.cluster_home(view.cluster)), view.run_id).run_dir)
+    if run_dir.is_dir():
+        (run_dir / "release").touch()
+
+
 def kill_at(task: str, step: int, pids: dict[str, int], log: list[str]) -> object:
-    """A listener that SIGKILLs ``task`` once attempt 1 reports ``step``."""
+    """A listener that SIGKILLs ``task`` once attempt 1 reports ``step``, then releases the run
+    (a ``tests.workloads.paced_digits`` one is paced until then, so the kill lands mid-run
+    however slow the machine or late the event)."""
     def listener(view: RunView, event: Event | None) -> None:
         if event is None or event.attempt != 1:
             if event is None and view.messages:
@@ -46,14 +56,15 @@ def kill_at(task: str, step: int, pids: dict[str, int], log: list[str]) -> objec
                 and "killed" not in pids:
             pids["killed"] = int(event.get("step"))
             os.kill(pids[task], signal.SIGKILL)
+            release(view)
     return listener
 
 
 DETERMINISTIC = """\
 name: {name}
 workers: 2
-job: {{module: examples.digits, epochs: 3, steps_per_epoch: 20, deterministic: true, seed: 7,
-       progress_every_steps: 1}}
+job: {{module: tests.workloads.paced_digits, epochs: 3, steps_per_epoch: 20, deterministic: true,
+       seed: 7, progress_every_steps: 1}}
 checkpoint: {{every_steps: 5}}
 retry: {{max_restarts: 2, backoff_initial_s: 0.2}}
 timeouts: {{stop_grace_s: 1}}
@@ -63,16 +74,18 @@ timeouts: {{stop_grace_s: 1}}
 @pytest.mark.tf
 def test_killed_and_resumed_run_ends_bit_identical_to_an_unbroken_one(tmp_path: Path) -> None:
     unbroken = Cluster.from_spec(spec_file(tmp_path, DETERMINISTIC.format(name="exact-a"), "a.yaml"))
-    reference = unbroken.train().wait()
+    reference = unbroken.train(listener=lambda view, _: release(view)).wait()
     assert len(reference.attempts) == 1
 
     pids: dict[str, int] = {}
+    said: list[str] = []
     broken = Cluster.from_spec(spec_file(tmp_path, DETERMINISTIC.format(name="exact-b"), "b.yaml"))
-    result = broken.train(listener=kill_at("worker:1", 27, pids, [])).wait()  # type: ignore[arg-type]
+    result = broken.train(listener=kill_at("worker:1", 27, pids, said)).wait()  # type: ignore[arg-type]
 
     assert pids.get("killed"), "worker:1 was never killed"
-    assert len(result.attempts) == 2 and result.attempts[0].cause == "crashed"
-    assert 0 < (result.attempts[1].resumed_from_step or 0) < 60  # resumed mid-run, mid-epoch
+    assert len(result.attempts) == 2 and result.attempts[0].cause == "crashed", said
+    # resumed mid-run, mid-epoch
+    assert 0 < (result.attempts[1].resumed_from_step or 0) < 60, (pids, said)
     assert set(result.digests.values()) == set(reference.digests.values())
     assert len(set(result.digests.values())) == 1
 
@@ -83,7 +96,8 @@ def test_newest_checkpoint_that_does_not_restore_falls_back_to_the_one_before(
     path = spec_file(tmp_path, """\
         name: corrupt
         workers: 2
-        job: {module: examples.digits, epochs: 2, steps_per_epoch: 30, progress_every_steps: 1}
+        job: {module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 30,
+              progress_every_steps: 1}
         checkpoint: {every_steps: 10}
         retry: {max_restarts: 2, backoff_initial_s: 0.2}
         timeouts: {stop_grace_s: 1}

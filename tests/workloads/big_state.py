@@ -4,22 +4,22 @@ A non-trainable weight of ``BIG_STATE_MIB`` MiB (default 256) of random, incompr
 values takes part trivially in the forward pass: every checkpoint and the saved model carry
 it, but it has no gradient, no optimizer slots and nothing to all-reduce.
 
-Pacing, for tests that need training to go on while something slow happens: from batch
-``BIG_STATE_PACE_FROM`` on (unset: never), each batch takes at least ``BIG_STATE_PACE_S``
-seconds (default 0.2) until a file named ``release`` appears in the run's directory on the
-host (the parent of ``ORCHESTRATE_CHECKPOINT_DIR``); then training runs at full speed.
+Pacing, for tests that need training to go on while something slow happens (see
+``tests.workloads.pace``): from batch ``BIG_STATE_PACE_FROM`` on (unset: never), each batch
+takes at least ``BIG_STATE_PACE_S`` seconds (default 0.2) until the run's ``release`` file
+appears.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 import tf_keras as keras
+
+from tests.workloads.pace import Pace
 
 
 class BigState(keras.layers.Layer):
@@ -65,24 +65,5 @@ def make_dataset(global_batch_size: int, seed: int | None = None) -> tf.data.Dat
     pace_from = os.environ.get("BIG_STATE_PACE_FROM")
     if pace_from is None:
         return dataset
-    pace = _Pace(int(pace_from), float(os.environ.get("BIG_STATE_PACE_S", "0.2")))
+    pace = Pace(int(pace_from), float(os.environ.get("BIG_STATE_PACE_S", "0.2")))
     return dataset.map(pace.apply)
-
-
-class _Pace:
-    """Slows batches down from a given one on, until the run's ``release`` file exists."""
-
-    def __init__(self, start: int, seconds: float) -> None:
-        self.start, self.seconds, self.batches = start, seconds, 0
-        self.release = Path(os.environ["ORCHESTRATE_CHECKPOINT_DIR"]).parent / "release"
-
-    def apply(self, features: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        token = tf.py_function(self._wait, [], tf.float32)
-        token.set_shape([])
-        return features + token, labels
-
-    def _wait(self) -> np.float32:
-        self.batches += 1
-        if self.batches > self.start and not self.release.exists():
-            time.sleep(self.seconds)
-        return np.float32(0.0)
