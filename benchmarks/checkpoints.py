@@ -20,8 +20,9 @@ directory every host sees (shared storage). Figures per size:
   thread) over the run. Goal: shared storage moves 0 checkpoint bytes through the controller.
 - the relaunch copy: the chief's checkpoint directory as a run of (b) left it (hard-linked at
   its last checkpoint: tf_keras deletes it when training ends) given to the 2 other hosts by
-  ``share_chief_checkpoint`` (a pipelined chain, chief -> h1 -> h2), their copies removed
-  first, against a plain copy of the same bytes from the chief's host to ONE other host (a
+  ``share_chief_checkpoint`` (a pipelined chain, chief -> h1 -> h2; the index and the newest
+  checkpoint, not the older ones kept), their copies removed first, against a plain copy of
+  the same bytes from the chief's host to ONE other host (a
   Python socket sender and receiver in the two namespaces: no hashing, no checks). Also the
   bytes through the controller during the chain copy, and a second copy right after (nothing
   changed: nothing should be sent). Goal: chain <= 1.3x the plain copy.
@@ -80,6 +81,7 @@ from orchestrator.hosts import Host
 from orchestrator.providers import for_spec
 from orchestrator.providers.base import Provider
 from orchestrator.view import RunView, human_bytes
+from worker.transfer import listing
 
 WORKERS = 3
 RATE = "10gbit"  # a throttle that slows nothing: it is there for its byte counter
@@ -488,7 +490,8 @@ def measure_copies(r: Relaunch, runs: int) -> dict[str, Any]:
     """``runs`` times, alternating which goes first: the chain copy of the chief's directory
     to the other hosts (their copies removed first) and the same again at once; a plain copy
     of the same files from the chief's host to the first other host."""
-    files = sorted(str(p) for p in r.chief_dir.rglob("*") if p.is_file())
+    # What the chain sends: the index and the newest checkpoint (not the older ones kept).
+    files = [str(r.chief_dir / f["path"]) for f in listing(str(r.chief_dir), newest=True)["files"]]
     size = sum(os.path.getsize(f) for f in files)
     source, first = r.lab_host(r.plan.chief.host), r.lab_host(r.targets[0])
     plain_out = f"{first.home}/plain-copy.bin"
@@ -669,7 +672,7 @@ def make_project(directory: Path) -> Path:
     project = directory / "project"
     target = project / "tests" / "workloads"
     target.mkdir(parents=True)
-    for name in ("__init__.py", "big_state.py"):
+    for name in ("__init__.py", "big_state.py", "pace.py"):
         shutil.copy2(REPO / "tests" / "workloads" / name, target / name)
     return project
 

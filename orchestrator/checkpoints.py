@@ -30,7 +30,7 @@ from orchestrator.errors import OrchestratorError, RemoteError
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.remote.base import Runner, quote_argv
-from orchestrator.spec import AUTO_MIRROR_MAX_BYTES
+from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, MIRROR_BUSY_MAX
 from worker.transfer import listing, needed
 
 RunnerFor = Callable[[Host], Runner]
@@ -77,8 +77,12 @@ def has_checkpoint(runner: Runner, directory: str) -> bool:
                       check=False).ok
 
 
-def list_dir(runner: Runner, worker: WorkerCommand, directory: str) -> Listing:
-    result = runner.run(worker.argv("worker.transfer", "list", directory), timeout_s=120)
+def list_dir(runner: Runner, worker: WorkerCommand, directory: str,
+             newest: bool = False) -> Listing:
+    """The files of ``directory`` on a host; with ``newest``, only the checkpoint its index
+    names (see ``worker.transfer.listing``)."""
+    argv = worker.argv("worker.transfer", "list", directory, *(["--newest"] if newest else []))
+    result = runner.run(argv, timeout_s=120)
     report = _report(result.stdout, runner, "list the checkpoint files")
     return Listing(bool(report["exists"]), tuple(report["files"]))
 
@@ -116,7 +120,8 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
     The hosts form a chain (chief -> h1 -> h2 ...), each receiving on its first task's port
     (free: the plan probed it, and no task runs during a relaunch) and forwarding as it
     receives, so the chief's link carries the bytes once whatever the number of hosts. Only
-    the files a host lacks travel; a host sees the new directory whole or not at all.
+    the newest checkpoint goes (the one the index names, which the relaunch restores), and of
+    it only the files a host lacks; a host sees the new directory whole or not at all.
     """
     started = time.monotonic()
     chief = plan.chief.host
@@ -125,10 +130,11 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
     layout = plan.checkpoints
     if not targets or layout.shared:
         return Copied()
-    source = list_dir(runner_for(chief), worker_for(chief), layout.of(chief))
-    with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
-        present = list(pool.map(lambda h: list_dir(runner_for(h), worker_for(h), layout.of(h)),
-                                targets))
+    with ThreadPoolExecutor(max_workers=min(32, len(targets) + 1)) as pool:
+        # The chief's newest checkpoint only: the one the relaunch restores (it was verified).
+        listed = list(pool.map(lambda h: list_dir(runner_for(h), worker_for(h), layout.of(h),
+                                                  newest=h is chief), [chief, *targets]))
+    source, present = listed[0], listed[1:]
     if not source.has_checkpoint:  # a copy left from before would restore a different state
         stale = [h for h, p in zip(targets, present, strict=True) if p.has_checkpoint]
         for host in stale:
@@ -194,9 +200,11 @@ def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: 
         return f"{host.address}:{ports[host.name]}"
 
     def run(host: Host, args: list[str], stdin: str, what: str) -> dict[str, Any]:
+        # The shell writes the pid that exec keeps; the process removes the file as it exits.
         runner, pid_file = runner_for(host), shlex.quote(pid_files[host.name])
+        argv = worker_for(host).argv("worker.transfer", *args, "--pid-file", pid_files[host.name])
         script = (f"mkdir -p $(dirname {pid_file}) && echo $$ > {pid_file} && "
-                  f"exec {quote_argv(worker_for(host).argv('worker.transfer', *args))}")
+                  f"exec {quote_argv(argv)}")
         result = runner.run(script, check=False, timeout_s=timeout + 60, input=stdin)
         return _report(result.stdout, runner, what)
 
@@ -227,7 +235,6 @@ def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: 
                 list(pool.map(lambda h: stop(h, "TERM"), futures.values()))
                 break
         outcomes = [(host.name, _outcome(f)) for f, host in futures.items()]
-        list(pool.map(lambda h: stop(h, "0"), futures.values()))  # only removes the pid files
     failed = [f"{name}: {report.get('error', 'failed')}" for name, report in outcomes
               if not report.get("ok")]
     if failed:
@@ -285,6 +292,10 @@ class CheckpointMirror:
     Under ``mode="auto"`` a checkpoint larger than ``max_bytes`` turns the mirror off for the
     rest of the run (``on_off`` is told why, once); ``never`` never pulls.
 
+    Pulls are paced to ``busy_max`` of the time (see ``MIRROR_BUSY_MAX``): a request that comes
+    sooner waits, and is replaced by newer ones while it waits. ``wait`` lifts the pacing for
+    the request pending then: a relaunch wants the newest copy at once.
+
     Args:
         directory: where the copy lives on this machine (``current`` inside it).
         runner_for: the runner of a host.
@@ -292,6 +303,8 @@ class CheckpointMirror:
         on_mirrored: called with the step of each checkpoint copied here.
         on_pulling: called with the step when a pull starts, and with None when it ends.
         on_off: called once with the reason when ``auto`` turns the mirror off.
+        busy_max: the fraction of the time the mirror may spend pulling.
+        clock: monotonic seconds (tests pass a fake one).
     """
 
     def __init__(self, directory: Path, runner_for: RunnerFor,
@@ -299,7 +312,9 @@ class CheckpointMirror:
                  max_bytes: int = AUTO_MIRROR_MAX_BYTES,
                  on_mirrored: Callable[[int], None] = lambda step: None,
                  on_pulling: Callable[[int | None], None] = lambda step: None,
-                 on_off: Callable[[str], None] = lambda why: None) -> None:
+                 on_off: Callable[[str], None] = lambda why: None,
+                 busy_max: float = MIRROR_BUSY_MAX,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.directory = directory
         self.runner_for = runner_for
         self.worker_for = worker_for
@@ -311,11 +326,15 @@ class CheckpointMirror:
         self.off_reason = "checkpoint.mirror is never" if mode == "never" else ""
         self.bytes_pulled = 0  # through this machine's link, for the run's figures
         self.bytes_pushed = 0
-        self._wake = threading.Condition()  # guards the four fields below
+        self.busy_max = busy_max
+        self.clock = clock
+        self._wake = threading.Condition()  # guards the six fields below
         self._wanted: tuple[ClusterPlan, int] | None = None
         self._busy = False
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._not_before = 0.0  # the pacing: no pull starts before this (clock's seconds)
+        self._hurry = False  # serve the pending request now, paced or not (``wait``)
         self._copy_lock = threading.Lock()  # guards ``current`` on disk and _step
         self._step: int | None = None
 
@@ -350,8 +369,12 @@ class CheckpointMirror:
             self._wake.notify_all()
 
     def wait(self, timeout_s: float = 60.0) -> bool:
-        """Wait until no pull is wanted or running; False if that took longer than ``timeout_s``."""
+        """Wait until no pull is wanted or running, serving a pending request at once, paced
+        or not; False if that took longer than ``timeout_s``."""
         with self._wake:
+            if self._wanted is not None:
+                self._hurry = True
+                self._wake.notify_all()
             return self._wake.wait_for(lambda: self._wanted is None and not self._busy, timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> bool:
@@ -370,15 +393,20 @@ class CheckpointMirror:
     def _serve(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._wanted is not None or self._closed)
+                while not self._closed and (self._wanted is None or (
+                        not self._hurry and (left := self._not_before - self.clock()) > 0)):
+                    self._wake.wait(left if self._wanted is not None else None)
                 if self._wanted is None:  # closed
                     return
                 (plan, step), self._wanted = self._wanted, None
-                self._busy = True
+                self._busy, self._hurry = True, False
+            started = self.clock()
             try:
                 self._pull_and_report(plan, step)
             finally:
                 with self._wake:
+                    ended = self.clock()
+                    self._not_before = ended + (ended - started) * (1 / self.busy_max - 1)
                     self._busy = False
                     self._wake.notify_all()
 

@@ -12,7 +12,7 @@ from orchestrator.errors import PlanError
 from orchestrator.hosts import Host, is_loopback
 from orchestrator.paths import RunPaths, code_dir, lib_dir
 from orchestrator.runtimes import BatchScaling, runtime_for
-from orchestrator.spec import ClusterSpec, CommandJob, is_url
+from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, ClusterSpec, CommandJob, is_url
 
 Role = Literal["chief", "worker"]
 
@@ -67,7 +67,8 @@ class CheckpointLayout:
             return f"{where} (shared by every task: nothing is copied)"
         if self.machines < 2:
             return f"{where} (every task runs on this one machine: nothing is copied)"
-        mirror = {"auto": "this machine keeps a copy up to 1 GiB", "always": "this machine "
+        limit = f"{AUTO_MIRROR_MAX_BYTES / (1 << 30):g} GiB"
+        mirror = {"auto": f"this machine keeps a copy up to {limit}", "always": "this machine "
                   "keeps a copy", "never": "this machine keeps no copy"}[self.mirror]
         return (f"{where} on each host (the chief's is copied host to host before a relaunch; "
                 f"{mirror})")

@@ -269,6 +269,12 @@ def is_url(location: str) -> bool:
 # Above it, the copy costs the chief's disk and network more than the rare case it saves (a
 # chief whose disk is gone) is worth; shared storage or checkpoint.mirror: always cover that.
 AUTO_MIRROR_MAX_BYTES = 1 << 30
+# The mirror pulls at most this fraction of the time: after a pull of T seconds the next waits
+# until T * (1 / MIRROR_BUSY_MAX - 1) more have passed. Its pulls cost the chief's host CPU
+# (sshd's encryption) and disk reads while it trains; at 5% of the time that cost stays within
+# a few percent of the steps/s (benchmarks/checkpoints.py), and the copy, a safety net for a
+# chief whose disk is gone, is at most a few checkpoints behind.
+MIRROR_BUSY_MAX = 0.05
 
 
 class ManagedJob(Model):
@@ -345,7 +351,9 @@ class Checkpoint(Model):
     mirror: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="Keep a copy of the chief's checkpoints on this machine (for a chief whose "
-        "disk is lost): auto keeps it up to 1 GiB and never with shared storage.",
+        f"disk is lost): auto keeps it up to {AUTO_MIRROR_MAX_BYTES / (1 << 30):g} GiB and never "
+        f"with shared storage. It pulls at most {MIRROR_BUSY_MAX:.0%} of the time, so it may be "
+        "a few checkpoints behind.",
     )
 
     @field_validator("dir")

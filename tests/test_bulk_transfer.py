@@ -167,6 +167,29 @@ def test_a_request_from_the_mirrored_callback_is_served_before_wait_says_idle(
     assert m.close()
 
 
+def test_pulls_are_paced_to_their_share_of_the_time_and_wait_serves_the_pending_one_now(
+        tmp_path: Path, two_hosts: plan.ClusterPlan, calls: Calls) -> None:
+    class Slow(LocalRunner):
+        def get_file(self, remote_path: str, local_path: str) -> None:
+            time.sleep(0.05)  # every pull takes 50 ms or more
+            super().get_file(remote_path, local_path)
+
+    # 1% of the time: after a pull of T >= 50 ms, the next waits 99 T >= 4.95 s.
+    m = CheckpointMirror(tmp_path / "mirror", lambda h: Slow(h.name), worker_here,
+                         on_mirrored=calls.mirrored, on_pulling=calls.pulling, busy_max=0.01)
+    chief_writes(two_hosts, 10)
+    m.request(two_hosts, 10)
+    assert m.wait() and m.step == 10
+    chief_writes(two_hosts, 20)
+    m.request(two_hosts, 20)
+    m.request(two_hosts, 30)  # replaces 20 while it waits its turn
+    time.sleep(1.0)
+    assert calls.of("pulling") == [10, None]  # not yet: its turn is seconds away
+    assert m.wait(timeout_s=30)  # a relaunch wants the newest copy: served at once
+    assert calls.of("pulling") == [10, None, 30, None] and m.step == 30
+    assert m.close()
+
+
 def test_a_failed_pull_is_reported_and_the_next_request_still_served(
         mirror: CheckpointMirror, two_hosts: plan.ClusterPlan, calls: Calls) -> None:
     mirror.request(two_hosts, 10)  # the chief has written nothing yet: nothing to pull

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.ssh, pytest.mark.tf]
 EVERY = 10  # checkpoint interval, in steps
 BODY = """\
 name: {name}
-job: {{module: examples.digits, epochs: 2, steps_per_epoch: 40, progress_every_steps: 1}}
+job: {{module: {module}, epochs: 2, steps_per_epoch: 40, progress_every_steps: 1}}
 checkpoint: {{every_steps: 10}}
 retry: {{max_restarts: 3, backoff_initial_s: 0.2, backoff_max_s: 1}}
 timeouts: {{stop_grace_s: 1, poll_s: 4, hang_s: 10, startup_s: {startup_s}, repair_s: 90}}
@@ -63,11 +63,12 @@ def progress_of(task: str, step: int = 15) -> Trigger:
 
 
 def train_with_fault(hostlab: HostLab, tmp_path: Path, name: str, trigger: Trigger,
-                     action: Action, *, startup_s: int = 120,
+                     action: Action, *, startup_s: int = 120, module: str = "examples.digits",
                      cluster_hook: Callable[[Cluster, Fault], None] | None = None,
                      ) -> tuple[RunResult, Fault]:
     hosts = hostlab.hosts(3)
-    path = write_spec(tmp_path, hostlab, hosts, BODY.format(name=name, startup_s=startup_s))
+    path = write_spec(tmp_path, hostlab, hosts, BODY.format(name=name, startup_s=startup_s,
+                                                                module=module))
     cluster = Cluster.from_spec(path)
     fault = Fault(hosts)
     if cluster_hook is not None:
@@ -138,8 +139,10 @@ def test_chief_host_lost_with_its_disk_resumes_from_the_controllers_copy(
         chief.run(["rm", "-rf", f"{chief.home}/.orchestrate/clusters/f-chief/runs"])
         fault.later(4.0, chief.heal)  # the machine comes back, its disk empty
 
+    # Paced (0.2 s a step): the controller's copy pulls at most 5% of the time, so it must
+    # have the chance to catch up with the newest checkpoint before training ends.
     result, _ = train_with_fault(hostlab, tmp_path, "f-chief", mirrored_the_latest,
-                                 lose_chief_host)
+                                 lose_chief_host, module="tests.workloads.paced_digits")
     # The chief's disk is gone, so the resume comes from this machine's copy, which trails the
     # chief by one background pull: a checkpoint written just before the host vanished (and
     # not yet seen here) is lost with it, so up to two intervals may be redone.

@@ -143,6 +143,44 @@ def test_list_files_sizes_mtimes_and_exclusions(tmp_path: Path) -> None:
     assert json.loads(missing.stdout) == {"exists": False, "files": [], "bytes": 0}
 
 
+def test_list_newest_leaves_out_the_older_checkpoints_and_never_lists_files_in_flight(
+        tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    index = ('model_checkpoint_path: "ckpt-3"\nall_model_checkpoint_paths: "ckpt-1"\n'
+             'all_model_checkpoint_paths: "/elsewhere/chief/ckpt-2"\n'
+             'all_model_checkpoint_paths: "ckpt-3"\n')
+    write(root / "chief" / "checkpoint", index.encode())
+    for n in (1, 2, 3):
+        write(root / "chief" / f"ckpt-{n}.index", b"i" * n)
+        write(root / "chief" / f"ckpt-{n}.data-00000-of-00001", b"d" * n)
+    write(root / "chief" / "ckpt-10.index", b"a name that only starts like ckpt-1")
+    write(root / "chief" / "notes.txt", b"the user's")
+    # TF's files while a save is under way: a bundle being written, a sharded save's staging
+    # dir, an index being replaced.
+    write(root / "chief" / "ckpt-4.data-00000-of-00001.tempstate8812730414352", b"partial")
+    write(root / "chief" / "ckpt-4_temp" / "part-00000-of-00001.index", b"partial")
+    write(root / "chief" / f"checkpoint.tmp{'ab' * 16}", b"partial")
+    write(root / "chief" / "my_temp.txt", b"a user's file that only looks temporary")
+
+    every = [f["path"] for f in listing(str(root))["files"]]
+    assert every == ["chief/checkpoint", *[f"chief/ckpt-{n}.{kind}" for n in (1,)
+                                           for kind in ("data-00000-of-00001", "index")],
+                     "chief/ckpt-10.index",
+                     *[f"chief/ckpt-{n}.{kind}" for n in (2, 3)
+                       for kind in ("data-00000-of-00001", "index")],
+                     "chief/my_temp.txt", "chief/notes.txt"]
+    proc = subprocess.run([sys.executable, "-m", "worker.transfer", "list", "--newest", str(root)],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=30, check=True)
+    newest = json.loads(proc.stdout)
+    assert [f["path"] for f in newest["files"]] == [
+        "chief/checkpoint", "chief/ckpt-10.index", "chief/ckpt-3.data-00000-of-00001",
+        "chief/ckpt-3.index", "chief/my_temp.txt", "chief/notes.txt"]
+    assert newest["bytes"] == sum(f["size"] for f in newest["files"])
+    # An index without a current checkpoint, or none at all: nothing is left out.
+    write(root / "chief" / "checkpoint", b'all_model_checkpoint_paths: "ckpt-1"\n')
+    assert len(listing(str(root), newest=True)["files"]) == len(every)
+
+
 def test_needed_compares_size_and_mtime() -> None:
     source = [{"path": "a", "size": 1, "mtime_ns": 10}, {"path": "b", "size": 2, "mtime_ns": 20},
               {"path": "c", "size": 3, "mtime_ns": 30}, {"path": "d", "size": 4, "mtime_ns": 40}]
@@ -285,6 +323,52 @@ def test_a_failure_down_the_chain_names_its_host(tmp_path: Path, procs: Procs) -
     assert digests(dests[0]) == digests(source)
     assert (dests[1] / "a").read_bytes() == b"stale"
     assert leftovers(dests[0].parent) == leftovers(dests[1].parent) == []
+
+
+@pytest.mark.timeout(60)
+def test_the_last_host_checks_the_digest_for_the_hosts_before_it(tmp_path: Path,
+                                                                 procs: Procs) -> None:
+    """A host in the middle does not hash (it writes what it forwards); a bad digest is caught
+    by the last host, and the host in the middle, which swaps in only after the last one's
+    ack, keeps its old copy too."""
+    dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
+    for dest in dests:
+        write(dest / "a", b"old payload")
+    manifest = [{"path": "a", "size": 11, "mtime_ns": 1_700_000_000_000_000_000}]
+    ports = [free_port(), free_port()]
+    tail = procs.receiver(dests[1], ports[1], manifest, ["a"])
+    head = procs.receiver(dests[0], ports[0], manifest, ["a"], "--forward", f"127.0.0.1:{ports[1]}")
+    with _connect(ports[0]) as sock:
+        sock.sendall(frames("a", b"new payload", "0" * 64))
+        lines = sock.makefile("rb")
+        assert lines.readline().strip() == receiver_proof(TOKEN)
+        ack = json.loads(lines.readline())
+
+    assert ack["ok"] is False and ack["error"] == f"127.0.0.1:{ports[1]}: sha256 mismatch for a"
+    assert result(tail)[1]["error"] == "sha256 mismatch for a"
+    assert result(head)[0] == 1
+    for dest in dests:
+        assert (dest / "a").read_bytes() == b"old payload"
+        assert leftovers(dest.parent) == []
+
+
+@pytest.mark.timeout(60)
+def test_each_piece_removes_its_pid_file_as_it_exits(tmp_path: Path, procs: Procs) -> None:
+    source, dest = tmp_path / "src", tmp_path / "h1" / "ckpt"
+    write(source / "a", b"payload")
+    manifest = listing(str(source))["files"]
+    port = free_port()
+    pid_file = tmp_path / "receiver.pid"
+    receiver = procs.receiver(dest, port, manifest, ["a"], "--pid-file", str(pid_file))
+    pid_file.write_text(f"{receiver.pid}\n")  # as the controller's shell writes it, before exec
+    other = tmp_path / "someone-else.pid"
+    other.write_text("1\n")
+    sender = procs.start("send", "--source", str(source), "--to", f"127.0.0.1:{port}",
+                         "--pid-file", str(other), stdin={"token": TOKEN, "send": ["a"]})
+
+    assert result(sender)[0] == 0 and result(receiver)[0] == 0
+    assert not pid_file.exists()
+    assert other.read_text() == "1\n"  # not its own pid: left alone
 
 
 # -- failing fast ------------------------------------------------------------------------------

@@ -13,11 +13,20 @@ Why no gzip. Checkpoints are float tensors, which hardly compress, and gzip woul
 chief's CPU while it trains. Only files that changed are sent: the controller compares the
 listings (``needed``) and each receiver hard-links the unchanged files from its current copy.
 
+Why only the newest checkpoint. A relaunch restores the checkpoint the index names (the
+controller verified it first, and pointed the index at an older one if it did not restore), so
+``list --newest`` leaves out the files of the older checkpoints the index still lists: a
+relaunch moves one checkpoint, not the three that are kept. Files in flight (TF's
+``*.tempstate*``, ``*_temp/``, ``checkpoint.tmp*``) are never listed.
+
 Why a token and sha256. The port range is reachable from inside the VPC (as TF's gRPC ports
 are, which are unauthenticated too). A receiver accepts only a connection whose first line is
 the secret token, so nobody else can inject a checkpoint or make it give up; the sha256 of
-every file catches a corrupted or truncated stream. The data itself is NOT encrypted: anyone
-who can read the VPC's traffic can read the checkpoint, as they can read TF's own traffic.
+every file catches a corrupted or truncated stream. Only the sender and the LAST receiver
+hash: a host in the middle writes exactly the buffer it forwards and swaps its copy in only
+after the last host acked, so the last host's check covers it too, and the chain costs two
+hashes per byte, not one per host. The data itself is NOT encrypted: anyone who can read the
+VPC's traffic can read the checkpoint, as they can read TF's own traffic.
 
 Why staging + rename. A receiver writes into ``<parent>/.orchestrate-incoming-<name>-<random>``,
 then renames DIR away and the staging dir into place, so a host never sees a half-copied one:
@@ -51,6 +60,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -64,8 +74,14 @@ from typing import Any, NoReturn
 
 CHUNK = 1 << 20  # read, hash, write and forward in 1 MiB pieces
 EXCLUDED = ("workertemp_", ".orchestrate-")  # TF's non-chief temp dirs; our staging
+# What TF writes and then renames or deletes: a bundle's files while they are written
+# (``.tempstate<N>``), a sharded save's staging dir (``ckpt-5_temp``), an index being replaced
+# (``checkpoint.tmp<hex>``). Listing them would make a copy fail when they vanish.
+IN_FLIGHT_FILE = re.compile(r"\.tempstate\d+$|\.tmp[0-9a-f]{32}$")
+IN_FLIGHT_DIR = re.compile(r"_temp(_[0-9a-f]+)?$")
+INDEX = "checkpoint"  # TF's index of a checkpoint directory
 CONNECT_FOR_S = 60.0  # keep retrying a refused connection this long (the peer may not listen yet)
-CONNECT_EVERY_S = 0.2
+CONNECT_EVERY_S = (0.01, 0.2)  # retry a refused connection after 10 ms, doubling up to 200 ms
 TOKEN_WITHIN_S = 10.0  # an accepted connection must send its token line this soon
 MAX_LINE = 64 * 1024
 MAX_PENDING = 64  # connections waiting to send their token line
@@ -87,12 +103,48 @@ class Closed(TransferError):
 
 
 # -- listings ----------------------------------------------------------------------------------
-def listing(directory: str) -> dict[str, Any]:
-    """``{"exists", "files": [{"path", "size", "mtime_ns"}], "bytes"}`` of ``directory``, sorted."""
+def listing(directory: str, newest: bool = False) -> dict[str, Any]:
+    """``{"exists", "files": [{"path", "size", "mtime_ns"}], "bytes"}`` of ``directory``, sorted;
+    with ``newest``, without the files of the checkpoints an index lists but does not name as
+    its current one (see ``older_checkpoints``)."""
     if not os.path.isdir(directory):
         return {"exists": False, "files": [], "bytes": 0}
     files = sorted(_walk(directory, ""), key=lambda f: str(f["path"]))
+    if newest:
+        older = older_checkpoints(directory, [str(f["path"]) for f in files])
+        files = [f for f in files if _prefix_of(str(f["path"])) not in older]
     return {"exists": True, "files": files, "bytes": sum(f["size"] for f in files)}
+
+
+def older_checkpoints(directory: str, paths: list[str]) -> set[str]:
+    """The checkpoint prefixes (relative to ``directory``, like ``chief/ckpt-5``) that an index
+    file lists in ``all_model_checkpoint_paths`` besides its ``model_checkpoint_path``."""
+    older: set[str] = set()
+    for rel in paths:
+        if rel.rsplit("/", 1)[-1] != INDEX:
+            continue
+        try:
+            with open(os.path.join(directory, rel), encoding="utf-8", errors="replace") as f:
+                text = f.read(MAX_LINE)
+        except OSError:
+            continue
+        current = re.findall(r'^model_checkpoint_path:\s*"([^"]*)"', text, re.M)
+        if not current:
+            continue
+        base = rel[: -len(INDEX)]
+        keep = os.path.basename(current[0])
+        older |= {base + os.path.basename(name)
+                  for name in re.findall(r'^all_model_checkpoint_paths:\s*"([^"]*)"', text, re.M)
+                  if os.path.basename(name) != keep}
+    return older
+
+
+def _prefix_of(rel: str) -> str:
+    """The checkpoint prefix of a bundle file: ``chief/ckpt-5`` for ``chief/ckpt-5.index`` and
+    ``chief/ckpt-5.data-00000-of-00001``; other files are their own."""
+    head, _, name = rel.rpartition("/")
+    stem = re.sub(r"\.(index|data-\d+-of-\d+)$", "", name)
+    return f"{head}/{stem}" if head else stem
 
 
 def _walk(root: str, prefix: str) -> Iterator[dict[str, Any]]:
@@ -107,8 +159,9 @@ def _walk(root: str, prefix: str) -> Iterator[dict[str, Any]]:
         rel = prefix + entry.name
         try:
             if entry.is_dir(follow_symlinks=False):
-                yield from _walk(root, rel + "/")
-            elif entry.is_file(follow_symlinks=False):
+                if not IN_FLIGHT_DIR.search(entry.name):
+                    yield from _walk(root, rel + "/")
+            elif entry.is_file(follow_symlinks=False) and not IN_FLIGHT_FILE.search(entry.name):
                 st = entry.stat(follow_symlinks=False)
                 yield {"path": rel, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         except FileNotFoundError:
@@ -285,14 +338,16 @@ def connect(address: str, token: str, timeout: float) -> Channel:
     host, port = _split(address)
     limit = min(CONNECT_FOR_S, timeout)
     deadline = time.monotonic() + limit
+    pause, most = CONNECT_EVERY_S
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=max(1.0, min(10.0, limit)))
             break
         except OSError as exc:
-            if time.monotonic() + CONNECT_EVERY_S > deadline:
+            if time.monotonic() + pause > deadline:
                 raise TransferError(f"could not connect to {address} within {limit:g} s: {exc}") from exc
-            time.sleep(CONNECT_EVERY_S)
+            time.sleep(pause)  # the receiver is starting: it listens within a few tens of ms
+            pause = min(most, pause * 2)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     channel = Channel(sock, address)
     channel.push(token.encode() + b"\n", last=True)  # what comes back now is the proof
@@ -488,7 +543,9 @@ class Receiver:
         assert self.up is not None and self.staging is not None
         path = os.path.join(self.staging, rel)
         os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
-        digest, left = hashlib.sha256(), size
+        # The last host checks the digest; one in the middle writes what it forwards, which
+        # the last host's check covers (see the module's docstring).
+        digest, left = (hashlib.sha256() if self.down is None else None), size
         with open(path, "wb") as f:
             while left:
                 try:
@@ -496,13 +553,14 @@ class Receiver:
                 except Closed as exc:
                     raise TransferError(f"short stream: {exc} after {size - left} of {size} bytes "
                                         f"of {rel}") from exc
-                self._push(view[:n])  # first, so the next host works on it while we hash and write
-                digest.update(view[:n])
+                self._push(view[:n])  # first, so the next host works on it while we write
+                if digest is not None:
+                    digest.update(view[:n])
                 f.write(view[:n])
                 left -= n
         line = self.up.line()
         self._push(line + b"\n")
-        if not hmac.compare_digest(line.strip(), digest.hexdigest().encode()):
+        if digest is not None and not hmac.compare_digest(line.strip(), digest.hexdigest().encode()):
             raise TransferError(f"sha256 mismatch for {rel}")
         mtime = int(self.manifest[rel]["mtime_ns"])
         os.utime(path, ns=(mtime, mtime))
@@ -668,7 +726,7 @@ def _install(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    _print(listing(args.dir))
+    _print(listing(args.dir, newest=args.newest))
     return 0
 
 
@@ -680,17 +738,22 @@ def _print(result: dict[str, Any]) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker.transfer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="one JSON line: the files of DIR").add_argument("dir")
+    list_ = sub.add_parser("list", help="one JSON line: the files of DIR")
+    list_.add_argument("dir")
+    list_.add_argument("--newest", action="store_true",
+                       help="leave out the older checkpoints an index lists")
     receive = sub.add_parser("receive", help="receive (and forward) files; stdin: token, manifest, send")
     receive.add_argument("--dest", required=True)
     receive.add_argument("--port", type=int, required=True)
     receive.add_argument("--bind", default="")
     receive.add_argument("--forward", metavar="HOST:PORT")
     receive.add_argument("--timeout", type=float, default=600.0)
+    receive.add_argument("--pid-file", help="a file holding this process's pid: removed at exit")
     send = sub.add_parser("send", help="send files to the first receiver; stdin: token, send")
     send.add_argument("--source", required=True)
     send.add_argument("--to", required=True, metavar="HOST:PORT")
     send.add_argument("--timeout", type=float, default=600.0)
+    send.add_argument("--pid-file", help="a file holding this process's pid: removed at exit")
     install = sub.add_parser("install", help="swap a staging dir in; stdin: staging")
     install.add_argument("--dest", required=True)
     return parser
@@ -706,6 +769,18 @@ def main(argv: list[str] | None = None) -> int:
     except (TransferError, OSError, ValueError) as exc:
         _print({"ok": False, "error": str(exc)})
         return 1
+    finally:
+        _remove_pid_file(getattr(args, "pid_file", None))
+
+
+def _remove_pid_file(path: str | None) -> None:
+    """Remove the pid file the controller's command wrote for us, if it still names us (the
+    controller stops a piece of a failed chain by it)."""
+    if not path:
+        return
+    with contextlib.suppress(OSError, ValueError), open(path, encoding="ascii") as f:
+        if int(f.read().strip() or 0) == os.getpid():
+            os.remove(path)
 
 
 if __name__ == "__main__":
