@@ -426,7 +426,7 @@ def measure_pulls(r: Relaunch, size: Size, runs: int, home: Path) -> dict[str, A
 # The plain copy: one Python process reads the files and writes them to a socket, the other
 # writes what it receives to one file, 1 MiB at a time (as worker.transfer does), nothing else.
 RECEIVER = """
-import socket, sys
+import resource, socket, sys
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind(("", int(sys.argv[2])))
@@ -438,10 +438,11 @@ with open(sys.argv[1], "wb") as out:
     while n := conn.recv_into(view):
         out.write(view[:n])
         total += n
-print(total, flush=True)
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(total, usage.ru_utime + usage.ru_stime, flush=True)
 """
 SENDER = """
-import socket, sys, time
+import resource, socket, sys, time
 for _ in range(100):
     try:
         sock = socket.create_connection((sys.argv[1], int(sys.argv[2])))
@@ -454,6 +455,8 @@ for name in sys.argv[3:]:
         while n := f.readinto(view):
             sock.sendall(view[:n])
 sock.close()
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(usage.ru_utime + usage.ru_stime, flush=True)
 """
 
 
@@ -461,8 +464,10 @@ def in_namespace(host: LabHost, *argv: str) -> list[str]:
     return ["ip", "netns", "exec", str(host.namespace), *argv]
 
 
-def plain_copy(source: LabHost, target: LabHost, files: list[str], out: str) -> float:
-    """Seconds to stream ``files`` from ``source`` into one file ``out`` on ``target``."""
+def plain_copy(source: LabHost, target: LabHost, files: list[str],
+               out: str) -> tuple[float, float, float]:
+    """Seconds to stream ``files`` from ``source`` into one file ``out`` on ``target``, and the
+    CPU seconds of the sender and of the receiver."""
     receiver = subprocess.Popen(in_namespace(target, sys.executable, "-c", RECEIVER, out, str(PLAIN_PORT)),
                                 stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
@@ -470,10 +475,11 @@ def plain_copy(source: LabHost, target: LabHost, files: list[str], out: str) -> 
         if receiver.stdout.readline().strip() != "ready":
             raise RuntimeError("the plain-copy receiver did not start")
         started = time.monotonic()
-        subprocess.run(in_namespace(source, sys.executable, "-c", SENDER, target.address,
-                                    str(PLAIN_PORT), *files), check=True, timeout=600,
-                       stdin=subprocess.DEVNULL)
-        received = int(receiver.stdout.readline())
+        sent = subprocess.run(in_namespace(source, sys.executable, "-c", SENDER, target.address,
+                                           str(PLAIN_PORT), *files), check=True, timeout=600,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        received_text, receiver_cpu = receiver.stdout.readline().split()
+        received = int(received_text)
         receiver.wait(60)
         took = time.monotonic() - started
     finally:
@@ -483,7 +489,7 @@ def plain_copy(source: LabHost, target: LabHost, files: list[str], out: str) -> 
     expected = sum(os.path.getsize(f) for f in files)
     if received != expected:
         raise RuntimeError(f"the plain copy received {received} of {expected} bytes")
-    return took
+    return took, float(sent.stdout.split()[-1]), float(receiver_cpu)
 
 
 def measure_copies(r: Relaunch, runs: int) -> dict[str, Any]:
@@ -498,6 +504,7 @@ def measure_copies(r: Relaunch, runs: int) -> dict[str, Any]:
     chain: list[dict[str, Any]] = []
     again: list[dict[str, Any]] = []
     plain: list[float] = []
+    plain_cpu: list[float] = []  # the busier of the plain copy's two processes
 
     def timed_chain() -> tuple[Copied, float, int]:
         before = sent_to_controller(r.hosts)
@@ -513,7 +520,8 @@ def measure_copies(r: Relaunch, runs: int) -> dict[str, Any]:
             raise RuntimeError(f"the host-to-host chain failed: {copied.chain_error}")
         if sorted(copied.hosts) != sorted(h.name for h in r.targets) or copied.bytes != size:
             raise RuntimeError(f"the chain copied {copied} of {size} bytes")
-        chain.append({"seconds": took, "controller_bytes": through})
+        chain.append({"seconds": took, "controller_bytes": through,
+                      "busiest_cpu_s": max(copied.cpu_s.values())})
         copied, took, through = timed_chain()
         again.append({"seconds": took, "controller_bytes": through, "bytes": copied.bytes})
 
@@ -521,7 +529,9 @@ def measure_copies(r: Relaunch, runs: int) -> dict[str, Any]:
         with contextlib.suppress(FileNotFoundError):
             os.remove(plain_out)
         os.sync()
-        plain.append(plain_copy(source, first, files, plain_out))
+        took, sender_cpu, receiver_cpu = plain_copy(source, first, files, plain_out)
+        plain.append(took)
+        plain_cpu.append(max(sender_cpu, receiver_cpu))
         os.remove(plain_out)
 
     for i in range(runs):
@@ -529,13 +539,21 @@ def measure_copies(r: Relaunch, runs: int) -> dict[str, Any]:
             step()
         note(f"relaunch copy of {human_bytes(size)}: chain to {len(r.targets)} hosts "
              f"{chain[-1]['seconds']:.2f}s ({human_bytes(chain[-1]['controller_bytes'])} through the "
-             f"controller), again {again[-1]['seconds']:.2f}s, plain copy to 1 host {plain[-1]:.2f}s")
+             f"controller), again {again[-1]['seconds']:.2f}s, plain copy to 1 host {plain[-1]:.2f}s; "
+             f"CPU of the busiest piece: chain {chain[-1]['busiest_cpu_s']:.2f}s, "
+             f"plain {plain_cpu[-1]:.2f}s")
     chain_s, plain_s = median_of([c["seconds"] for c in chain]), median_of(plain)
     value = ratio(chain_s, plain_s, 2)
     return {
         "bytes": size, "files": len(files), "hosts": len(r.targets),
         "chain_s": spread([c["seconds"] for c in chain]), "plain_s": spread(plain),
         "chain_over_plain": value, "goal_met": value is not None and value <= COPY_GOAL,
+        # On separate hosts each piece has its own cores: the busiest one's CPU, against the
+        # busier of the plain copy's sender and receiver, is what the lab can say of that.
+        "busiest_cpu_s": spread([c["busiest_cpu_s"] for c in chain]),
+        "plain_busiest_cpu_s": spread(plain_cpu),
+        "busiest_cpu_over_plain": ratio(median_of([c["busiest_cpu_s"] for c in chain]),
+                                        median_of(plain_cpu), 2),
         "chain_mb_per_s": round(size / chain_s / 1e6, 1) if chain_s else None,
         "plain_mb_per_s": round(size / plain_s / 1e6, 1) if plain_s else None,
         "controller_bytes": spread([c["controller_bytes"] for c in chain], 0),
@@ -714,7 +732,8 @@ def rows_of(results: list[dict[str, Any]]) -> list[list[Any]]:
                      show(copy["chain_s"], "s"), f"plain to 1: {show(copy['plain_s'], 's')}",
                      f"x{copy['chain_over_plain']} ({yes_no(copy['goal_met'])})",
                      f"again {show(copy['again_s'], 's')}",
-                     human_bytes(copy["controller_bytes"]["median"] or 0), "", ""])
+                     human_bytes(copy["controller_bytes"]["median"] or 0),
+                     f"busiest CPU x{copy['busiest_cpu_over_plain']}", ""])
     return rows
 
 

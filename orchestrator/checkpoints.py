@@ -107,6 +107,7 @@ class Copied:
     files: int = 0  # files sent down the chain
     bytes: int = 0  # bytes sent down the chain (each host received them once)
     seconds: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # each host's piece of the chain
 
     @property
     def host_to_host_bytes(self) -> int:
@@ -151,7 +152,7 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
     sizes = {f["path"]: int(f["size"]) for f in source.files}
     copied.files, copied.bytes = len(send), sum(sizes[p] for p in send)
     try:
-        _run_chain(plan, chain, source, send, copied.bytes, runner_for, worker_for)
+        copied.cpu_s = _run_chain(plan, chain, source, send, copied.bytes, runner_for, worker_for)
     except OrchestratorError as exc:  # e.g. a firewall between hosts: relay it through here
         copied.chain_error = exc.message
         copied.files, copied.bytes = len(source.files), source.bytes
@@ -185,9 +186,10 @@ def relay_through_here(plan: ClusterPlan, targets: Sequence[Host], source: Listi
 
 def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: list[str],
                total: int, runner_for: RunnerFor,
-               worker_for: Callable[[Host], WorkerCommand]) -> None:
+               worker_for: Callable[[Host], WorkerCommand]) -> dict[str, float]:
     """Run the receivers and the sender; when one of them fails, stop the others at once
-    (a sender would otherwise wait out its timeout for an acknowledgement)."""
+    (a sender would otherwise wait out its timeout for an acknowledgement). Returns the CPU
+    seconds each host's piece used."""
     token = secrets.token_hex(32)
     timeout = 120 + total / BYTES_PER_S_FLOOR
     ports = {h.name: next(t.port for t in plan.tasks if t.host.name == h.name) for h in chain}
@@ -242,6 +244,7 @@ def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: 
             "could not copy the chief's checkpoint to the other hosts:\n  " + "\n  ".join(failed),
             fix="the hosts must reach each other on the task ports (as training needs); "
                 "'orchestrate doctor' checks that")
+    return {name: float(report.get("cpu_s") or 0.0) for name, report in outcomes}
 
 
 def _outcome(future: Any) -> dict[str, Any]:

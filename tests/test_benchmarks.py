@@ -98,6 +98,7 @@ def check_checkpoints(record: dict[str, Any]) -> None:
         assert copy["bytes"] > 0 and copy["hosts"] == 2 and copy["again_bytes_sent"] >= 0
         assert measured(copy["chain_s"]) and measured(copy["plain_s"])
         assert isinstance(copy["goal_met"], bool)
+        assert measured(copy["busiest_cpu_s"]) and measured(copy["plain_busiest_cpu_s"])
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {

@@ -269,7 +269,7 @@ def frames(path: str, data: bytes, digest: str, *, cut: int | None = None) -> by
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("stream", "error"), [
-    (frames("a", b"new payload", "0" * 64), "sha256 mismatch for a"),
+    (frames("a", b"new payload", "0" * 64), "checksum mismatch for a (CRC-32)"),
     (frames("a", b"new payload", "", cut=4), "short stream"),
     (frames("b", b"new payload", "0" * 64), "expected a next"),
 ], ids=["bad-digest", "short", "wrong-path"])
@@ -344,8 +344,8 @@ def test_the_last_host_checks_the_digest_for_the_hosts_before_it(tmp_path: Path,
         assert lines.readline().strip() == receiver_proof(TOKEN)
         ack = json.loads(lines.readline())
 
-    assert ack["ok"] is False and ack["error"] == f"127.0.0.1:{ports[1]}: sha256 mismatch for a"
-    assert result(tail)[1]["error"] == "sha256 mismatch for a"
+    assert ack["ok"] is False and ack["error"] == f"127.0.0.1:{ports[1]}: checksum mismatch for a (CRC-32)"
+    assert result(tail)[1]["error"] == "checksum mismatch for a (CRC-32)"
     assert result(head)[0] == 1
     for dest in dests:
         assert (dest / "a").read_bytes() == b"old payload"

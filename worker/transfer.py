@@ -19,14 +19,17 @@ controller verified it first, and pointed the index at an older one if it did no
 relaunch moves one checkpoint, not the three that are kept. Files in flight (TF's
 ``*.tempstate*``, ``*_temp/``, ``checkpoint.tmp*``) are never listed.
 
-Why a token and sha256. The port range is reachable from inside the VPC (as TF's gRPC ports
+Why a token and a CRC-32. The port range is reachable from inside the VPC (as TF's gRPC ports
 are, which are unauthenticated too). A receiver accepts only a connection whose first line is
-the secret token, so nobody else can inject a checkpoint or make it give up; the sha256 of
-every file catches a corrupted or truncated stream. Only the sender and the LAST receiver
-hash: a host in the middle writes exactly the buffer it forwards and swaps its copy in only
-after the last host acked, so the last host's check covers it too, and the chain costs two
-hashes per byte, not one per host. The data itself is NOT encrypted: anyone who can read the
-VPC's traffic can read the checkpoint, as they can read TF's own traffic.
+the secret token, so nobody else can inject a checkpoint or make it give up; the CRC-32 of
+every file (with its size) catches a corrupted or truncated stream. A CRC, as Cloud Storage
+checks objects with CRC32C, because the check is against accidents: an unkeyed SHA-256 would
+stop no attacker who can rewrite the stream (they would rewrite the digest too) and costs
+four times the CPU per byte (1.7 GB/s against 4 GB/s on one core) on hosts that train. Only
+the sender and the LAST receiver compute it: a host in the middle writes exactly the buffer
+it forwards and swaps its copy in only after the last host acked, so the last host's check
+covers it too. The data itself is NOT encrypted: anyone who can read the VPC's traffic can
+read the checkpoint, as they can read TF's own traffic.
 
 Why staging + rename. A receiver writes into ``<parent>/.orchestrate-incoming-<name>-<random>``,
 then renames DIR away and the staging dir into place, so a host never sees a half-copied one:
@@ -38,7 +41,7 @@ Frames (one TCP connection per hop; "line" = UTF-8 text ending in ``\\n``):
     upstream -> downstream  token line          the token's hex
                             per file:           header line ``{"path": p, "size": n, "mtime_ns": m}``
                                                 exactly n raw bytes
-                                                digest line, the hex sha256 of those bytes
+                                                digest line, the hex CRC-32 of those bytes
                             end line            ``{"end": true}``
     downstream -> upstream  proof line          right after the token: the hex HMAC-SHA256 of
                                                 "orchestrate-transfer receiver" keyed by the
@@ -61,6 +64,7 @@ import hmac
 import json
 import os
 import re
+import resource
 import secrets
 import select
 import shutil
@@ -69,6 +73,7 @@ import socket
 import stat
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
@@ -179,6 +184,25 @@ def _safe(rel: Any) -> str:
     if not isinstance(rel, str) or "\0" in rel or any(p in ("", ".", "..") for p in rel.split("/")):
         raise TransferError(f"unsafe path {rel!r}")
     return rel
+
+
+class Crc32:
+    """The CRC-32 of a stream, in hashlib's shape (``update``, ``hexdigest``)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time so far (user + system), for the result's figures."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return round(usage.ru_utime + usage.ru_stime, 3)
 
 
 # -- the swap ----------------------------------------------------------------------------------
@@ -493,7 +517,7 @@ class Receiver:
             return {"ok": False, "error": str(error), "rejected": gate.rejected}
         return {"ok": True, "files": len(self.manifest), "received": len(self.send), "bytes": self.bytes,
                 "linked": self.linked, "rejected": gate.rejected,
-                "seconds": round(time.monotonic() - started, 3)}
+                "seconds": round(time.monotonic() - started, 3), "cpu_s": cpu_seconds()}
 
     def _prepare(self) -> None:
         """The staging dir, with every manifest file that is not sent hard-linked from DIR."""
@@ -545,7 +569,7 @@ class Receiver:
         os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
         # The last host checks the digest; one in the middle writes what it forwards, which
         # the last host's check covers (see the module's docstring).
-        digest, left = (hashlib.sha256() if self.down is None else None), size
+        digest, left = (Crc32() if self.down is None else None), size
         with open(path, "wb") as f:
             while left:
                 try:
@@ -561,7 +585,7 @@ class Receiver:
         line = self.up.line()
         self._push(line + b"\n")
         if digest is not None and not hmac.compare_digest(line.strip(), digest.hexdigest().encode()):
-            raise TransferError(f"sha256 mismatch for {rel}")
+            raise TransferError(f"checksum mismatch for {rel} (CRC-32)")
         mtime = int(self.manifest[rel]["mtime_ns"])
         os.utime(path, ns=(mtime, mtime))
 
@@ -627,7 +651,8 @@ def send_files(source: str, to: str, token: str, paths: list[str], timeout: floa
             raise ack_error(ack, to)
     finally:
         channel.close()
-    return {"ok": True, "files": len(paths), "bytes": total, "seconds": round(time.monotonic() - started, 3)}
+    return {"ok": True, "files": len(paths), "bytes": total,
+            "seconds": round(time.monotonic() - started, 3), "cpu_s": cpu_seconds()}
 
 
 def _send_file(channel: Channel, source: str, rel: str, view: memoryview) -> int:
@@ -640,7 +665,7 @@ def _send_file(channel: Channel, source: str, rel: str, view: memoryview) -> int
         before = os.fstat(f.fileno())
         channel.push(json.dumps({"path": rel, "size": before.st_size, "mtime_ns": before.st_mtime_ns})
                      .encode() + b"\n")
-        digest, left = hashlib.sha256(), before.st_size
+        digest, left = Crc32(), before.st_size
         while left:
             n = f.readinto(view[: min(left, CHUNK)])
             if not n:
