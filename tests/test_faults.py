@@ -15,6 +15,7 @@ import pytest
 from helpers import namespace_commands, write_spec
 from hostlab import HostLab, LabHost
 
+from orchestrator import paths
 from orchestrator.api import Cluster
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event
@@ -63,9 +64,14 @@ def progress_of(task: str, step: int = 15) -> Trigger:
 
 
 def train_with_fault(hostlab: HostLab, tmp_path: Path, name: str, trigger: Trigger,
-                     action: Action, *, startup_s: int = 120, module: str = "examples.digits",
+                     action: Action, *, startup_s: int = 120,
+                     module: str = "tests.workloads.paced_digits",
                      cluster_hook: Callable[[Cluster, Fault], None] | None = None,
                      ) -> tuple[RunResult, Fault]:
+    """Train on 3 lab hosts and inject ``action`` once ``trigger`` holds. The default workload
+    is paced (0.2 s a batch) until the fault is injected, so a trigger on a step event acts
+    while training still runs however late the event is read; then every host's run is
+    released to full speed."""
     hosts = hostlab.hosts(3)
     path = write_spec(tmp_path, hostlab, hosts, BODY.format(name=name, startup_s=startup_s,
                                                                 module=module))
@@ -83,6 +89,7 @@ def train_with_fault(hostlab: HostLab, tmp_path: Path, name: str, trigger: Trigg
             fault.fired.append(f"{event.kind} {event.task} step {event.get('step')}" if event
                                else f"mirrored step {view.mirrored_step}")
             action(fault, view, event)
+            release(hosts, name, view.run_id)
 
     try:
         result = cluster.train(listener=listener).wait()
@@ -94,6 +101,15 @@ def train_with_fault(hostlab: HostLab, tmp_path: Path, name: str, trigger: Trigg
         cluster.down()
     assert fault.fired, "the fault was never injected"
     return result, fault
+
+
+def release(hosts: list[LabHost], cluster: str, run_id: str) -> None:
+    """Let a ``tests.workloads.paced_digits`` run go at full speed on every host whose run
+    directory is there (a host whose disk was wiped paces its relaunched task again)."""
+    for h in hosts:
+        run_dir = Path(paths.RunPaths.of(paths.host_root(h.home, cluster), run_id).run_dir)
+        if run_dir.is_dir():
+            (run_dir / "release").touch()
 
 
 def assert_recovered(result: RunResult, cause: str, task: str,
@@ -139,10 +155,10 @@ def test_chief_host_lost_with_its_disk_resumes_from_the_controllers_copy(
         chief.run(["rm", "-rf", f"{chief.home}/.orchestrate/clusters/f-chief/runs"])
         fault.later(4.0, chief.heal)  # the machine comes back, its disk empty
 
-    # Paced (0.2 s a step): the controller's copy pulls at most 5% of the time, so it must
-    # have the chance to catch up with the newest checkpoint before training ends.
+    # Paced (0.2 s a step, see train_with_fault): the controller's copy pulls at most 5% of
+    # the time, so it gets the chance to catch up with the newest checkpoint before the end.
     result, _ = train_with_fault(hostlab, tmp_path, "f-chief", mirrored_the_latest,
-                                 lose_chief_host, module="tests.workloads.paced_digits")
+                                 lose_chief_host)
     # The chief's disk is gone, so the resume comes from this machine's copy, which trails the
     # chief by one background pull: a checkpoint written just before the host vanished (and
     # not yet seen here) is lost with it, so up to two intervals may be redone.
