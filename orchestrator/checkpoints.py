@@ -11,6 +11,7 @@ and only the files that changed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,12 @@ from worker.transfer import listing, needed
 
 RunnerFor = Callable[[Host], Runner]
 INDEX = "checkpoint"  # TF's checkpoint index file in a checkpoint directory
-BYTES_PER_S_FLOOR = 5e6  # the slowest link a copy may take before it counts as hung
+# A piece of the chain gives up when its peer keeps it waiting this long (to connect, for a
+# line, for 1 MiB of the stream); a copy that keeps moving is never cut short, whatever its
+# size, which nobody knows before the pieces agree on what to send.
+CHAIN_IDLE_S = 120.0
+CHAIN_MAX_S = 24 * 3600.0  # the SSH command of a piece, which its own idle timeout ends first
+STRAGGLER_S = 30.0  # after a piece failed: how long the others get to stop and report
 
 
 @dataclass(frozen=True)
@@ -45,8 +51,11 @@ class WorkerCommand:
     python: str
     lib: str
 
-    def argv(self, module: str, *args: str) -> list[str]:
-        return ["env", f"PYTHONPATH={self.lib}", self.python, "-m", module, *args]
+    def argv(self, module: str, *args: str, stdlib_only: bool = False) -> list[str]:
+        """``stdlib_only``: a module that imports only the standard library starts without
+        ``site`` (-S), some tens of ms sooner: what a relaunch waits for, once per piece."""
+        return ["env", f"PYTHONPATH={self.lib}", self.python, *(["-S"] if stdlib_only else []),
+                "-m", module, *args]
 
 
 @dataclass(frozen=True)
@@ -106,12 +115,13 @@ class Copied:
     through_controller: int = 0  # bytes the relay moved through this machine's link
     files: int = 0  # files sent down the chain
     bytes: int = 0  # bytes sent down the chain (each host received them once)
+    hops: int = 0  # hosts the bytes went through (every host of the chain, up to date or not)
     seconds: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=dict)  # each host's piece of the chain
 
     @property
     def host_to_host_bytes(self) -> int:
-        return 0 if self.chain_error else self.bytes * len(self.hosts)
+        return 0 if self.chain_error else self.bytes * self.hops
 
 
 def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
@@ -120,19 +130,34 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
 
     The hosts form a chain (chief -> h1 -> h2 ...), each receiving on its first task's port
     (free: the plan probed it, and no task runs during a relaunch) and forwarding as it
-    receives, so the chief's link carries the bytes once whatever the number of hosts. Only
-    the newest checkpoint goes (the one the index names, which the relaunch restores), and of
-    it only the files a host lacks; a host sees the new directory whole or not at all.
+    receives, so the chief's link carries the bytes once whatever the number of hosts. The
+    pieces start together and agree among themselves on what to send (see
+    ``worker.transfer``): only the newest checkpoint (the one the index names, which the
+    relaunch restores), and of it only the files some host lacks; a host sees the new
+    directory whole or not at all. When the hosts cannot reach each other the copy goes
+    through this machine instead (``Copied.chain_error`` says why).
     """
     started = time.monotonic()
     chief = plan.chief.host
     targets = list({t.host.machine: t.host for t in plan.tasks
                     if t.host.machine != chief.machine}.values())
-    layout = plan.checkpoints
-    if not targets or layout.shared:
+    if not targets or plan.checkpoints.shared:
         return Copied()
+    try:
+        copied = _run_chain(plan, targets, runner_for, worker_for)
+    except OrchestratorError as exc:  # e.g. a firewall between hosts: relay it through here
+        copied = _share_through_here(plan, targets, runner_for, worker_for)
+        copied.chain_error = exc.message
+    copied.seconds = time.monotonic() - started
+    return copied
+
+
+def _share_through_here(plan: ClusterPlan, targets: list[Host], runner_for: RunnerFor,
+                        worker_for: Callable[[Host], WorkerCommand]) -> Copied:
+    """What the chain does, through this machine: list every host, move stale copies aside
+    when the chief has no checkpoint, relay the whole directory to the hosts that lack files."""
+    chief, layout = plan.chief.host, plan.checkpoints
     with ThreadPoolExecutor(max_workers=min(32, len(targets) + 1)) as pool:
-        # The chief's newest checkpoint only: the one the relaunch restores (it was verified).
         listed = list(pool.map(lambda h: list_dir(runner_for(h), worker_for(h), layout.of(h),
                                                   newest=h is chief), [chief, *targets]))
     source, present = listed[0], listed[1:]
@@ -142,24 +167,13 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
             directory = layout.of(host)
             runner_for(host).run(["mv", directory, f"{directory}.stale-{int(time.time())}"])
         return Copied(cleared=[h.name for h in stale])
-    needs = {h.name: source.needed_by(p) for h, p in zip(targets, present, strict=True)}
-    chain = [h for h in targets if needs[h.name]]
-    copied = Copied(up_to_date=[h.name for h in targets if not needs[h.name]])
-    if not chain:
-        return copied
-    wanted = set().union(*(needs[h.name] for h in chain))
-    send = [f["path"] for f in source.files if f["path"] in wanted]
-    sizes = {f["path"]: int(f["size"]) for f in source.files}
-    copied.files, copied.bytes = len(send), sum(sizes[p] for p in send)
-    try:
-        copied.cpu_s = _run_chain(plan, chain, source, send, copied.bytes, runner_for, worker_for)
-    except OrchestratorError as exc:  # e.g. a firewall between hosts: relay it through here
-        copied.chain_error = exc.message
+    lacking = [h for h, p in zip(targets, present, strict=True) if source.needed_by(p)]
+    copied = Copied(up_to_date=[h.name for h in targets if h not in lacking],
+                    hosts=[h.name for h in lacking])
+    if lacking:
         copied.files, copied.bytes = len(source.files), source.bytes
-        copied.through_controller = relay_through_here(plan, chain, source, runner_for,
+        copied.through_controller = relay_through_here(plan, lacking, source, runner_for,
                                                        worker_for)
-    copied.hosts = [h.name for h in chain]
-    copied.seconds = time.monotonic() - started
     return copied
 
 
@@ -184,30 +198,29 @@ def relay_through_here(plan: ClusterPlan, targets: Sequence[Host], source: Listi
     return source.bytes + sum(sent)
 
 
-def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: list[str],
-               total: int, runner_for: RunnerFor,
-               worker_for: Callable[[Host], WorkerCommand]) -> dict[str, float]:
-    """Run the receivers and the sender; when one of them fails, stop the others at once
-    (a sender would otherwise wait out its timeout for an acknowledgement). Returns the CPU
-    seconds each host's piece used."""
+def _run_chain(plan: ClusterPlan, chain: Sequence[Host], runner_for: RunnerFor,
+               worker_for: Callable[[Host], WorkerCommand]) -> Copied:
+    """Start the receivers and the sender at once; when one of them fails, stop the others
+    (a sender would otherwise wait out its timeout for an acknowledgement)."""
     token = secrets.token_hex(32)
-    timeout = 120 + total / BYTES_PER_S_FLOOR
+    timeout = CHAIN_IDLE_S
     ports = {h.name: next(t.port for t in plan.tasks if t.host.name == h.name) for h in chain}
-    receive_input = json.dumps({"token": token, "manifest": list(source.files), "send": send})
     chief = plan.chief.host
     pid_files = {h.name: f"{plan.paths[h.name].run_dir}/.transfer-{token[:12]}.pid"
                  for h in [chief, *chain]}
+    request = json.dumps({"token": token})
 
     def address(host: Host) -> str:
         return f"{host.address}:{ports[host.name]}"
 
-    def run(host: Host, args: list[str], stdin: str, what: str) -> dict[str, Any]:
+    def run(host: Host, args: list[str], what: str) -> dict[str, Any]:
         # The shell writes the pid that exec keeps; the process removes the file as it exits.
         runner, pid_file = runner_for(host), shlex.quote(pid_files[host.name])
-        argv = worker_for(host).argv("worker.transfer", *args, "--pid-file", pid_files[host.name])
+        argv = worker_for(host).argv("worker.transfer", *args, "--pid-file", pid_files[host.name],
+                                     stdlib_only=True)
         script = (f"mkdir -p $(dirname {pid_file}) && echo $$ > {pid_file} && "
                   f"exec {quote_argv(argv)}")
-        result = runner.run(script, check=False, timeout_s=timeout + 60, input=stdin)
+        result = runner.run(script, check=False, timeout_s=CHAIN_MAX_S, input=request)
         return _report(result.stdout, runner, what)
 
     def receive(i: int) -> dict[str, Any]:
@@ -216,35 +229,53 @@ def _run_chain(plan: ClusterPlan, chain: Sequence[Host], source: Listing, send: 
                 "--timeout", f"{timeout:.0f}"]
         if i + 1 < len(chain):
             args += ["--forward", address(chain[i + 1])]
-        return run(host, args, receive_input, "receive the chief's checkpoint")
+        return run(host, args, "receive the chief's checkpoint")
 
     def send_all() -> dict[str, Any]:
         args = ["send", "--source", plan.checkpoints.of(chief), "--to", address(chain[0]),
-                "--timeout", f"{timeout:.0f}"]
-        return run(chief, args, json.dumps({"token": token, "send": send}),
-                   "send the chief's checkpoint")
+                "--newest", "--timeout", f"{timeout:.0f}"]
+        return run(chief, args, "send the chief's checkpoint")
 
     def stop(host: Host, signal: str) -> None:
         pid_file = shlex.quote(pid_files[host.name])
-        runner_for(host).run(f"[ -f {pid_file} ] && kill -{signal} $(cat {pid_file}) "
-                             f"2>/dev/null; rm -f {pid_file}", check=False, timeout_s=30)
+        # Best effort: a host that does not answer cannot be stopped, nor hold up the rest.
+        with contextlib.suppress(OrchestratorError):
+            runner_for(host).run(f"[ -f {pid_file} ] && kill -{signal} $(cat {pid_file}) "
+                                 f"2>/dev/null; rm -f {pid_file}", check=False, timeout_s=30)
 
-    with ThreadPoolExecutor(max_workers=2 * len(chain) + 2) as pool:
+    pool = ThreadPoolExecutor(max_workers=2 * len(chain) + 2)
+    try:
         futures = {pool.submit(receive, i): host for i, host in enumerate(chain)}
         futures[pool.submit(send_all)] = chief
+        waiting = None
         for future in as_completed(futures):
             if not _outcome(future).get("ok"):  # stop the rest: they cannot succeed now
                 list(pool.map(lambda h: stop(h, "TERM"), futures.values()))
+                waiting = STRAGGLER_S  # a host lost mid-copy may never answer its command
                 break
-        outcomes = [(host.name, _outcome(f)) for f, host in futures.items()]
-    failed = [f"{name}: {report.get('error', 'failed')}" for name, report in outcomes
+        done = wait(futures, timeout=waiting).done
+        outcomes: list[tuple[Host, dict[str, Any]]] = [
+            (host, _outcome(f) if f in done else
+             {"ok": False, "error": f"did not answer within {STRAGGLER_S:g} s of being "
+                                    "stopped (is the host up?)"})
+            for f, host in futures.items()]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    failed = [f"{host.name}: {report.get('error', 'failed')}" for host, report in outcomes
               if not report.get("ok")]
     if failed:
         raise OrchestratorError(
             "could not copy the chief's checkpoint to the other hosts:\n  " + "\n  ".join(failed),
             fix="the hosts must reach each other on the task ports (as training needs); "
                 "'orchestrate doctor' checks that")
-    return {name: float(report.get("cpu_s") or 0.0) for name, report in outcomes}
+    sent = next(report for host, report in outcomes if host is chief)
+    received = [(host, report) for host, report in outcomes if host is not chief]
+    return Copied(hosts=[h.name for h, r in received if r.get("received")],
+                  up_to_date=[h.name for h, r in received if r.get("up_to_date")],
+                  cleared=[h.name for h, r in received if r.get("cleared")],
+                  files=int(sent["files"]), bytes=int(sent["bytes"]),
+                  hops=len(chain) if sent["bytes"] else 0,
+                  cpu_s={h.name: float(r.get("cpu_s") or 0.0) for h, r in outcomes})
 
 
 def _outcome(future: Any) -> dict[str, Any]:

@@ -371,6 +371,17 @@ class LabHost:
         ):
             _cmd("tc", "-n", str(self.namespace), *step.split())
 
+    def limit_link(self, rate: str | None) -> None:
+        """Cap what this host sends to every address but the throttled one at ``rate`` (None:
+        back to 10 Gbit/s, which slows nothing), as a separate machine's own NIC or disk would:
+        the lab's hosts share this machine's cores, so without a cap a copy between them is
+        bound by the CPU they share. Needs ``throttle()`` first (it is that htb's default class)."""
+        if not self.namespace or self.throttled_to is None:
+            raise RuntimeError("limit_link needs throttle() first")
+        rate = rate or "10gbit"
+        _cmd("tc", "-n", self.namespace, "class", "change", "dev", str(self.link), "parent", "1:",
+             "classid", "1:10", "htb", "rate", rate, "ceil", rate, "burst", "256k", "cburst", "256k")
+
     def unthrottle(self) -> None:
         """Remove ``throttle()``: the link is back at full speed."""
         if self.namespace and self.throttled_to is not None:

@@ -78,15 +78,14 @@ class Procs:
         proc.stdin = None  # so that communicate() does not flush it
         return proc
 
-    def receiver(self, dest: Path, port: int, manifest: list[dict[str, Any]], send: list[str],
-                 *extra: str, token: str = TOKEN, timeout: float = 20) -> subprocess.Popen[str]:
+    def receiver(self, dest: Path, port: int, *extra: str, token: str = TOKEN,
+                 timeout: float = 20) -> subprocess.Popen[str]:
         return self.start("receive", "--dest", str(dest), "--port", str(port), "--bind", "127.0.0.1",
-                          "--timeout", str(timeout), *extra,
-                          stdin={"token": token, "manifest": manifest, "send": send})
+                          "--timeout", str(timeout), *extra, stdin={"token": token})
 
-    def sender(self, source: Path, port: int, send: list[str], timeout: float = 20) -> subprocess.Popen[str]:
+    def sender(self, source: Path, port: int, *extra: str, timeout: float = 20) -> subprocess.Popen[str]:
         return self.start("send", "--source", str(source), "--to", f"127.0.0.1:{port}",
-                          "--timeout", str(timeout), stdin={"token": TOKEN, "send": send})
+                          "--timeout", str(timeout), *extra, stdin={"token": TOKEN})
 
 
 def result(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, dict[str, Any]]:
@@ -106,16 +105,28 @@ def procs() -> Iterator[Procs]:
         proc.communicate()
 
 
-def chain(procs: Procs, source: Path, dests: list[Path], manifest: list[dict[str, Any]],
-          send: list[str]) -> tuple[tuple[int, dict[str, Any]], list[tuple[int, dict[str, Any]]]]:
-    """sender -> dests[0] -> dests[1] -> ...; the results of the sender and of every receiver."""
+def chain(procs: Procs, source: Path, dests: list[Path], *sender_args: str,
+          ) -> tuple[tuple[int, dict[str, Any]], list[tuple[int, dict[str, Any]]]]:
+    """sender -> dests[0] -> dests[1] -> ..., all started at once; the results of the sender
+    and of every receiver."""
     ports = [free_port() for _ in dests]
     receivers: list[subprocess.Popen[str]] = []
     for i in reversed(range(len(dests))):
         forward = ["--forward", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < len(dests) else []
-        receivers.insert(0, procs.receiver(dests[i], ports[i], manifest, send, *forward))
-    sent = result(procs.sender(source, ports[0], send))
+        receivers.insert(0, procs.receiver(dests[i], ports[i], *forward))
+    sent = result(procs.sender(source, ports[0], *sender_args))
     return sent, [result(r) for r in receivers]
+
+
+def upstream(port: int, manifest: list[dict[str, Any]]) -> tuple[socket.socket, Any, list[str]]:
+    """A test's own sender, up to the send line: token, proof, manifest; returns the socket,
+    its line reader and the needs the chain answered."""
+    sock = _connect(port)
+    sock.sendall(TOKEN.encode() + b"\n")
+    lines = sock.makefile("rb")
+    assert lines.readline().strip() == receiver_proof(TOKEN)  # it holds the token too
+    sock.sendall(json.dumps({"manifest": manifest}).encode() + b"\n")
+    return sock, lines, json.loads(lines.readline())["needs"]
 
 
 # -- list and needed ---------------------------------------------------------------------------
@@ -199,16 +210,15 @@ def test_chain_of_two_copies_everything(tmp_path: Path, procs: Procs) -> None:
     checkpoint(source)
     dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
     manifest = listing(str(source))["files"]
-    send = [f["path"] for f in manifest]
 
-    (rc, sent), received = chain(procs, source, dests, manifest, send)
+    (rc, sent), received = chain(procs, source, dests)
 
     total = sum(f["size"] for f in manifest)
     assert (rc, sent["ok"]) == (0, True), (sent, received)
-    assert (sent["files"], sent["bytes"]) == (5, total)
+    assert (sent["files"], sent["bytes"], sent["listed"], sent["checkpoint"]) == (5, total, 5, True)
     for dest, (rc, got) in zip(dests, received, strict=True):
         assert rc == 0, got
-        assert got["ok"] is True
+        assert got["ok"] is True and got["up_to_date"] is False
         assert (got["files"], got["received"], got["linked"], got["bytes"]) == (5, 5, 0, total)
         assert listing(str(dest))["files"] == manifest  # same paths, sizes and mtimes
         assert digests(dest) == digests(source)
@@ -225,11 +235,8 @@ def test_delta_sends_only_the_changed_file(tmp_path: Path, procs: Procs) -> None
         write(dest / "chief" / "ckpt-2.index", b"an older checkpoint")
     write(source / "checkpoint", b'model_checkpoint_path: "ckpt-4"\n', 1_700_000_100_000_000_000)
     manifest = listing(str(source))["files"]
-    send = sorted(set(needed(manifest, listing(str(dests[0]))["files"]))
-                  | set(needed(manifest, listing(str(dests[1]))["files"])))
-    assert send == ["checkpoint"]
 
-    (rc, sent), received = chain(procs, source, dests, manifest, send)
+    (rc, sent), received = chain(procs, source, dests)
 
     assert (rc, sent["files"], sent["bytes"]) == (0, 1, len(INDEX))
     for dest, (rc, got) in zip(dests, received, strict=True):
@@ -241,30 +248,119 @@ def test_delta_sends_only_the_changed_file(tmp_path: Path, procs: Procs) -> None
 
 
 @pytest.mark.timeout(60)
+def test_a_host_that_lacks_nothing_forwards_and_keeps_its_copy(tmp_path: Path, procs: Procs) -> None:
+    """h1 is up to date, h2 has nothing: h1 passes the files on without touching its own."""
+    source = tmp_path / "chief-host" / "ckpt"
+    checkpoint(source, big=2 << 20)
+    dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
+    shutil.copytree(source, dests[0])
+    write(dests[0] / "chief" / "ckpt-2.index", b"an older checkpoint it keeps")
+    before = listing(str(dests[0]))
+    inode = (dests[0] / "chief" / "ckpt-3.data-00000-of-00001").stat().st_ino
+
+    (rc, sent), [(rc1, h1), (rc2, h2)] = chain(procs, source, dests)
+
+    manifest = listing(str(source))["files"]
+    assert (rc, rc1, rc2) == (0, 0, 0), (sent, h1, h2)
+    assert sent["files"] == 5
+    assert (h1["up_to_date"], h1["received"], h1["bytes"]) == (True, 0, 0)
+    assert h1["streamed"] == sent["bytes"]  # it forwarded every byte
+    assert listing(str(dests[0])) == before
+    assert (dests[0] / "chief" / "ckpt-3.data-00000-of-00001").stat().st_ino == inode
+    assert (h2["up_to_date"], h2["received"]) == (False, 5)
+    assert listing(str(dests[1]))["files"] == manifest and digests(dests[1]) == digests(source)
+
+
+@pytest.mark.timeout(60)
+def test_everyone_up_to_date_sends_nothing(tmp_path: Path, procs: Procs) -> None:
+    source = tmp_path / "chief-host" / "ckpt"
+    checkpoint(source, big=1 << 20)
+    dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
+    for dest in dests:
+        shutil.copytree(source, dest)
+
+    (rc, sent), received = chain(procs, source, dests)
+
+    assert (rc, sent["files"], sent["bytes"]) == (0, 0, 0)
+    assert [(r[0], r[1]["up_to_date"], r[1]["streamed"]) for r in received] == [(0, True, 0)] * 2
+    assert all(leftovers(d.parent) == [] for d in dests)
+
+
+@pytest.mark.timeout(60)
+def test_newest_sends_only_the_checkpoint_the_index_names(tmp_path: Path, procs: Procs) -> None:
+    source = tmp_path / "src"
+    write(source / "checkpoint", b'model_checkpoint_path: "ckpt-4"\n'
+                                 b'all_model_checkpoint_paths: "ckpt-3"\n'
+                                 b'all_model_checkpoint_paths: "ckpt-4"\n')
+    for n in (3, 4):
+        write(source / f"ckpt-{n}.index", b"i" * n)
+        write(source / f"ckpt-{n}.data-00000-of-00001", os.urandom(1000 + n))
+    dest = tmp_path / "h1" / "ckpt"
+
+    (rc, sent), [(rc1, got)] = chain(procs, source, [dest], "--newest")
+
+    assert (rc, rc1) == (0, 0), (sent, got)
+    assert sorted(f["path"] for f in listing(str(dest))["files"]) == [
+        "checkpoint", "ckpt-4.data-00000-of-00001", "ckpt-4.index"]
+    assert (sent["files"], sent["listed"]) == (3, 3)
+
+
+@pytest.mark.timeout(60)
+def test_a_source_without_a_checkpoint_moves_the_hosts_stale_copies_aside(
+        tmp_path: Path, procs: Procs) -> None:
+    """A relaunch from step 0: a copy a host kept from before must not be restored."""
+    source = tmp_path / "src"
+    source.mkdir()
+    dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
+    checkpoint(dests[0], big=1000)
+    write(dests[1] / "notes.txt", b"no index here")
+
+    (rc, sent), [(rc1, h1), (rc2, h2)] = chain(procs, source, dests)
+
+    assert (rc, rc1, rc2, sent["checkpoint"], sent["files"]) == (0, 0, 0, False, 0), (sent, h1, h2)
+    assert h1["cleared"].startswith(f"{dests[0]}.stale-") and not dests[0].exists()
+    assert Path(h1["cleared"], "checkpoint").read_bytes() == INDEX
+    assert (h2["cleared"], h2["up_to_date"]) == ("", False)
+    assert (dests[1] / "notes.txt").read_bytes() == b"no index here"
+
+
+@pytest.mark.timeout(60)
 def test_wrong_token_is_ignored_and_the_real_sender_succeeds(tmp_path: Path, procs: Procs) -> None:
     source, dest = tmp_path / "src", tmp_path / "h1" / "ckpt"
-    write(source / "a", b"payload")
-    manifest = listing(str(source))["files"]
+    write(source / "checkpoint", INDEX)
     port = free_port()
-    receiver = procs.receiver(dest, port, manifest, ["a"])
+    receiver = procs.receiver(dest, port)
     with _connect(port) as rogue:
-        rogue.sendall(b"0" * 32 + b"\n" + b'{"path": "a", "size": 4}\nevil')
-        assert rogue.recv(100) == b""  # closed on us, without an ack
+        rogue.sendall(b"0" * 32 + b"\n" + b'{"manifest": [{"path": "a", "size": 4, "mtime_ns": 1}]}\nevil')
+        assert rogue.recv(100) == b""  # closed on us, without an answer
     assert receiver.poll() is None  # still waiting for the real sender
 
     with _connect(port):  # a connection that never sends its token holds up nobody
-        rc, sent = result(procs.sender(source, port, ["a"]))
+        rc, sent = result(procs.sender(source, port))
     assert (rc, sent["ok"]) == (0, True)
     rc, got = result(receiver)
     assert (rc, got["ok"], got["received"], got["rejected"]) == (0, True, 1, 1)
-    assert (dest / "a").read_bytes() == b"payload"
+    assert (dest / "checkpoint").read_bytes() == INDEX
 
 
 def frames(path: str, data: bytes, digest: str, *, cut: int | None = None) -> bytes:
+    """What a sender sends after the needs line: the send line, one file, the end."""
     header = json.dumps({"path": path, "size": len(data)}).encode() + b"\n"
+    send = json.dumps({"send": ["a"]}).encode() + b"\n"
     if cut is not None:
-        return TOKEN.encode() + b"\n" + header + data[:cut]
-    return TOKEN.encode() + b"\n" + header + data + digest.encode() + b"\n" + b'{"end": true}\n'
+        return send + header + data[:cut]
+    return send + header + data + digest.encode() + b"\n" + b'{"end": true}\n'
+
+
+A_NEW = {"path": "a", "size": 11, "mtime_ns": 1_700_000_000_000_000_000}
+
+
+def indexed(*dests: Path) -> dict[str, Any]:
+    """The same index in every one of ``dests``: its manifest entry (a manifest without an
+    index has no checkpoint, and nobody lacks anything of it)."""
+    for dest in dests:
+        write(dest / "checkpoint", INDEX, 1_700_000_000_000_000_000)
+    return {"path": "checkpoint", "size": len(INDEX), "mtime_ns": 1_700_000_000_000_000_000}
 
 
 @pytest.mark.timeout(60)
@@ -277,19 +373,16 @@ def test_a_bad_stream_leaves_the_destination_untouched(
         tmp_path: Path, procs: Procs, stream: bytes, error: str) -> None:
     dest = tmp_path / "h1" / "ckpt"
     write(dest / "a", b"old payload")
-    write(dest / "keep", b"kept")
+    write(dest / "checkpoint", INDEX)
     before = listing(str(dest))
-    manifest = [{"path": "a", "size": 11, "mtime_ns": 1_700_000_000_000_000_000},
-                {"path": "keep", **{k: v for k, v in before["files"][1].items() if k != "path"}}]
-    port = free_port()
-    receiver = procs.receiver(dest, port, manifest, ["a"])
-    sock = _connect(port)
+    manifest = [A_NEW, next(f for f in before["files"] if f["path"] == "checkpoint")]
+    receiver = procs.receiver(dest, free_port())
+    sock, lines, needs = upstream(int(receiver.args[receiver.args.index("--port") + 1]), manifest)
     with sock:
+        assert needs == ["a"]
         sock.sendall(stream)
         if b'"end"' not in stream:
             sock.shutdown(socket.SHUT_WR)
-        lines = sock.makefile("rb")
-        assert lines.readline().strip() == receiver_proof(TOKEN)  # it holds the token too
         ack = json.loads(lines.readline())
     rc, got = result(receiver)
     assert rc == 1
@@ -301,28 +394,54 @@ def test_a_bad_stream_leaves_the_destination_untouched(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(("manifest", "error"), [
+    ([{"path": "../outside", "size": 1, "mtime_ns": 1}], "unsafe path '../outside'"),
+    ([{"path": "/etc/passwd", "size": 1, "mtime_ns": 1}], "unsafe path '/etc/passwd'"),
+    ([A_NEW, A_NEW], "duplicate paths in the manifest"),
+    ([{"path": "a", "size": "11", "mtime_ns": 1}], "the manifest must be a list"),
+    ("not a list", "the manifest must be a list"),
+], ids=["dotdot", "absolute", "duplicate", "size-type", "not-a-list"])
+def test_a_hostile_manifest_is_refused_before_anything_is_written(
+        tmp_path: Path, procs: Procs, manifest: Any, error: str) -> None:
+    dest = tmp_path / "h1" / "ckpt"
+    write(dest / "a", b"old payload")
+    before = listing(str(dest))
+    port = free_port()
+    receiver = procs.receiver(dest, port)
+    with _connect(port) as sock:
+        sock.sendall(TOKEN.encode() + b"\n" + json.dumps({"manifest": manifest}).encode() + b"\n")
+        lines = sock.makefile("rb")
+        assert lines.readline().strip() == receiver_proof(TOKEN)
+        answer = json.loads(lines.readline())
+    assert answer["ok"] is False and error in answer["error"], answer
+    rc, got = result(receiver)
+    assert rc == 1 and error in got["error"]
+    assert listing(str(dest)) == before and leftovers(tmp_path / "h1") == []
+    assert not (tmp_path / "outside").exists()
+
+
+@pytest.mark.timeout(60)
 def test_a_failure_down_the_chain_names_its_host(tmp_path: Path, procs: Procs) -> None:
     source = tmp_path / "src"
+    write(source / "checkpoint", INDEX)
     write(source / "a", os.urandom(3 << 20))
-    write(source / "b", b"only the source and h1 have this")
     dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
-    shutil.copytree(source, dests[0])
-    write(dests[1] / "a", b"stale")
-    manifest = listing(str(source))["files"]
+    write(dests[0] / "a", b"stale")
+    write(tmp_path / "h2", b"a file where h2's parent directory should be")
     ports = [free_port(), free_port()]
-    tail = procs.receiver(dests[1], ports[1], manifest, ["a"])
-    head = procs.receiver(dests[0], ports[0], manifest, ["a"], "--forward", f"127.0.0.1:{ports[1]}")
+    tail = procs.receiver(dests[1], ports[1])
+    head = procs.receiver(dests[0], ports[0], "--forward", f"127.0.0.1:{ports[1]}")
 
-    rc, sent = result(procs.sender(source, ports[0], ["a"]))
+    rc, sent = result(procs.sender(source, ports[0]))
 
     assert rc == 1
-    assert sent["error"] == f"127.0.0.1:{ports[1]}: missing b"
-    assert result(tail) == (1, {"ok": False, "error": "missing b", "rejected": 0})
+    assert sent["error"].startswith(f"127.0.0.1:{ports[1]}: "), sent
+    rc_tail, got_tail = result(tail)
+    assert rc_tail == 1 and sent["error"].endswith(got_tail["error"])
     rc, got = result(head)
-    assert (rc, got["error"]) == (1, f"127.0.0.1:{ports[1]}: missing b")
-    assert digests(dests[0]) == digests(source)
-    assert (dests[1] / "a").read_bytes() == b"stale"
-    assert leftovers(dests[0].parent) == leftovers(dests[1].parent) == []
+    assert (rc, got["error"]) == (1, sent["error"])
+    assert (dests[0] / "a").read_bytes() == b"stale"
+    assert leftovers(dests[0].parent) == []
 
 
 @pytest.mark.timeout(60)
@@ -334,14 +453,13 @@ def test_the_last_host_checks_the_digest_for_the_hosts_before_it(tmp_path: Path,
     dests = [tmp_path / "h1" / "ckpt", tmp_path / "h2" / "ckpt"]
     for dest in dests:
         write(dest / "a", b"old payload")
-    manifest = [{"path": "a", "size": 11, "mtime_ns": 1_700_000_000_000_000_000}]
     ports = [free_port(), free_port()]
-    tail = procs.receiver(dests[1], ports[1], manifest, ["a"])
-    head = procs.receiver(dests[0], ports[0], manifest, ["a"], "--forward", f"127.0.0.1:{ports[1]}")
-    with _connect(ports[0]) as sock:
+    tail = procs.receiver(dests[1], ports[1])
+    head = procs.receiver(dests[0], ports[0], "--forward", f"127.0.0.1:{ports[1]}")
+    sock, lines, needs = upstream(ports[0], [A_NEW, indexed(*dests)])
+    with sock:
+        assert needs == ["a"]  # the union: both lack it
         sock.sendall(frames("a", b"new payload", "0" * 64))
-        lines = sock.makefile("rb")
-        assert lines.readline().strip() == receiver_proof(TOKEN)
         ack = json.loads(lines.readline())
 
     assert ack["ok"] is False and ack["error"] == f"127.0.0.1:{ports[1]}: checksum mismatch for a (CRC-32)"
@@ -356,15 +474,13 @@ def test_the_last_host_checks_the_digest_for_the_hosts_before_it(tmp_path: Path,
 def test_each_piece_removes_its_pid_file_as_it_exits(tmp_path: Path, procs: Procs) -> None:
     source, dest = tmp_path / "src", tmp_path / "h1" / "ckpt"
     write(source / "a", b"payload")
-    manifest = listing(str(source))["files"]
     port = free_port()
     pid_file = tmp_path / "receiver.pid"
-    receiver = procs.receiver(dest, port, manifest, ["a"], "--pid-file", str(pid_file))
+    receiver = procs.receiver(dest, port, "--pid-file", str(pid_file))
     pid_file.write_text(f"{receiver.pid}\n")  # as the controller's shell writes it, before exec
     other = tmp_path / "someone-else.pid"
     other.write_text("1\n")
-    sender = procs.start("send", "--source", str(source), "--to", f"127.0.0.1:{port}",
-                         "--pid-file", str(other), stdin={"token": TOKEN, "send": ["a"]})
+    sender = procs.sender(source, port, "--pid-file", str(other))
 
     assert result(sender)[0] == 0 and result(receiver)[0] == 0
     assert not pid_file.exists()
@@ -380,7 +496,7 @@ def test_a_taken_port_exits_75_at_once(tmp_path: Path, procs: Procs) -> None:
         port = taken.getsockname()[1]
         started = time.monotonic()
         receiver = procs.start("receive", "--dest", str(tmp_path / "ckpt"), "--port", str(port),
-                               stdin={"token": TOKEN, "manifest": [], "send": []})
+                               stdin={"token": TOKEN})
         rc, got = result(receiver)
     assert time.monotonic() - started < 10
     assert rc == 75
@@ -393,7 +509,7 @@ def test_a_sender_with_nobody_listening_fails_clearly(tmp_path: Path, procs: Pro
     write(tmp_path / "src" / "a", b"x")
     port = free_port()
     started = time.monotonic()
-    rc, got = result(procs.sender(tmp_path / "src", port, ["a"], timeout=1))
+    rc, got = result(procs.sender(tmp_path / "src", port, timeout=1))
     assert time.monotonic() - started < 10
     assert rc == 1
     assert got["ok"] is False and got["error"].startswith(f"could not connect to 127.0.0.1:{port} within 1 s")
@@ -404,7 +520,7 @@ def test_a_receiver_nobody_connects_to_gives_up_at_its_timeout(tmp_path: Path, p
     dest = tmp_path / "ckpt"
     write(dest / "a", b"old")
     started = time.monotonic()
-    rc, got = result(procs.receiver(dest, free_port(), listing(str(dest))["files"], [], timeout=1))
+    rc, got = result(procs.receiver(dest, free_port(), timeout=1))
     assert time.monotonic() - started < 10
     assert rc == 1
     assert got["error"].startswith("timed out after 1 s waiting for the upstream sender")
@@ -413,17 +529,19 @@ def test_a_receiver_nobody_connects_to_gives_up_at_its_timeout(tmp_path: Path, p
 
 
 @pytest.mark.timeout(30)
-def test_a_sender_missing_a_file_fails_both_ends(tmp_path: Path, procs: Procs) -> None:
-    source, dest = tmp_path / "src", tmp_path / "h1" / "ckpt"
-    write(source / "a", b"a")
+def test_a_sender_that_leaves_out_a_needed_file_fails_both_ends(tmp_path: Path, procs: Procs) -> None:
+    dest = tmp_path / "h1" / "ckpt"
     write(dest / "a", b"old")
-    manifest = [*listing(str(source))["files"], {"path": "gone", "size": 1, "mtime_ns": 1}]
-    port = free_port()
-    receiver = procs.receiver(dest, port, manifest, ["a", "gone"])
-    rc, sent = result(procs.sender(source, port, ["a", "gone"]))
-    assert (rc, sent["error"]) == (1, f"gone is missing from {source}")
+    receiver = procs.receiver(dest, free_port())
+    sock, lines, needs = upstream(int(receiver.args[receiver.args.index("--port") + 1]),
+                                  [A_NEW, indexed(dest)])
+    with sock:
+        assert needs == ["a"]
+        sock.sendall(b'{"send": []}\n{"end": true}\n')
+        ack = json.loads(lines.readline())
+    assert ack["ok"] is False and "the sender leaves out ['a']" in ack["error"]
     rc, got = result(receiver)
-    assert rc == 1 and "closed the connection" in got["error"]
+    assert rc == 1 and "the sender leaves out ['a']" in got["error"]
     assert (dest / "a").read_bytes() == b"old"
     assert leftovers(dest.parent) == []
 
@@ -482,7 +600,7 @@ def test_a_port_squatter_gets_nothing_but_the_token(tmp_path: Path, procs: Procs
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
-        sender = procs.sender(source, squatter.getsockname()[1], ["a"])
+        sender = procs.sender(source, squatter.getsockname()[1])
         conn, _ = squatter.accept()
         with conn:
             conn.settimeout(30)

@@ -9,6 +9,12 @@ Why a chain. The chief's host sends to h1, h1 stores and forwards each chunk to 
 arrives, and so on (a pipelined broadcast). Every host's uplink carries the bytes once, so
 copying to N hosts takes about the time of one copy, where a star from the chief would take N.
 
+Why one round. The controller starts every piece at once (one SSH command per host) and the
+pieces agree on what to send among themselves: the sender lists its directory and sends that
+manifest down the chain, each receiver compares it with its own directory, and the union of
+what the hosts lack comes back up. A relaunch so waits for one start of the pieces, not for a
+listing round trip to every host first.
+
 Why no gzip. Checkpoints are float tensors, which hardly compress, and gzip would spend the
 chief's CPU while it trains. Only files that changed are sent: the controller compares the
 listings (``needed``) and each receiver hard-links the unchanged files from its current copy.
@@ -36,23 +42,31 @@ then renames DIR away and the staging dir into place, so a host never sees a hal
 on any failure the staging dir is removed and DIR is left as it was; one that a SIGKILL left
 behind is removed by the next receive into DIR.
 
-Frames (one TCP connection per hop; "line" = UTF-8 text ending in ``\\n``):
+Frames (one TCP connection per hop; "line" = UTF-8 text ending in ``\\n``, one JSON object):
 
     upstream -> downstream  token line          the token's hex
-                            per file:           header line ``{"path": p, "size": n, "mtime_ns": m}``
+    downstream -> upstream  proof line          the hex HMAC-SHA256 of "orchestrate-transfer
+                                                receiver" keyed by the token (a port squatter
+                                                gets nothing)
+    upstream -> downstream  manifest line       ``{"manifest": [{"path", "size", "mtime_ns"}]}``,
+                                                the sender's listing, forwarded unchanged
+    downstream -> upstream  needs line          ``{"needs": [path]}``: what this host and the
+                                                hosts after it lack (or an error ack)
+    upstream -> downstream  send line           ``{"send": [path]}``, the union in manifest order
+                            per file sent:      header line ``{"path": p, "size": n, "mtime_ns": m}``
                                                 exactly n raw bytes
                                                 digest line, the hex CRC-32 of those bytes
                             end line            ``{"end": true}``
-    downstream -> upstream  proof line          right after the token: the hex HMAC-SHA256 of
-                                                "orchestrate-transfer receiver" keyed by the
-                                                token (a port squatter gets nothing)
-                            one ack line        ``{"ok": true}`` or ``{"ok": false, "error": e}``
+    downstream -> upstream  one ack line        ``{"ok": true}`` or ``{"ok": false, "error": e}``
 
-A receiver forwards the same frames downstream and acks upstream only after its downstream
-acked and it swapped its copy in, so the sender's ack means the whole chain has the files. An
-error that happened further down is passed up prefixed with that host's HOST:PORT and marked
-``"located": true`` so that hosts above pass it on unchanged. A receiver sends nothing before
-its ack but the proof, so anything readable from a peer mid-stream is its error (or its close).
+A manifest without a checkpoint index (the chief has none yet) makes every receiver move a
+checkpoint it still has aside (``DIR.stale-<time>``: a relaunch from step 0 must not restore
+it) and nothing is sent. A receiver forwards the frames downstream and acks upstream only
+after its downstream acked and it swapped its copy in, so the sender's ack means the whole
+chain has the files. An error that happened further down is passed up prefixed with that
+host's HOST:PORT and marked ``"located": true`` so that hosts above pass it on unchanged. A
+receiver sends nothing after its needs line but its ack, so anything readable from a peer
+mid-stream is its error (or its close).
 """
 
 from __future__ import annotations
@@ -85,10 +99,12 @@ EXCLUDED = ("workertemp_", ".orchestrate-")  # TF's non-chief temp dirs; our sta
 IN_FLIGHT_FILE = re.compile(r"\.tempstate\d+$|\.tmp[0-9a-f]{32}$")
 IN_FLIGHT_DIR = re.compile(r"_temp(_[0-9a-f]+)?$")
 INDEX = "checkpoint"  # TF's index of a checkpoint directory
+INDEXES = (INDEX, f"chief/{INDEX}")  # at the top, or in chief/ (BackupAndRestore's layout)
 CONNECT_FOR_S = 60.0  # keep retrying a refused connection this long (the peer may not listen yet)
 CONNECT_EVERY_S = (0.01, 0.2)  # retry a refused connection after 10 ms, doubling up to 200 ms
 TOKEN_WITHIN_S = 10.0  # an accepted connection must send its token line this soon
 MAX_LINE = 64 * 1024
+MAX_MANIFEST = 16 << 20  # a manifest, needs or send line (a sharded checkpoint lists many files)
 MAX_PENDING = 64  # connections waiting to send their token line
 LINGER_S = 5.0  # after an error ack, read what the peer still sends this long, then close
 EXIT_PORT_TAKEN = 75
@@ -179,6 +195,11 @@ def needed(source: list[dict[str, Any]], present: list[dict[str, Any]]) -> list[
     return [f["path"] for f in source if have.get(f["path"]) != (f["size"], f["mtime_ns"])]
 
 
+def holds_checkpoint(files: list[dict[str, Any]]) -> bool:
+    """Whether a listing has a checkpoint index (``INDEXES``)."""
+    return any(f["path"] in INDEXES for f in files)
+
+
 def _safe(rel: Any) -> str:
     """``rel`` if it is a relative POSIX path that stays inside its directory."""
     if not isinstance(rel, str) or "\0" in rel or any(p in ("", ".", "..") for p in rel.split("/")):
@@ -249,19 +270,29 @@ class Channel:
     def __init__(self, sock: socket.socket, where: str, data: bytes = b"") -> None:
         self.sock, self.where, self.buf = sock, where, bytearray(data)
 
-    def line(self) -> bytes:
+    def line(self, limit: int = MAX_LINE) -> bytes:
         start = 0
         while (end := self.buf.find(b"\n", start)) < 0:
-            if len(self.buf) > MAX_LINE:
-                raise TransferError(f"{self.where}: line longer than {MAX_LINE} bytes")
+            if len(self.buf) > limit:
+                raise TransferError(f"{self.where}: line longer than {limit} bytes")
             start = len(self.buf)
             self.buf += self._recv()
         line = bytes(self.buf[:end])
         del self.buf[: end + 1]
         return line
 
-    def frame(self) -> dict[str, Any]:
-        return parse_frame(self.line(), self.where)
+    def frame(self, limit: int = MAX_LINE) -> dict[str, Any]:
+        return parse_frame(self.line(limit), self.where)
+
+    def answer(self, what: str) -> dict[str, Any]:
+        """The peer's ``what`` line (a manifest, needs or send line); its error ack raises."""
+        try:
+            frame = self.frame(MAX_MANIFEST)
+        except Closed as exc:
+            raise PeerError(f"{self.where}: closed the connection before its {what} line") from exc
+        if frame.get("ok") is False:
+            raise ack_error(frame, self.where)
+        return frame
 
     def read_into(self, view: memoryview) -> int:
         if self.buf:
@@ -484,15 +515,18 @@ class Gate:
 
 # -- receive -----------------------------------------------------------------------------------
 class Receiver:
-    """One receive: accept upstream, connect downstream, link, stream, swap, ack."""
+    """One receive: accept upstream, connect downstream, agree on the files, link, stream,
+    swap, ack."""
 
-    def __init__(self, args: argparse.Namespace, request: dict[str, Any]) -> None:
+    def __init__(self, args: argparse.Namespace, token: str) -> None:
         self.dest = os.path.abspath(args.dest)
         self.forward: str | None = args.forward
         self.timeout: float = args.timeout
-        self.token: str = request["token"]
-        self.manifest = {f["path"]: f for f in request["manifest"]}
-        self.send: list[str] = request["send"]
+        self.token = token
+        self.manifest: dict[str, dict[str, Any]] = {}
+        self.send: list[str] = []
+        self.keep = False  # this host lacked files: it takes what is sent and swaps it in
+        self.cleared = ""  # where a checkpoint the source no longer has was moved
         self.staging: str | None = None
         self.up: Channel | None = None
         self.down: Channel | None = None
@@ -508,6 +542,7 @@ class Receiver:
             started = time.monotonic()  # "seconds" is the transfer's, not the wait for it
             if self.forward:
                 self.down = connect(self.forward, self.token, self.timeout)
+            self._agree()
             self._prepare()
             self._stream()
             self._finish()
@@ -515,12 +550,47 @@ class Receiver:
             error = exc if isinstance(exc, TransferError) else TransferError(str(exc) or repr(exc))
             self._fail(error)
             return {"ok": False, "error": str(error), "rejected": gate.rejected}
-        return {"ok": True, "files": len(self.manifest), "received": len(self.send), "bytes": self.bytes,
-                "linked": self.linked, "rejected": gate.rejected,
+        return {"ok": True, "files": len(self.manifest), "received": len(self.send) if self.keep else 0,
+                "bytes": self.bytes if self.keep else 0, "streamed": self.bytes,
+                "linked": self.linked,
+                "up_to_date": not self.keep and holds_checkpoint(list(self.manifest.values())),
+                "cleared": self.cleared, "rejected": gate.rejected,
                 "seconds": round(time.monotonic() - started, 3), "cpu_s": cpu_seconds()}
+
+    def _agree(self) -> None:
+        """Read the manifest (forwarding it), answer what this host and those after it lack,
+        read the list of files that will be sent (forwarding it)."""
+        assert self.up is not None
+        line = self.up.line(MAX_MANIFEST)
+        manifest = check_manifest(parse_frame(line, self.up.where).get("manifest"))
+        self.manifest = {f["path"]: f for f in manifest}
+        if self.down is not None:
+            self.down.push(line + b"\n", last=True)  # its answer is its needs line
+        present = listing(self.dest)["files"]
+        mine: list[str] = []
+        if holds_checkpoint(manifest):
+            mine = needed(manifest, present)
+        elif holds_checkpoint(present):  # a relaunch from step 0 must not restore it
+            self.cleared = f"{self.dest}.stale-{int(time.time())}"
+            os.rename(self.dest, self.cleared)
+        self.keep = bool(mine)
+        lacking = set(mine)
+        if self.down is not None:
+            lacking |= set(check_paths(self.down.answer("needs").get("needs"), self.manifest,
+                                       f"the needs of {self.down.where}"))
+        needs = [rel for rel in self.manifest if rel in lacking]
+        self.up.push(json.dumps({"needs": needs}).encode() + b"\n", last=True)
+        line = self.up.line(MAX_MANIFEST)
+        self.send = check_paths(parse_frame(line, self.up.where).get("send"), self.manifest, "send")
+        if not set(mine) <= set(self.send):
+            raise TransferError(f"the sender leaves out {sorted(set(mine) - set(self.send))[:5]}")
+        if self.down is not None:
+            self.down.push(line + b"\n")
 
     def _prepare(self) -> None:
         """The staging dir, with every manifest file that is not sent hard-linked from DIR."""
+        if not self.keep:
+            return
         parent = os.path.dirname(self.dest)
         os.makedirs(parent, exist_ok=True)
         remove_leftovers(self.dest)
@@ -564,13 +634,15 @@ class Receiver:
 
     def _file(self, rel: str, size: int, view: memoryview) -> None:
         """Write ``size`` bytes of ``rel`` as they arrive (forwarding each piece), then check them."""
-        assert self.up is not None and self.staging is not None
-        path = os.path.join(self.staging, rel)
-        os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
-        # The last host checks the digest; one in the middle writes what it forwards, which
-        # the last host's check covers (see the module's docstring).
+        assert self.up is not None
+        path = os.path.join(self.staging, rel) if self.staging is not None else None
+        if path is not None:
+            os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+        # The last host checks the digest, whether or not it keeps the files; one in the
+        # middle writes what it forwards, which the last host's check covers (see the module's
+        # docstring).
         digest, left = (Crc32() if self.down is None else None), size
-        with open(path, "wb") as f:
+        with open(path, "wb") if path is not None else contextlib.nullcontext() as f:
             while left:
                 try:
                     n = self.up.read_into(view[: min(left, CHUNK)])
@@ -580,14 +652,16 @@ class Receiver:
                 self._push(view[:n])  # first, so the next host works on it while we write
                 if digest is not None:
                     digest.update(view[:n])
-                f.write(view[:n])
+                if f is not None:
+                    f.write(view[:n])
                 left -= n
         line = self.up.line()
         self._push(line + b"\n")
         if digest is not None and not hmac.compare_digest(line.strip(), digest.hexdigest().encode()):
             raise TransferError(f"checksum mismatch for {rel} (CRC-32)")
-        mtime = int(self.manifest[rel]["mtime_ns"])
-        os.utime(path, ns=(mtime, mtime))
+        if path is not None:
+            mtime = int(self.manifest[rel]["mtime_ns"])
+            os.utime(path, ns=(mtime, mtime))
 
     def _push(self, data: bytes | memoryview) -> None:
         if self.down is not None:
@@ -595,18 +669,19 @@ class Receiver:
 
     def _finish(self) -> None:
         """Wait for the downstream's ack, swap the staging dir in, ack upstream."""
-        assert self.up is not None and self.staging is not None
+        assert self.up is not None
         if self.down is not None:
             ack = self.down.frame()
             if ack.get("ok") is not True:
                 raise ack_error(ack, self.down.where)
             self.down.close()
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # no half-done swap
-        try:
-            swap_in(self.staging, self.dest)
-            self.staging = None
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if self.staging is not None:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # no half-done swap
+            try:
+                swap_in(self.staging, self.dest)
+                self.staging = None
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.up.send_ack(None)
 
     def _fail(self, error: TransferError) -> None:
@@ -635,11 +710,19 @@ def _link(source: str, target: str, entry: dict[str, Any]) -> None:
 
 
 # -- send --------------------------------------------------------------------------------------
-def send_files(source: str, to: str, token: str, paths: list[str], timeout: float) -> dict[str, Any]:
-    """Stream ``paths`` of ``source`` to the receiver at ``to``; return after the chain's ack."""
+def send_checkpoint(source: str, to: str, token: str, timeout: float,
+                    newest: bool = False) -> dict[str, Any]:
+    """List ``source`` (``newest``: its current checkpoint only), agree with the chain at
+    ``to`` on what the hosts lack, stream those files; return after the chain's ack."""
     started = time.monotonic()
+    files = listing(source, newest=newest)["files"]
     channel = connect(to, token, timeout)
     try:
+        channel.push(json.dumps({"manifest": files}).encode() + b"\n", last=True)
+        lacking = set(check_paths(channel.answer("needs").get("needs"),
+                                  {f["path"]: f for f in files}, f"the needs of {to}"))
+        paths = [f["path"] for f in files if f["path"] in lacking]
+        channel.push(json.dumps({"send": paths}).encode() + b"\n")
         view = memoryview(bytearray(CHUNK))
         total = sum(_send_file(channel, source, rel, view) for rel in paths)
         channel.push(b'{"end": true}\n', last=True)
@@ -651,7 +734,8 @@ def send_files(source: str, to: str, token: str, paths: list[str], timeout: floa
             raise ack_error(ack, to)
     finally:
         channel.close()
-    return {"ok": True, "files": len(paths), "bytes": total,
+    return {"ok": True, "files": len(paths), "bytes": total, "listed": len(files),
+            "checkpoint": holds_checkpoint(files),
             "seconds": round(time.monotonic() - started, 3), "cpu_s": cpu_seconds()}
 
 
@@ -698,20 +782,35 @@ def read_request(*keys: str) -> dict[str, Any]:
     return request
 
 
-def _check_receive(request: dict[str, Any]) -> None:
-    """The request's token is set, its paths are safe, and ``send`` is a subset of the manifest."""
-    if not isinstance(request["token"], str) or len(request["token"]) < 16:
+def check_token(request: dict[str, Any]) -> str:
+    token = request["token"]
+    if not isinstance(token, str) or len(token) < 16:
         raise TransferError("the token must be a string of at least 16 characters")
-    manifest, send = request["manifest"], request["send"]
-    if not isinstance(manifest, list) or not isinstance(send, list) or not all(
+    return token
+
+
+def check_manifest(manifest: Any) -> list[dict[str, Any]]:
+    """A manifest line's files, each a safe path with an integer size and mtime, no path twice."""
+    if not isinstance(manifest, list) or not all(
             isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("mtime_ns"), int)
-            for f in manifest):
-        raise TransferError("manifest must be a list of {path, size, mtime_ns} and send a list of paths")
+            and f["size"] >= 0 for f in manifest):
+        raise TransferError("the manifest must be a list of {path, size, mtime_ns}")
     paths = [_safe(f.get("path")) for f in manifest]
-    if len(set(paths)) != len(paths) or len(set(send)) != len(send):
-        raise TransferError("duplicate paths in the manifest or in send")
-    if not set(send) <= set(paths):
-        raise TransferError(f"send lists paths not in the manifest: {sorted(set(send) - set(paths))[:5]}")
+    if len(set(paths)) != len(paths):
+        raise TransferError("duplicate paths in the manifest")
+    return [{"path": f["path"], "size": f["size"], "mtime_ns": f["mtime_ns"]} for f in manifest]
+
+
+def check_paths(paths: Any, manifest: dict[str, Any], what: str) -> list[str]:
+    """A needs or send line's paths: strings of the manifest, none twice."""
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise TransferError(f"{what} must be a list of paths")
+    if len(set(paths)) != len(paths):
+        raise TransferError(f"duplicate paths in {what}")
+    if not set(paths) <= set(manifest):
+        raise TransferError(f"{what} lists paths not in the manifest: "
+                            f"{sorted(set(paths) - set(manifest))[:5]}")
+    return paths
 
 
 def _interrupted(signum: int, _frame: object) -> NoReturn:
@@ -719,8 +818,7 @@ def _interrupted(signum: int, _frame: object) -> NoReturn:
 
 
 def _receive(args: argparse.Namespace) -> int:
-    request = read_request("token", "manifest", "send")
-    _check_receive(request)
+    token = check_token(read_request("token"))
     try:
         listener = listen(args.bind, args.port)
     except OSError as exc:
@@ -729,15 +827,14 @@ def _receive(args: argparse.Namespace) -> int:
     for signum in SIGNALS:
         signal.signal(signum, _interrupted)
     with listener:
-        result = Receiver(args, request).run(listener)
+        result = Receiver(args, token).run(listener)
     _print(result)
     return 0 if result["ok"] else 1
 
 
 def _send(args: argparse.Namespace) -> int:
-    request = read_request("token", "send")
-    paths = [_safe(p) for p in request["send"]]
-    _print(send_files(args.source, args.to, request["token"], paths, args.timeout))
+    token = check_token(read_request("token"))
+    _print(send_checkpoint(args.source, args.to, token, args.timeout, newest=args.newest))
     return 0
 
 
@@ -767,16 +864,18 @@ def _parser() -> argparse.ArgumentParser:
     list_.add_argument("dir")
     list_.add_argument("--newest", action="store_true",
                        help="leave out the older checkpoints an index lists")
-    receive = sub.add_parser("receive", help="receive (and forward) files; stdin: token, manifest, send")
+    receive = sub.add_parser("receive", help="receive (and forward) files into DEST; stdin: token")
     receive.add_argument("--dest", required=True)
     receive.add_argument("--port", type=int, required=True)
     receive.add_argument("--bind", default="")
     receive.add_argument("--forward", metavar="HOST:PORT")
     receive.add_argument("--timeout", type=float, default=600.0)
     receive.add_argument("--pid-file", help="a file holding this process's pid: removed at exit")
-    send = sub.add_parser("send", help="send files to the first receiver; stdin: token, send")
+    send = sub.add_parser("send", help="send what the receivers lack of SOURCE; stdin: token")
     send.add_argument("--source", required=True)
     send.add_argument("--to", required=True, metavar="HOST:PORT")
+    send.add_argument("--newest", action="store_true",
+                      help="only the checkpoint the index names, not the older ones it keeps")
     send.add_argument("--timeout", type=float, default=600.0)
     send.add_argument("--pid-file", help="a file holding this process's pid: removed at exit")
     install = sub.add_parser("install", help="swap a staging dir in; stdin: staging")
