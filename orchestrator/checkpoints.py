@@ -32,7 +32,7 @@ from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.remote.base import Runner, quote_argv
 from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, MIRROR_BUSY_MAX
-from worker.transfer import listing, needed
+from worker.transfer import holds_checkpoint, listing, needed
 
 RunnerFor = Callable[[Host], Runner]
 INDEX = "checkpoint"  # TF's checkpoint index file in a checkpoint directory
@@ -72,7 +72,7 @@ class Listing:
     @property
     def has_checkpoint(self) -> bool:
         """An index file at the top or in ``chief/`` (BackupAndRestore's layout)."""
-        return any(f["path"] in (INDEX, f"chief/{INDEX}") for f in self.files)
+        return holds_checkpoint(list(self.files))
 
     def needed_by(self, present: Listing) -> list[str]:
         """Files of this listing that ``present`` lacks with the same size and mtime."""

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import write_spec
@@ -297,3 +298,77 @@ def test_hosts_that_cannot_reach_each_other_get_the_checkpoint_through_the_contr
     assert copy == original and len(copy) == 2
     leftovers = list(Path(hosts[0].plain_home).rglob(".transfer-*.pid"))
     assert leftovers == []  # the sender was stopped and its pid file removed
+
+
+def test_one_round_copy_skips_the_host_that_has_it_and_counts_every_hop(
+        hostlab: HostLab, tmp_path: Path, clusters: list[Cluster]) -> None:
+    """Three hosts in one round: the first target already has the chief's checkpoint, the
+    second has an older one. The first forwards without touching its copy, the second gets the
+    newest checkpoint only, and the bytes are counted on both hops; the same copy again sends
+    nothing. With no checkpoint at the chief, the targets' copies are moved aside."""
+    hosts = hostlab.hosts(3)
+    body = """\
+        name: ck-round
+        job: {module: examples.digits}
+        """
+    cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
+    provider = cluster.provider
+    up = cluster.up()
+    plan = build(cluster.spec, up, run_id="round", python=provider.python(up[0]),
+                 local_workdir=str(tmp_path))
+    chief, first, second = (t.host for t in plan.tasks)
+    dirs = [Path(plan.checkpoints.of(h)) for h in (chief, first, second)]
+
+    def share() -> Any:
+        return share_chief_checkpoint(
+            plan, provider.runner, lambda h: WorkerCommand(provider.python(h), paths.lib_dir(h.root)))
+
+    def make(host: Any, directory: Path, numbers: list[int]) -> None:
+        """The layout tf_keras leaves: data and index per checkpoint, an index naming the
+        newest and the kept ones; made as the host's user, as the tasks would."""
+        provider.runner(host).run(["mkdir", "-p", str(directory)])
+        files = {"checkpoint": (f'model_checkpoint_path: "ckpt-{numbers[-1]}"\n' + "".join(
+            f'all_model_checkpoint_paths: "ckpt-{n}"\n' for n in numbers)).encode()}
+        for n in numbers:
+            files[f"ckpt-{n}.data-00000-of-00001"] = bytes([n]) * (1 << 20)
+            files[f"ckpt-{n}.index"] = b"index %d" % n
+        for name, data in files.items():
+            path = directory / name
+            path.write_bytes(data)
+            shutil.chown(path, user=hostlab.plain_user())
+            stamp = int(name.split("-")[1].split(".")[0]) if name != "checkpoint" else numbers[-1]
+            os.utime(path, ns=(stamp * 10**9, stamp * 10**9))
+
+    make(chief, dirs[0] / "chief", [2, 3, 4])
+    make(first, dirs[1] / "chief", [2, 3, 4])  # as an earlier relaunch left it: the newest only
+    for old in ("ckpt-2", "ckpt-3"):
+        for path in (dirs[1] / "chief").glob(f"{old}.*"):
+            path.unlink()
+    make(second, dirs[2] / "chief", [1, 2])
+    first_data = dirs[1] / "chief" / "ckpt-4.data-00000-of-00001"
+    inode = first_data.stat().st_ino
+
+    copied = share()
+
+    assert not copied.chain_error, copied
+    # The index and ckpt-4 only: not ckpt-2 and ckpt-3, which the chief keeps beside it.
+    index = len((dirs[0] / "chief" / "checkpoint").read_bytes())
+    assert (copied.hosts, copied.up_to_date) == ([second.name], [first.name])
+    assert copied.bytes == index + (1 << 20) + len(b"index 4")
+    assert copied.host_to_host_bytes == 2 * copied.bytes  # chief -> first -> second
+    assert first_data.stat().st_ino == inode  # the first host kept its own copy
+    assert sorted(p.name for p in (dirs[2] / "chief").iterdir()) == [
+        "checkpoint", "ckpt-4.data-00000-of-00001", "ckpt-4.index"]
+    assert _digests(dirs[2]) == {k: v for k, v in _digests(dirs[0]).items()
+                                 if "ckpt-4" in k or k.endswith("checkpoint")}
+
+    again = share()
+    assert (again.hosts, sorted(again.up_to_date), again.bytes) == (
+        [], sorted([first.name, second.name]), 0)
+
+    shutil.rmtree(dirs[0])  # the chief has no checkpoint: a relaunch from step 0
+    cleared = share()
+    assert sorted(cleared.cleared) == sorted([first.name, second.name]), cleared
+    assert not dirs[1].exists() and not dirs[2].exists()
+    assert all(any(p.name.startswith(f"{d.name}.stale-") for p in d.parent.iterdir())
+               for d in dirs[1:])
