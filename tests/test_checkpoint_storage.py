@@ -28,7 +28,7 @@ from orchestrator.api import Cluster
 from orchestrator.checkpoints import WorkerCommand, share_chief_checkpoint
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event
-from orchestrator.plan import build
+from orchestrator.plan import ClusterPlan, build
 from orchestrator.state import AttemptRecord
 from orchestrator.view import RunResult, RunView
 from worker.transfer import listing
@@ -108,6 +108,16 @@ def cluster_for(made: list[Cluster], tmp_path: Path, hostlab: HostLab, hosts: li
                                            user=hostlab.plain_user()))
     made.append(cluster)
     return cluster
+
+
+def planned(clusters: list[Cluster], tmp_path: Path, hostlab: HostLab, hosts: list[LabHost],
+            name: str) -> tuple[Any, ClusterPlan]:
+    """A digits cluster on ``hosts``, up, and the plan of a run of it (no task started)."""
+    cluster = cluster_for(clusters, tmp_path, hostlab, hosts,
+                          f"name: {name}\njob: {{module: examples.digits}}\n")
+    up = cluster.up()
+    return cluster.provider, build(cluster.spec, up, run_id=name, python=cluster.provider.python(up[0]),
+                                   local_workdir=str(tmp_path))
 
 
 def log_lines(hosts: list[LabHost], attempt: AttemptRecord) -> dict[str, list[str]]:
@@ -262,15 +272,7 @@ def test_hosts_that_cannot_reach_each_other_get_the_checkpoint_through_the_contr
     """The receiving host's port is taken (as a firewall between hosts would also stop the
     chain): the copy is relayed through this machine instead, and says so."""
     hosts = hostlab.hosts(2)
-    body = """\
-        name: ck-relay
-        job: {module: examples.digits}
-        """
-    cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
-    provider = cluster.provider
-    up = cluster.up()
-    plan = build(cluster.spec, up, run_id="relay", python=provider.python(up[0]),
-                 local_workdir=str(tmp_path))
+    provider, plan = planned(clusters, tmp_path, hostlab, hosts, "ck-relay")
     chief, other = (t.host for t in plan.tasks)
     source = plan.checkpoints.of(chief)
     provider.runner(chief).run(
@@ -307,15 +309,7 @@ def test_one_round_copy_skips_the_host_that_has_it_and_counts_every_hop(
     newest checkpoint only, and the bytes are counted on both hops; the same copy again sends
     nothing. With no checkpoint at the chief, the targets' copies are moved aside."""
     hosts = hostlab.hosts(3)
-    body = """\
-        name: ck-round
-        job: {module: examples.digits}
-        """
-    cluster = cluster_for(clusters, tmp_path, hostlab, hosts, body)
-    provider = cluster.provider
-    up = cluster.up()
-    plan = build(cluster.spec, up, run_id="round", python=provider.python(up[0]),
-                 local_workdir=str(tmp_path))
+    provider, plan = planned(clusters, tmp_path, hostlab, hosts, "ck-round")
     chief, first, second = (t.host for t in plan.tasks)
     dirs = [Path(plan.checkpoints.of(h)) for h in (chief, first, second)]
 
