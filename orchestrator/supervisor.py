@@ -214,8 +214,8 @@ class Supervisor:
             finished = watch.run()
         except AttemptFailed as failure:
             detected = time.time()
-            self._stop_all(watched, watch)
-            failure = self._confirm(failure)
+            silent = self._stop_all(watched, watch)
+            failure = self._confirm(failure, silent)
             status = "stopped" if failure.cause is Cause.STOPPED else "failed"
             self._end_attempt(run_id, number, watched, status, failure, detected)
             raise failure from None
@@ -260,7 +260,8 @@ class Supervisor:
             self._record_recovery(run_id, number, w)
 
     # -- after a failure -------------------------------------------------------------------
-    def _stop_all(self, watched: list[Watched], watch: AttemptWatch) -> None:
+    def _stop_all(self, watched: list[Watched], watch: AttemptWatch) -> set[str]:
+        """Stop every task; returns the hosts that did not answer (during the attempt or now)."""
         grace = self.spec.timeouts.stop_grace_s
 
         def stop(w: Watched) -> None:
@@ -275,11 +276,18 @@ class Supervisor:
         with ThreadPoolExecutor(max_workers=min(32, len(watched))) as pool:
             list(pool.map(stop, watched))
         watch.drain()
+        return {w.plan.host.name for w in watched if w.unreachable is not None}
 
-    def _confirm(self, failure: AttemptFailed) -> AttemptFailed:
-        """Ask the provider about a lost host (preempted?), and spot code failing the same way."""
-        if failure.vanished and failure.cause is Cause.CRASHED and failure.host and \
-                not self._answers(failure.host):  # the whole machine went, not just the task
+    def _confirm(self, failure: AttemptFailed, silent: set[str]) -> AttemptFailed:
+        """Ask the provider about a lost host (preempted?), and spot code failing the same way.
+        ``silent``: hosts that did not answer while the tasks were stopped."""
+        # A task that vanished with its whole machine: the connection to its host dropped
+        # since the task was last seen running, or the host did not answer when it was being
+        # stopped, or does not now. (Asking only now is not enough: a machine that comes back
+        # within the connect retries answers as if nothing happened.)
+        if failure.vanished and failure.cause is Cause.CRASHED and failure.host and (
+                failure.connection_lost or failure.host in silent
+                or not self._answers(failure.host)):
             failure.cause = Cause.HOST_LOST
             failure.detail = f"host {failure.host} stopped answering as its task vanished"
         if failure.cause is Cause.HOST_LOST and failure.host:

@@ -52,7 +52,7 @@ class AttemptFailed(Exception):
         self, cause: Cause, task: str, detail: str, *, exit_code: int | None = None,
         evidence: str = "", failed_at: float | None = None, host: str | None = None,
         port: tuple[str, int] | None = None, before_first_step: bool = False,
-        vanished: bool = False,
+        vanished: bool = False, connection_lost: bool = False,
     ) -> None:
         super().__init__(f"{cause.value}: {task}: {detail}")
         self.cause = cause
@@ -65,6 +65,7 @@ class AttemptFailed(Exception):
         self.port = port  # the (address, port) to avoid, for port_conflict
         self.before_first_step = before_first_step
         self.vanished = vanished  # the task's process group was gone without an exit code
+        self.connection_lost = connection_lost  # ... and the SSH connection dropped meanwhile
 
     @property
     def signature(self) -> str:
@@ -92,10 +93,15 @@ class Watched:
     first_progress_at: float | None = None
     last_heard: float = field(default_factory=time.time)
     unreachable: str | None = None
+    drops_alive: int = -1  # the runner's drops when a poll last saw the task running
     pending: Future[Polled] | None = None
     pending_since: float = 0.0
     last_event: Event | None = None
     checkpoint_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.drops_alive < 0:  # started (or found) running: as of now
+            self.drops_alive = self.runner.drops
 
     @property
     def key(self) -> str:
@@ -200,7 +206,9 @@ class AttemptWatch:
         if polled.offset == w.offset:
             w.offset = polled.next_offset
             self._feed(w, polled.data)
-        if polled.status is not None and polled.status.state is not TaskState.RUNNING:
+        if polled.status is not None and polled.status.state is TaskState.RUNNING:
+            w.drops_alive = w.runner.drops
+        elif polled.status is not None:
             w.status = polled.status
 
     def _collect(self) -> None:
@@ -312,7 +320,8 @@ class AttemptWatch:
                                  before_first_step=early, exit_code=w.exit_code)
         if w.status is not None and w.status.state is TaskState.LOST:
             return make(Cause.CRASHED, w.key, "its process group vanished without an exit code "
-                        "(killed as a whole)", vanished=True, host=w.plan.host.name)
+                        "(killed as a whole)", vanished=True, host=w.plan.host.name,
+                        connection_lost=w.runner.drops > w.drops_alive)
         return _classify(w, make)
 
     def _check_startup(self) -> None:

@@ -167,6 +167,22 @@ def test_chief_host_lost_with_its_disk_resumes_from_the_controllers_copy(
     assert (result.attempts[1].resumed_from_step or 0) >= 20
 
 
+def test_a_machine_back_within_a_poll_is_still_a_lost_host(hostlab: HostLab, tmp_path: Path) -> None:
+    """Every process of worker:1's machine dies (sshd too) and it is back 1 s later, well within
+    poll_s and the SSH connect retries: the next poll reconnects and finds the task gone, and
+    the host answers as if nothing happened. The dropped connection tells a machine that went
+    away from a task killed on a machine that stayed."""
+    def restart_machine(fault: Fault, view: RunView, event: Event | None) -> None:
+        host = fault.hosts[1]
+        host.kill()
+        fault.later(1.0, host.heal)
+
+    result, _ = train_with_fault(hostlab, tmp_path, "f-blink", progress_of("worker:1"),
+                                 restart_machine)
+    first = assert_recovered(result, "host_lost", "worker:1")
+    assert "vanished" in first.detail or "answer" in first.detail, first.detail
+
+
 def test_host_cut_off_from_the_network(hostlab: HostLab, tmp_path: Path) -> None:
     def cut(fault: Fault, view: RunView, event: Event | None) -> None:
         fault.hosts[1].cut()

@@ -130,6 +130,9 @@ class Runner(ABC):
 
     def __init__(self, host_name: str) -> None:
         self.host_name = host_name
+        # Connections to the host found dead and made again: a machine that went away and came
+        # back between two commands shows here, when its answers alone look normal.
+        self.drops = 0
 
     # -- transport hooks -------------------------------------------------
     @abstractmethod

@@ -106,6 +106,7 @@ class SSHRunner(Runner):
                 return transport
             if client is not None:  # dead: its sessions died with it and are reopened on use
                 client.close()
+                self.drops += 1
             client = self._clients[link] = self._connect_with_retries()
             transport = client.get_transport()
             assert transport is not None
