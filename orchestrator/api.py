@@ -7,7 +7,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -208,15 +208,23 @@ class Cluster:
         host's TCP connection to every other host's task port. What it finds is in the report
         (``report.blocking``, ``report.raise_if_blocking()``); it raises for none of it.
 
+        First the provider's own checks (``Provider.cloud_check``: for gcp, the image, machine
+        type and GPUs against the cloud's catalog); machines it says do not exist yet are
+        reported, not reached for.
+
         Args:
             tensorflow: "auto" imports TensorFlow only on hosts with GPUs (to see the GPUs it
                 sees); "always" everywhere (seconds per host); "never".
         """
+        started = time.monotonic()
         plan = self.plan()
+        cloud = self.provider.cloud_check()
         machines = doctoring.machines_of(plan, self.provider.python)
+        machines = doctoring.existing(plan, machines, cloud.unprovisioned)
         with self.provider.check_runners([m.host for m in machines]) as runner:
-            return doctoring.examine(self.spec, self.provider.kind, plan, machines, runner,
-                                     tensorflow=tensorflow)
+            report = doctoring.examine(self.spec, self.provider.kind, plan, machines, runner,
+                                       tensorflow=tensorflow, found=cloud.problems)
+        return replace(report, seconds=time.monotonic() - started)
 
     def scaling(self, replicas: int | None = None) -> Scaling:
         """Global batch size and learning rate, for ``replicas`` (default: one per task)."""

@@ -189,12 +189,31 @@ def main() -> None:
             err.print(f"  fix: {exc.fix}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
-        err.print({
-            "train": "interrupted: every task of this run was stopped",
-            "up": "interrupted: 'orchestrate down FILE' removes whatever was already made",
-        }.get(command, "interrupted"))
-        sys.exit(130)
+        _interrupted()
+    except SystemExit as exc:  # typer turns a Ctrl-C into a silent exit 130
+        if exc.code == 130 and _from_ctrl_c(exc):
+            _interrupted()
+        raise
+
+
+def _interrupted() -> None:
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+    err.print({
+        "train": "interrupted: every task of this run was stopped",
+        "up": "interrupted: 'orchestrate down FILE' removes whatever was already made",
+    }.get(command, "interrupted"), markup=False)
+    sys.exit(130)
+
+
+def _from_ctrl_c(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(8):  # SystemExit <- typer's Exit <- KeyboardInterrupt
+        if seen is None:
+            return False
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import os
 import secrets
 import shlex
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +17,7 @@ import worker as worker_package
 from orchestrator.errors import CommandError, OrchestratorError
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan, TaskPlan
+from orchestrator.problems import Problem
 from orchestrator.remote.base import ExecResult, Runner
 from orchestrator.remote.fanout import FanOutResult, fan_out
 from orchestrator.runtimes import MatchingPackage, runtime_for
@@ -36,17 +37,6 @@ GCS_FIX = ("give the VM's service account write access to the bucket (roles/stor
            "https://www.googleapis.com/auth/devstorage.read_write), or use an absolute path on a "
            "shared file system")
 TensorFlowImport = Literal["auto", "always", "never"]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing that is wrong, on which hosts, and how to fix it."""
-
-    check: str
-    message: str
-    fix: str
-    blocking: bool = True
-    hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -229,15 +219,29 @@ def machines_of(plan: ClusterPlan, python: Callable[[Host], str]) -> list[Machin
     return [Machine(ts[0].host, tuple(ts), python(ts[0].host)) for ts in groups.values()]
 
 
+def existing(plan: ClusterPlan, machines: Sequence[Machine], unprovisioned: Collection[str]
+             ) -> list[Machine]:
+    """The machines of ``machines`` that exist, to be checked; none when the chief's does not
+    (the others' checkpoint directory and marker are checked against the chief's)."""
+    if not unprovisioned:
+        return list(machines)
+    if plan.chief.host.name in unprovisioned:
+        return []
+    return [m for m in machines if not any(t.host.name in unprovisioned for t in m.tasks)]
+
+
 def examine(
     spec: ClusterSpec, provider: str, plan: ClusterPlan, machines: Sequence[Machine],
     runner: Callable[[Host], Runner], *, tensorflow: TensorFlowImport = "auto",
+    found: Sequence[Problem] = (),
 ) -> DoctorReport:
     """Check every machine in parallel: SSH first, then one preflight each, all at once.
 
     Args:
         runner: the runner for a machine's host (connecting may fail: that host is unreachable).
         tensorflow: import TensorFlow on each host ("auto": only where nvidia-smi lists GPUs).
+        found: problems found before any host was asked (the provider's ``cloud_check``):
+            the report lists them first, among the blocking ones or the warnings.
     """
     started = time.monotonic()
     reached = fan_out(machines, lambda m: runner(m.host).run(["true"], timeout_s=30),
@@ -251,7 +255,7 @@ def examine(
     if storage is not None and storage.marker is not None:
         checks = _look_for_marker(storage, machines, checks, runner)
     links = _links(machines, checks)
-    problems = diagnose(spec, plan, checks, links)
+    problems = sorted([*found, *diagnose(spec, plan, checks, links)], key=lambda p: not p.blocking)
     return DoctorReport(spec.name, provider, tuple(checks), tuple(links), tuple(problems),
                         time.monotonic() - started)
 
@@ -302,8 +306,11 @@ class StorageCheck:
     @classmethod
     def of(cls, spec: ClusterSpec, plan: ClusterPlan, machines: Sequence[Machine]
            ) -> StorageCheck | None:
-        """What to check for ``plan``; None where checkpoints go to each host's own run dir."""
+        """What to check for ``plan``; None where checkpoints go to each host's own run dir, or
+        no machine is checked."""
         layout = plan.checkpoints
+        if not machines:
+            return None
         if layout.named_by == "checkpoint.dir" and spec.checkpoint.dir is not None:
             dirs = {m.name: spec.checkpoint.dir for m in machines}
         elif layout.named_by:

@@ -116,7 +116,7 @@ GCP_ZONE_RE = r"^[a-z]+-[a-z]+[0-9]+-[a-z]$"
 GCP_NAME_RE = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
 GCP_LABEL_KEY_RE = r"^[a-z][-_a-z0-9]{0,62}$"
 GCP_LABEL_VALUE_RE = r"^[-_a-z0-9]{0,63}$"
-GCP_RESERVED_METADATA = ("ssh-keys", "enable-guest-attributes")
+GCP_RESERVED_METADATA = ("ssh-keys", "enable-guest-attributes", "enable-oslogin")
 GCP_RESERVED_LABEL = "orchestrate-cluster"
 DLVM_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu128-ubuntu-2204-nvidia-570"
 

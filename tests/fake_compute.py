@@ -11,9 +11,30 @@ with ``error.errors[].code`` (``ZONE_RESOURCE_POOL_EXHAUSTED``, ``QUOTA_EXCEEDED
         client = compute_v1.InstancesClient(credentials=AnonymousCredentials(),
                                             client_options={"api_endpoint": fake.url})
 
-Switches a test flips: ``fail_next(n, status)`` (429/503 bursts), ``exhaust(zone)``,
-``set_quota(region, metric, limit)``, ``deny(permission)``, ``withhold(zone, machine_type)``,
-``preempt(name)``, and ``latency_s`` (per operation) and ``boot_s`` (STAGING -> RUNNING).
+Switches a test flips: ``fail_next(n, status)`` (429/503 bursts), ``lose_next(method)`` (the
+request runs, its answer is lost: a retry with the same ``requestId`` gets the same operation),
+``exhaust(zone)`` (a stockout reported as Compute Engine does: the summary code
+``VM_MIN_COUNT_NOT_REACHED`` first, the reason after it or only in the per-VM ``insert``
+operations of the bulkInsert's ``operationGroupId``), ``refuse_capacity(zone)`` (HTTP 503
+``insufficientCapacity`` at the request), ``set_quota(region, metric, limit)`` (inside the
+operation, or at the request as HTTP 403 ``quotaExceeded``), ``set_global_quota(metric, limit)``
+(``GPUS_ALL_REGIONS``, "Limit: 0.0 globally"), ``os_login(enabled, enforced)`` (the guest then
+ignores ``ssh-keys`` unless the instance's ``enable-oslogin`` is FALSE and no org policy forces
+it), ``disable_api()`` (403 ``accessNotConfigured``), ``deny(permission)``,
+``withhold(zone, machine_type)``, ``preempt(name)`` (STOPPING, then TERMINATED after ``stop_s``),
+``suspend(name)`` (SUSPENDED: ``start`` refuses it, ``resume`` brings it back),
+``early_waits`` (``operations.wait`` answers at once, before DONE, as the real one may),
+``retire_image(image, state)`` and ``withhold_accelerator(zone, type)`` (the catalog that
+``images.getFromFamily``/``images.get``, ``machineTypes.get`` and ``acceleratorTypes.get``
+read; everything exists by default), and
+``latency_s`` (per operation), ``boot_s`` (STAGING -> RUNNING) and ``host_key_delay_s`` (from
+RUNNING to the guest publishing its host keys).
+
+Faithful where the real API is unkind: names are unique per zone (not per project); guest
+attributes are published on the first boot of an instance ID only (the guest agent publishes
+host keys when the instance ID changes) and are gone while it is stopped, so a restarted VM
+publishes nothing; the published value carries the key's comment and a newline, next to an
+attribute of a key type clients do not know; ``perInstanceProperties[].name`` is output only.
 
 Backing: ``FakeCompute(backing=[LabBacking(h) for h in hostlab.hosts(3)])`` gives each new
 instance the next free lab host: its IP becomes the instance's internal (and external) IP,
@@ -48,7 +69,9 @@ from hostlab import LabHost
 API = "https://www.googleapis.com/compute/v1"
 ROUTE = re.compile(r"^/compute/v1/projects/(?P<project>[a-z][-a-z0-9]*)/(?P<rest>.+)$")
 WAIT_CAP_S = 20.0  # the real API answers a wait after at most ~2 minutes
-STOPPED = ("TERMINATED", "STOPPED", "SUSPENDED")
+STOPPED = ("TERMINATED", "STOPPED")  # what ``start`` starts; SUSPENDED needs ``resume``
+GPU_MACHINES = {"a2-highgpu-1g": 1, "a2-highgpu-2g": 2, "a2-highgpu-4g": 4, "a2-highgpu-8g": 8,
+                "a3-highgpu-8g": 8, "g2-standard-4": 1, "g2-standard-8": 1, "g2-standard-24": 2}
 HTTP_UNAVAILABLE = (503, "SERVICE UNAVAILABLE")
 HTTP_STATUS_OF = {"QUOTA_EXCEEDED": (403, "FORBIDDEN"), "RESOURCE_ALREADY_EXISTS": (409, "CONFLICT")}
 Json = dict[str, Any]
@@ -59,6 +82,8 @@ PERMISSIONS = {
     "instances.get": "compute.instances.get",
     "instances.delete": "compute.instances.delete",
     "instances.start": "compute.instances.start",
+    "instances.resume": "compute.instances.resume",
+    "zoneOperations.list": "compute.zoneOperations.list",
     "instances.setMetadata": "compute.instances.setMetadata",
     "instances.getGuestAttributes": "compute.instances.getGuestAttributes",
     "zoneOperations.get": "compute.zoneOperations.get",
@@ -68,6 +93,10 @@ PERMISSIONS = {
     "firewalls.delete": "compute.firewalls.delete",
     "globalOperations.get": "compute.globalOperations.get",
     "globalOperations.wait": "compute.globalOperations.get",
+    "images.getFromFamily": "compute.images.getFromFamily",
+    "images.get": "compute.images.get",
+    "machineTypes.get": "compute.machineTypes.get",
+    "acceleratorTypes.get": "compute.acceleratorTypes.get",
 }
 
 
@@ -119,11 +148,14 @@ class LabBacking:
 class ApiError(Exception):
     """An error answer, in the API's JSON shape."""
 
-    def __init__(self, status: int, message: str, reason: str, domain: str = "global") -> None:
+    def __init__(self, status: int, message: str, reason: str, domain: str = "global",
+                 details: list[Json] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.body = {"error": {"code": status, "message": message, "errors": [
             {"message": message, "domain": domain, "reason": reason}]}}
+        if details:
+            self.body["error"]["details"] = details
 
 
 @dataclass
@@ -141,6 +173,7 @@ class _Vm:
     backing: Backing | None = None
     host_key: str = ""
     guest_attributes: dict[str, str] = field(default_factory=dict)
+    published_for: str = ""  # the instance ID the guest agent last published host keys for
 
 
 @dataclass
@@ -163,7 +196,7 @@ class FakeCompute:
     """The fake server; see the module docstring. Use as a context manager, or start()/stop()."""
 
     def __init__(self, *, latency_s: float = 0.0, boot_s: float = 0.0,
-                 backing: list[Backing] | None = None) -> None:
+                 backing: list[Backing] | None = None, host_key_delay_s: float = 0.0) -> None:
         self.latency_s = latency_s
         self.boot_s = boot_s
         self.calls: Counter[str] = Counter()
@@ -175,10 +208,21 @@ class FakeCompute:
         self._firewalls: dict[tuple[str, str], Json] = {}
         self._ops: dict[tuple[str, str, str], _Op] = {}
         self._bursts: list[_Burst] = []
-        self._exhausted: set[str] = set()
-        self._quota: dict[str, tuple[str, int]] = {}
+        self._lost: list[str] = []  # methods whose next answer is lost after the request ran
+        self._request_ids: dict[str, tuple[str, str, str]] = {}  # requestId -> op key
+        self._exhausted: dict[str, bool] = {}  # zone -> the reason only in the per-VM operations
+        self._refused: set[str] = set()
+        self._quota: dict[str, tuple[str, int, bool]] = {}
+        self._global_quota: dict[str, int] = {}
+        self._os_login = (False, False)  # (on for the project, forced by an org policy)
+        self._api_disabled = False
+        self.host_key_delay_s = host_key_delay_s
+        self.stop_s = 0.2
+        self.early_waits = False
         self._denied: set[str] = set()
         self._withheld: set[tuple[str, str]] = set()
+        self._retired: dict[str, tuple[str | None, str]] = {}  # image or family -> (state, replacement)
+        self._no_accelerators: set[tuple[str, str]] = set()  # (zone, accelerator type)
         self._ips = itertools.count(2)
         self._cv = threading.Condition()
         self._closed = threading.Event()
@@ -224,15 +268,47 @@ class FakeCompute:
         with self._cv:
             self._bursts.append(_Burst(count, status, method))
 
-    def exhaust(self, zone: str, exhausted: bool = True) -> None:
-        """Creates and starts in ``zone`` fail with ZONE_RESOURCE_POOL_EXHAUSTED."""
+    def lose_next(self, method: str) -> None:
+        """The next ``method`` request runs, but its answer is a 503 (lost on the way back)."""
         with self._cv:
-            (self._exhausted.add if exhausted else self._exhausted.discard)(zone)
+            self._lost.append(method)
 
-    def set_quota(self, region: str, metric: str, limit: int) -> None:
-        """At most ``limit`` instances in ``region``; more fail with QUOTA_EXCEEDED of ``metric``."""
+    def exhaust(self, zone: str, exhausted: bool = True, *, summary_only: bool = False) -> None:
+        """Creates and starts in ``zone`` fail for want of capacity. A bulkInsert's error list is
+        ``[VM_MIN_COUNT_NOT_REACHED, ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS]``, or with
+        ``summary_only`` the first alone (the reason is then only in the per-VM operations)."""
         with self._cv:
-            self._quota[region] = (metric, limit)
+            if exhausted:
+                self._exhausted[zone] = summary_only
+            else:
+                self._exhausted.pop(zone, None)
+
+    def refuse_capacity(self, zone: str) -> None:
+        """bulkInsert in ``zone`` answers HTTP 503 ``insufficientCapacity`` at the request."""
+        with self._cv:
+            self._refused.add(zone)
+
+    def set_quota(self, region: str, metric: str, limit: int, *, at_request: bool = False) -> None:
+        """At most ``limit`` instances in ``region``; more fail with QUOTA_EXCEEDED of ``metric``
+        inside the operation, or (``at_request``) as HTTP 403 ``quotaExceeded`` at the request."""
+        with self._cv:
+            self._quota[region] = (metric, limit, at_request)
+
+    def set_global_quota(self, metric: str, limit: int) -> None:
+        """A project-wide GPU quota (``GPUS_ALL_REGIONS``): more GPUs fail in every region."""
+        with self._cv:
+            self._global_quota[metric] = limit
+
+    def os_login(self, enabled: bool = True, *, enforced: bool = False) -> None:
+        """OS Login on for the project (instance metadata ``enable-oslogin`` overrides it), or
+        forced by the org policy constraints/compute.requireOsLogin (nothing overrides it)."""
+        with self._cv:
+            self._os_login = (enabled, enforced)
+
+    def disable_api(self) -> None:
+        """The Compute Engine API is not enabled in the project: every call is a 403."""
+        with self._cv:
+            self._api_disabled = True
 
     def deny(self, permission: str) -> None:
         """Requests that need ``permission`` (e.g. compute.instances.create) get 403."""
@@ -240,23 +316,48 @@ class FakeCompute:
             self._denied.add(permission)
 
     def withhold(self, zone: str, machine_type: str) -> None:
-        """``machine_type`` does not exist in ``zone``: creating one there is a 400."""
+        """``machine_type`` does not exist in ``zone``: creating one there is a 400, and
+        ``machineTypes.get`` a 404."""
         with self._cv:
             self._withheld.add((zone, machine_type))
 
     def preempt(self, name: str) -> None:
-        """Take a spot VM back: its machine dies and it is TERMINATED, as Compute Engine does."""
+        """Take a spot VM back, as Compute Engine does: STOPPING at once (the guest is told to
+        shut down), TERMINATED ``stop_s`` later, when its machine dies."""
         with self._cv:
             vm = self._find(name)
             scheduling = vm.body.get("scheduling", {})
             assert scheduling.get("provisioningModel") == "SPOT" or scheduling.get("preemptible"), \
                 f"{name} is not a spot VM"
-            vm.body["status"] = "TERMINATED"
-            vm.body["lastStopTimestamp"] = _now()
+            vm.body["status"] = "STOPPING"
             self._record_op(vm.project, f"zones/{vm.zone}", "compute.instances.preempted",
                             vm.body["selfLink"], done=True)
+        self._later(self.stop_s, lambda: self._power_off(vm, "TERMINATED"))
+
+    def suspend(self, name: str) -> None:
+        """Suspend a VM (as ``instances.suspend`` or a maintenance policy does): SUSPENDED."""
+        with self._cv:
+            vm = self._find(name)
+            vm.body["status"] = "SUSPENDING"
+        self._power_off(vm, "SUSPENDED")
+
+    def _power_off(self, vm: _Vm, status: str) -> None:
         if vm.backing is not None:
             vm.backing.power_off()
+        with self._cv:
+            vm.body["status"] = status
+            vm.body["lastStopTimestamp"] = _now()
+            vm.guest_attributes.clear()  # nothing is published while the guest is down
+
+    def _later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        def run() -> None:
+            if not self._closed.wait(delay_s):
+                fn()
+
+        thread = threading.Thread(target=run, daemon=True, name="fake-later")
+        with self._cv:
+            self._threads.append(thread)
+        thread.start()
 
     # -- inspection ----------------------------------------------------------------------
     def instances(self, label: tuple[str, str] | None = None) -> list[Json]:
@@ -264,6 +365,11 @@ class FakeCompute:
         with self._cv:
             return [json.loads(json.dumps(vm.body)) for vm in self._vms.values()
                     if label is None or vm.body.get("labels", {}).get(label[0]) == label[1]]
+
+    def host_key(self, name: str) -> str:
+        """The host key line (``type base64``) of the machine playing instance ``name``."""
+        with self._cv:
+            return self._find(name).host_key
 
     def firewalls(self) -> list[Json]:
         with self._cv:
@@ -294,7 +400,23 @@ class FakeCompute:
             method, action = self._route(verb, project, rest, query, body)
             self._count(method, path, body)
             self._gate(method, project, rest)
-            return 200, action()
+            request_id = query.get("requestId", "")
+            with self._cv:
+                known = self._request_ids.get(request_id) if request_id else None
+            if known is not None:  # a retried mutation: the operation of the first request
+                return 200, self._get_op(*known)
+            answer = action()
+            if request_id and answer.get("kind") == "compute#operation":
+                scope = f"zones/{_last(answer['zone'])}" if answer.get("zone") else "global"
+                with self._cv:
+                    self._request_ids[request_id] = (project, scope, answer["name"])
+            with self._cv:
+                lost = method in self._lost
+                if lost:
+                    self._lost.remove(method)
+            if lost:
+                raise _burst_error(503)
+            return 200, answer
         except ApiError as exc:
             return exc.status, exc.body
 
@@ -311,6 +433,8 @@ class FakeCompute:
             table = self._firewall_routes(project, parts[2:], body)
         elif parts[:2] == ["global", "operations"] and len(parts) >= 3:
             table = self._op_routes("globalOperations", project, "global", parts[2:])
+        elif parts[:2] == ["global", "images"] and len(parts) in (3, 4):
+            table = self._image_routes(project, parts[2:])
         for want_verb, method, action in table:
             if want_verb == verb:
                 return method, action
@@ -318,6 +442,11 @@ class FakeCompute:
 
     def _zonal_routes(self, project: str, zone: str, parts: list[str], query: dict[str, str],
                       body: Json) -> list[tuple[str, str, Callable[[], Json]]]:
+        if parts[0] in ("machineTypes", "acceleratorTypes") and len(parts) == 2:
+            return self._type_routes(project, zone, parts[0], parts[1])
+        if parts == ["operations"]:
+            return [("GET", "zoneOperations.list",
+                     lambda: self._list_ops(project, zone, query.get("filter", "")))]
         if parts[0] == "operations" and len(parts) >= 2:
             return self._op_routes("zoneOperations", project, f"zones/{zone}", parts[1:])
         if parts[0] != "instances":
@@ -331,6 +460,8 @@ class FakeCompute:
             (): [("GET", "instances.get", lambda: self._get(project, zone, name)),
                  ("DELETE", "instances.delete", lambda: self._delete(project, zone, name))],
             ("start",): [("POST", "instances.start", lambda: self._start(project, zone, name))],
+            ("resume",): [("POST", "instances.resume",
+                           lambda: self._start(project, zone, name, resume=True))],
             ("setMetadata",): [("POST", "instances.setMetadata",
                                 lambda: self._set_metadata(project, zone, name, body))],
             ("getGuestAttributes",): [("GET", "instances.getGuestAttributes",
@@ -359,8 +490,10 @@ class FakeCompute:
             self.requests.append((method, path, body))
 
     def _gate(self, method: str, project: str, rest: str) -> None:
-        """Injected bursts first, then permissions."""
+        """A disabled API first, then injected bursts, then permissions."""
         with self._cv:
+            if self._api_disabled:
+                raise _service_disabled(project)
             for burst in self._bursts:
                 if burst.remaining > 0 and burst.method in (None, method):
                     burst.remaining -= 1
@@ -389,7 +522,8 @@ class FakeCompute:
             return dict(self._vm(project, zone, name).body)
 
     def _bulk_insert(self, project: str, zone: str, body: Json) -> Json:
-        names = list(body.get("perInstanceProperties", {}))
+        per_instance = body.get("perInstanceProperties", {})
+        names = list(per_instance)
         count = int(body.get("count", len(names)))
         props = body.get("instanceProperties", {})
         machine_type = _last(props.get("machineType", ""))
@@ -397,37 +531,91 @@ class FakeCompute:
             raise ApiError(400, "Invalid value for field 'resource.count': "
                            f"'{count}'. count must equal the number of perInstanceProperties.",
                            "invalid")
+        for name, entry in per_instance.items():
+            if "name" in (entry or {}):  # documented as output only
+                raise ApiError(400, f"Invalid value for field 'resource.perInstanceProperties["
+                               f"{name}].name': '{entry['name']}'. The field is output only.",
+                               "invalid")
         if (zone, machine_type) in self._withheld or not machine_type:
             raise ApiError(400, "Invalid value for field 'resource.instanceProperties.machineType':"
                            f" '{machine_type}'. Machine type with name '{machine_type}' does not "
                            f"exist in zone '{zone}'.", "invalid")
+        region = zone.rsplit("-", 1)[0]
+        with self._cv:
+            if zone in self._refused:
+                raise ApiError(503, f"The zone 'projects/{project}/zones/{zone}' does not have "
+                               "enough resources available to fulfill the request.  Try a "
+                               "different zone, or try again later.", "insufficientCapacity")
+            quota = self._regional_quota(region, len(names))
+        if quota is not None and quota[2]:
+            metric, limit, _ = quota
+            raise ApiError(403, f"Quota '{metric}' exceeded.  Limit: {limit:.1f} in region "
+                           f"{region}.", "quotaExceeded", "usageLimits")
+        group = f"{uuid.uuid4()}"
+        status: Json = {"targetVmCount": count, "status": "CREATING"}
         target = f"{API}/projects/{project}/zones/{zone}/instances/{names[0]}"
-        steps = _Steps(start=lambda: self._create(project, zone, names, props),
+        steps = _Steps(start=lambda: self._create(project, zone, names, props, group, status),
                        finish=lambda: self._set_status(project, zone, names, "STAGING"),
                        after=lambda: self._boot(project, zone, names))
-        op = self._launch(project, f"zones/{zone}", "bulkInsert", target, steps)
-        op["instancesBulkInsertOperationMetadata"] = {"perLocationStatus": {
-            f"zones/{zone}": {"targetVmCount": count, "status": "CREATING"}}}
-        return op
+        return self._launch(project, f"zones/{zone}", "bulkInsert", target, steps, extra={
+            "operationGroupId": group,
+            "instancesBulkInsertOperationMetadata": {"perLocationStatus": {f"zones/{zone}": status}},
+        })
 
-    def _create(self, project: str, zone: str, names: list[str], props: Json) -> Json | None:
-        """Called when the bulkInsert starts running: all instances, or an error and none."""
+    def _regional_quota(self, region: str, adding: int) -> tuple[str, int, bool] | None:
+        """The region's quota if ``adding`` more instances would exceed it."""
+        if region not in self._quota:
+            return None
+        used = sum(vm.zone.rsplit("-", 1)[0] == region for vm in self._vms.values())
+        return self._quota[region] if used + adding > self._quota[region][1] else None
+
+    def _create(self, project: str, zone: str, names: list[str], props: Json, group: str,
+                status: Json) -> Json | None:
+        """Called when the bulkInsert starts running: all instances, or an error and none. Each
+        VM also gets an ``insert`` operation of the bulkInsert's group, failed with the reason
+        when the zone has no room, as Compute Engine records them."""
         with self._cv:
-            if zone in self._exhausted:
-                return _stockout(project, zone)
-            region = zone.rsplit("-", 1)[0]
-            if region in self._quota:
-                metric, limit = self._quota[region]
-                used = sum(vm.zone.rsplit("-", 1)[0] == region for vm in self._vms.values())
-                if used + len(names) > limit:
-                    return _quota_error(metric, limit, region)
-            taken = [n for n in names if (project, zone, n) in self._vms or self._named(n)]
-            if taken:
-                return {"errors": [{"code": "RESOURCE_ALREADY_EXISTS", "message":
-                                    f"The resource 'projects/{project}/zones/{zone}/instances/"
-                                    f"{taken[0]}' already exists"}]}
+            error = self._refusal(project, zone, names, props)
+            per_vm = None
+            if error is not None:
+                per_vm = error.get("per_vm") or error
+                error = {"errors": error["errors"]}
+            else:
+                for name in names:
+                    self._vms[(project, zone, name)] = self._new_vm(project, zone, name, props)
             for name in names:
-                self._vms[(project, zone, name)] = self._new_vm(project, zone, name, props)
+                op = self._record_op(project, f"zones/{zone}", "insert",
+                                     f"{API}/projects/{project}/zones/{zone}/instances/{name}",
+                                     done=True)
+                op.body["operationGroupId"] = group
+                if per_vm is not None:
+                    op.body.update(error={"errors": per_vm["errors"]}, **_http_status(per_vm))
+            status.update(status="DONE" if error is None else "FAILED",
+                          createdVmCount=0 if error is not None else len(names))
+        return error
+
+    def _refusal(self, project: str, zone: str, names: list[str], props: Json) -> Json | None:
+        """Why ``names`` cannot be created in ``zone`` now (the operation's error), or None."""
+        if zone in self._exhausted:
+            per_vm = {"errors": [_zone_exhausted(project, zone)]}
+            summary = {"code": "VM_MIN_COUNT_NOT_REACHED",
+                       "message": f"Requested minimum count of {len(names)} VMs could not be "
+                                  "created."}
+            errors = [summary] if self._exhausted[zone] else [summary, *per_vm["errors"]]
+            return {"errors": errors, "per_vm": per_vm}
+        wanted = _gpus(props) * len(names)
+        for metric, limit in self._global_quota.items():
+            used = sum(_gpus(vm.body) for vm in self._vms.values())
+            if wanted and used + wanted > limit:
+                return _global_quota_error(metric, limit)
+        quota = self._regional_quota(zone.rsplit("-", 1)[0], len(names))
+        if quota is not None:
+            return _quota_error(quota[0], quota[1], zone.rsplit("-", 1)[0])
+        taken = [n for n in names if (project, zone, n) in self._vms]  # names are per zone
+        if taken:
+            return {"errors": [{"code": "RESOURCE_ALREADY_EXISTS", "message":
+                                f"The resource 'projects/{project}/zones/{zone}/instances/"
+                                f"{taken[0]}' already exists"}]}
         return None
 
     def _new_vm(self, project: str, zone: str, name: str, props: Json) -> _Vm:
@@ -464,7 +652,7 @@ class FakeCompute:
                     vm.body["status"] = status
 
     def _boot(self, project: str, zone: str, names: list[str]) -> None:
-        """STAGING -> RUNNING after boot_s; then the guest agent publishes keys."""
+        """STAGING -> RUNNING after boot_s; then the guest agent takes keys and publishes its own."""
         if self._closed.wait(self.boot_s):
             return
         for name in names:
@@ -480,15 +668,30 @@ class FakeCompute:
                 self._guest_agent(vm)
 
     def _guest_agent(self, vm: _Vm) -> None:
-        """What Google's guest agent does at boot: host keys out, ssh-keys in."""
+        """What Google's guest agent does at boot: ssh-keys in (unless OS Login is on), and, on
+        the first boot of this instance ID only, host keys out after ``host_key_delay_s``."""
         metadata = {i["key"]: i.get("value", "") for i in vm.body["metadata"].get("items", [])}
-        if metadata.get("enable-guest-attributes", "").upper() == "TRUE":
-            kind, b64 = vm.host_key.split()[:2]
-            vm.guest_attributes[f"hostkeys/{kind}"] = b64
-        if vm.backing is not None:
+        if (metadata.get("enable-guest-attributes", "").upper() == "TRUE"
+                and vm.published_for != vm.body["id"]):
+            vm.published_for = vm.body["id"]
+            self._later(self.host_key_delay_s, lambda: self._publish_host_keys(vm))
+        enabled, enforced = self._os_login
+        own = metadata.get("enable-oslogin", "").upper()
+        os_login = enforced or (own == "TRUE" if own in ("TRUE", "FALSE") else enabled)
+        if vm.backing is not None and not os_login:
             for line in metadata.get("ssh-keys", "").splitlines():
                 if ":" in line:
                     vm.backing.authorize(line.split(":", 1)[1])
+
+    def _publish_host_keys(self, vm: _Vm) -> None:
+        """As the guest agent writes them: ``hostkeys/TYPE`` = the .pub file's second field
+        (with the newline of a key without a comment), and a key type clients may not know."""
+        with self._cv:
+            if vm.body.get("status") != "RUNNING":
+                return
+            kind, b64 = vm.host_key.split()[:2]
+            vm.guest_attributes[f"hostkeys/{kind}"] = b64 + "\n"
+            vm.guest_attributes["hostkeys/sk-ssh-ed25519@openssh.com"] = "AAAAGnNrLXNzaC1lZDI1NTE5"
 
     def _delete(self, project: str, zone: str, name: str) -> Json:
         with self._cv:
@@ -509,20 +712,26 @@ class FakeCompute:
         return self._launch(project, f"zones/{zone}", "delete", vm.body["selfLink"],
                             _Steps(start=start, finish=finish))
 
-    def _start(self, project: str, zone: str, name: str) -> Json:
+    def _start(self, project: str, zone: str, name: str, resume: bool = False) -> Json:
         with self._cv:
             vm = self._vm(project, zone, name)
+            if not resume and vm.body["status"] in ("SUSPENDING", "SUSPENDED"):
+                raise ApiError(400, f"The instance 'projects/{project}/zones/{zone}/instances/"
+                               f"{name}' is suspended. Use the resume method to restart it.",
+                               "resourceNotReady")
+        wake_from = ("SUSPENDED",) if resume else STOPPED
 
         def start() -> Json | None:
             with self._cv:
-                if vm.body["status"] not in STOPPED:
+                if vm.body["status"] not in wake_from:
                     return None
                 if zone in self._exhausted:
                     return _stockout(project, zone)
                 vm.body["status"] = "STAGING"
             return None
 
-        return self._launch(project, f"zones/{zone}", "start", vm.body["selfLink"],
+        return self._launch(project, f"zones/{zone}", "resume" if resume else "start",
+                            vm.body["selfLink"],
                             _Steps(start=start, after=lambda: self._boot(project, zone, [name])))
 
     def _set_metadata(self, project: str, zone: str, name: str, body: Json) -> Json:
@@ -564,13 +773,71 @@ class FakeCompute:
                            "was not found", "notFound")
         return vm
 
-    def _named(self, name: str) -> bool:
-        return any(key[2] == name for key in self._vms)
-
     def _find(self, name: str) -> _Vm:
         found = [vm for key, vm in self._vms.items() if key[2] == name]
-        assert found, f"no instance named {name}"
+        assert len(found) == 1, f"{len(found)} instances named {name}"
         return found[0]
+
+    # -- catalog -------------------------------------------------------------------------
+    # Images, machine types and accelerator types: by default every one a request names
+    # exists (READY images; every type in every zone, at most CATALOG_MAX_CARDS GPUs a VM),
+    # unless a switch below (or ``withhold``) takes it away.
+    def retire_image(self, image: str, state: str | None = "DEPRECATED",
+                     replacement: str = "") -> None:
+        """The image or image family named ``image`` (a path's last part) is ``state``:
+        DEPRECATED, OBSOLETE or DELETED (its ``deprecated.state``, ``replacement`` its
+        ``deprecated.replacement``), or None: gone (a 404)."""
+        with self._cv:
+            self._retired[_last(image)] = (state, replacement)
+
+    def withhold_accelerator(self, zone: str, accelerator_type: str) -> None:
+        """``accelerator_type`` does not exist in ``zone``: ``acceleratorTypes.get`` is a 404."""
+        with self._cv:
+            self._no_accelerators.add((zone, accelerator_type))
+
+    def _image_routes(self, project: str, parts: list[str]) -> list[tuple[str, str, Callable[[], Json]]]:
+        if parts[0] == "family" and len(parts) == 2:
+            return [("GET", "images.getFromFamily", lambda: self._image(project, parts[1], True))]
+        if len(parts) == 1:
+            return [("GET", "images.get", lambda: self._image(project, parts[0], False))]
+        return []
+
+    def _type_routes(self, project: str, zone: str, collection: str,
+                     name: str) -> list[tuple[str, str, Callable[[], Json]]]:
+        if collection == "machineTypes":
+            return [("GET", "machineTypes.get", lambda: self._machine_type(project, zone, name))]
+        return [("GET", "acceleratorTypes.get", lambda: self._accelerator_type(project, zone, name))]
+
+    def _image(self, project: str, name: str, family: bool) -> Json:
+        """``images.getFromFamily`` (``family``: the family's newest image) or ``images.get``."""
+        path = f"projects/{project}/global/images/{'family/' if family else ''}{name}"
+        with self._cv:
+            state, replacement = self._retired.get(name, ("", ""))
+        if state is None:
+            raise ApiError(404, f"The resource '{path}' was not found", "notFound")
+        return _image_json(project, f"{name}-v20250605" if family else name,
+                           name if family else "", state, replacement)
+
+    def _machine_type(self, project: str, zone: str, name: str) -> Json:
+        with self._cv:
+            withheld = (zone, name) in self._withheld
+        if withheld:
+            raise ApiError(404, f"The resource 'projects/{project}/zones/{zone}/machineTypes/"
+                           f"{name}' was not found", "notFound")
+        return _machine_type_json(project, zone, name)
+
+    def _accelerator_type(self, project: str, zone: str, name: str) -> Json:
+        with self._cv:
+            withheld = (zone, name) in self._no_accelerators
+        if withheld:
+            raise ApiError(404, f"The resource 'projects/{project}/zones/{zone}/acceleratorTypes/"
+                           f"{name}' was not found", "notFound")
+        zone_url = f"{API}/projects/{project}/zones/{zone}"
+        return {"kind": "compute#acceleratorType", "id": str(10000 + sum(map(ord, name))),
+                "creationTimestamp": "1969-12-31T16:00:00.000-08:00", "name": name,
+                "description": "NVIDIA " + name.removeprefix("nvidia-").removeprefix("tesla-").upper(),
+                "zone": zone_url, "selfLink": f"{zone_url}/acceleratorTypes/{name}",
+                "maximumCardsPerInstance": CATALOG_MAX_CARDS}
 
     # -- firewalls -----------------------------------------------------------------------
     def _insert_firewall(self, project: str, body: Json) -> Json:
@@ -607,9 +874,11 @@ class FakeCompute:
         return self._launch(project, "global", "delete", link, _Steps(finish=finish))
 
     # -- operations ----------------------------------------------------------------------
-    def _launch(self, project: str, scope: str, kind: str, target: str, steps: _Steps) -> Json:
+    def _launch(self, project: str, scope: str, kind: str, target: str, steps: _Steps,
+                extra: Json | None = None) -> Json:
         with self._cv:
             op = self._record_op(project, scope, kind, target)
+            op.body.update(extra or {})
         thread = threading.Thread(target=self._progress, args=(op, steps), daemon=True,
                                   name=f"fake-op-{op.body['name']}")
         with self._cv:
@@ -643,8 +912,7 @@ class FakeCompute:
         with self._cv:
             op.body.update(status="DONE", endTime=_now(), progress=100)
             if error is not None:
-                status, text = HTTP_STATUS_OF.get(error["errors"][0]["code"], HTTP_UNAVAILABLE)
-                op.body.update(error=error, httpErrorStatusCode=status, httpErrorMessage=text)
+                op.body.update(error=error, **_http_status(error))
             op.done = True
             self._cv.notify_all()
         if error is None:
@@ -655,10 +923,21 @@ class FakeCompute:
             return dict(self._op(project, scope, name).body)
 
     def _wait(self, project: str, scope: str, name: str) -> Json:
+        """Long-polls until DONE or WAIT_CAP_S; with ``early_waits``, answers at once."""
         with self._cv:
             op = self._op(project, scope, name)
-            self._cv.wait_for(lambda: op.done or self._closed.is_set(), WAIT_CAP_S)
+            if not self.early_waits:
+                self._cv.wait_for(lambda: op.done or self._closed.is_set(), WAIT_CAP_S)
             return dict(op.body)
+
+    def _list_ops(self, project: str, zone: str, filter_: str) -> Json:
+        test = _filter(filter_)
+        with self._cv:
+            items = [dict(o.body) for (p, scope, _), o in self._ops.items()
+                     if p == project and scope == f"zones/{zone}" and test(o.body)]
+        link = f"{API}/projects/{project}/zones/{zone}/operations"
+        return {"kind": "compute#operationList", "id": f"projects/{project}/zones/{zone}/operations",
+                "items": items, "selfLink": link}
 
     def _op(self, project: str, scope: str, name: str) -> _Op:
         op = self._ops.get((project, scope, name))
@@ -732,6 +1011,50 @@ def _instance_json(project: str, zone: str, name: str, props: Json, internal: st
     }
 
 
+def _zone_exhausted(project: str, zone: str) -> Json:
+    """The reason of a bulkInsert stockout, in the operation and in each VM's insert operation."""
+    return {"code": "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+            "message": f"The zone 'projects/{project}/zones/{zone}' does not have enough "
+                       "resources available to fulfill the request.  '(resource type:compute)'.",
+            "errorDetails": [{"errorInfo": {
+                "reason": "resource_availability", "domain": "compute.googleapis.com",
+                "metadata": {"zone": zone, "vmType": "compute"}}}]}
+
+
+def _http_status(error: Json) -> Json:
+    status, text = HTTP_STATUS_OF.get(error["errors"][-1]["code"], HTTP_UNAVAILABLE)
+    return {"httpErrorStatusCode": status, "httpErrorMessage": text}
+
+
+def _gpus(body: Json) -> int:
+    """GPUs of an instance (or instanceProperties): attached, or built into the machine type."""
+    attached = sum(int(a.get("acceleratorCount", 1)) for a in body.get("guestAccelerators", []))
+    return attached + GPU_MACHINES.get(_last(body.get("machineType", "")), 0)
+
+
+def _global_quota_error(metric: str, limit: int) -> Json:
+    return {"errors": [{
+        "code": "QUOTA_EXCEEDED",
+        "message": f"Quota '{metric}' exceeded.  Limit: {limit:.1f} globally.",
+        "errorDetails": [{"quotaInfo": {
+            "metricName": f"compute.googleapis.com/{metric.lower()}",
+            "limitName": f"{metric.replace('_', '-')}-per-project",
+            "dimensions": {"global": "global"}, "limit": limit}}]}]}
+
+
+def _service_disabled(project: str) -> ApiError:
+    number = sum(map(ord, project)) * 7919  # a project number, stable per project
+    message = (f"Compute Engine API has not been used in project {number} before or it is "
+               "disabled. Enable it by visiting https://console.developers.google.com/apis/api/"
+               f"compute.googleapis.com/overview?project={number} then retry. If you enabled "
+               "this API recently, wait a few minutes for the action to propagate to our "
+               "systems and retry.")
+    return ApiError(403, message, "accessNotConfigured", "usageLimits", details=[{
+        "@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "SERVICE_DISABLED",
+        "domain": "googleapis.com",
+        "metadata": {"service": "compute.googleapis.com", "consumer": f"projects/{number}"}}])
+
+
 def _stockout(project: str, zone: str) -> Json:
     return {"errors": [{"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "message":
                         f"The zone 'projects/{project}/zones/{zone}' does not have enough resources "
@@ -762,7 +1085,8 @@ def _no_results(zone: str) -> Json:
 
 
 FILTER_TERM = re.compile(
-    r'^\(?\s*(labels\.[a-z][-_a-z0-9]*|name)\s*(=|!=|eq|ne)\s*"?([^"()]*)"?\s*\)?$')
+    r'^\(?\s*(labels\.[a-z][-_a-z0-9]*|name|operationType|operationGroupId|status)\s*'
+    r'(=|!=|eq|ne)\s*"?([^"()]*)"?\s*\)?$')
 
 
 def _filter(text: str) -> Callable[[Json], bool]:
@@ -810,3 +1134,54 @@ def _fingerprint() -> str:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S.000-00:00", time.gmtime())
+
+
+# -- catalog JSON shapes -----------------------------------------------------------------
+CATALOG_MAX_CARDS = 8  # maximumCardsPerInstance of every accelerator type in the fake
+GPU_SHAPES = {  # machine family with GPUs built in -> (GPU, vCPUs and MB of memory per GPU)
+    "a2-highgpu": ("nvidia-tesla-a100", 12, 87040), "a2-ultragpu": ("nvidia-a100-80gb", 12, 174080),
+    "a3-highgpu": ("nvidia-h100-80gb", 26, 239616),
+}
+MB_PER_CPU = {"standard": 4096, "highmem": 8192, "highcpu": 1024}
+
+
+def _image_json(project: str, name: str, family: str, state: str, replacement: str) -> Json:
+    body: Json = {
+        "kind": "compute#image", "id": str(uuid.uuid5(uuid.NAMESPACE_URL, name).int % 10**18),
+        "creationTimestamp": "2025-06-05T10:21:33.140-07:00", "name": name,
+        "description": f"Image {name}", "sourceType": "RAW", "status": "READY",
+        "archiveSizeBytes": "32212254720", "diskSizeGb": "50",
+        "selfLink": f"{API}/projects/{project}/global/images/{name}",
+        "labelFingerprint": "42WmSpB8rSM=", "storageLocations": ["us", "eu", "asia"],
+        "architecture": "X86_64",
+    }
+    if family:
+        body["family"] = family
+    if state:
+        body["deprecated"] = {"state": state, "deprecated": _now(),
+                              **({"replacement": replacement} if replacement else {})}
+    return body
+
+
+def _machine_type_json(project: str, zone: str, name: str) -> Json:
+    """vCPUs and memory as the name says (n1-standard-8: 8 vCPUs); GPU families with theirs."""
+    family, _, size = name.rpartition("-")
+    gpu = GPU_SHAPES.get(family)
+    count = int(size.rstrip("g")) if size.rstrip("g").isdigit() else 1
+    if gpu is not None:
+        cpus, memory_mb = gpu[1] * count, gpu[2] * count
+    else:
+        cpus = count if size.isdigit() else 2
+        memory_mb = cpus * MB_PER_CPU.get(family.rpartition("-")[2], 4096)
+    body: Json = {
+        "kind": "compute#machineType", "id": str(uuid.uuid5(uuid.NAMESPACE_URL, name).int % 10**12),
+        "creationTimestamp": "1969-12-31T16:00:00.000-08:00", "name": name,
+        "description": f"{cpus} vCPUs, {memory_mb / 1024:g} GB RAM", "guestCpus": cpus,
+        "memoryMb": memory_mb, "imageSpaceGb": 0, "maximumPersistentDisks": 128,
+        "maximumPersistentDisksSizeGb": "263168", "zone": zone, "isSharedCpu": False,
+        "selfLink": f"{API}/projects/{project}/zones/{zone}/machineTypes/{name}",
+        "architecture": "X86_64",
+    }
+    if gpu is not None:
+        body["accelerators"] = [{"guestAcceleratorType": gpu[0], "guestAcceleratorCount": count}]
+    return body

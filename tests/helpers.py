@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import textwrap
@@ -50,3 +51,18 @@ def namespace_commands(host: LabHost) -> set[str]:
         with contextlib.suppress(FileNotFoundError):
             names.add(Path(f"/proc/{pid}/comm").read_text().strip())
     return names
+
+
+GCP_PROJECT = "test-project"
+
+
+def write_gcp_spec(tmp_path: Path, name: str = "gcp-test", workers: int = 3,
+                   **provider: object) -> Path:
+    """A managed-mode spec of the gcp provider in ``us-central1-a`` (``provider`` overrides)."""
+    settings = {"kind": "gcp", "project": GCP_PROJECT, "zones": ["us-central1-a"], **provider}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps({
+        "name": name, "workers": workers, "workdir": str(REPO),
+        "provider": settings, "job": {"module": "examples.digits"},
+    }))
+    return path

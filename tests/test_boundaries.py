@@ -54,7 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runtimes",),
     ("view",),
     ("spec", "state", "events"),
-    ("errors", "paths", "causes", "hosts", "files"),
+    ("errors", "paths", "causes", "hosts", "files", "problems"),
 )
 # Narrower rules on top of the order: the CLI reaches the store only through the API, and the
 # displays see nothing of a run but its view model.

@@ -31,19 +31,20 @@ def lab_hosts(hostlab: HostLab) -> list[LabHost]:
 
 @pytest.fixture
 def fake(lab_hosts: list[LabHost], monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCompute]:
-    with FakeCompute(latency_s=0.1, boot_s=0.1,
+    with FakeCompute(latency_s=0.1, boot_s=0.1, host_key_delay_s=0.5,
                      backing=[LabBacking(h) for h in lab_hosts]) as server:
         monkeypatch.setenv(ENDPOINT_ENV, server.url)
         yield server
 
 
-def write_spec(tmp_path: Path, lab: HostLab, workers: int = 3, **extra: object) -> Path:
+def write_spec(tmp_path: Path, lab: HostLab, workers: int = 3, boot_timeout_s: int = 60,
+               **extra: object) -> Path:
     path = tmp_path / "gcp-e2e.yaml"
     path.write_text(json.dumps({
         "name": "gcp-e2e", "workers": workers, "workdir": str(REPO),
         "provider": {"kind": "gcp", "project": "test-project", "zones": ["us-central1-a"],
                      "spot": True, "ssh_user": lab.shared_user(), "python": sys.executable,
-                     "connect_timeout_s": 2, "boot_timeout_s": 60},
+                     "connect_timeout_s": 2, "boot_timeout_s": boot_timeout_s},
         **extra,
     }))
     return path
@@ -121,3 +122,44 @@ def test_up_train_preempt_recover_down(hostlab: HostLab, lab_hosts: list[LabHost
     assert down.returncode == 0, down.stdout + down.stderr
     assert "removed VM us-central1-a/gcp-e2e-2" in down.stdout
     assert fake.instances(LABEL) == [] and fake.firewalls() == []
+
+
+def test_a_project_with_os_login_on_still_takes_the_cluster_key(
+        hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path) -> None:
+    fake.os_login(True)  # the project's enable-oslogin: the VMs' own FALSE overrides it
+    path = write_spec(tmp_path, hostlab, workers=1, boot_timeout_s=20,
+                      job={"module": "examples.digits"})
+    cluster = Cluster.from_spec(path)
+    (host,) = cluster.up()
+    assert cluster.provider.runner(host).run(["true"]).exit_code == 0
+    cluster.down()
+
+
+def test_os_login_forced_by_policy_is_named_with_the_fix(
+        hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path,
+        orchestrate_home: Path) -> None:
+    fake.os_login(True, enforced=True)  # constraints/compute.requireOsLogin: nothing overrides it
+    path = write_spec(tmp_path, hostlab, workers=1, boot_timeout_s=8,
+                      job={"module": "examples.digits"})
+    up = cli("up", str(path), home=orchestrate_home, endpoint=fake.url)
+    assert up.returncode == 2 and "Traceback" not in up.stderr, up.stdout + up.stderr
+    assert "refuses the SSH key" in up.stderr and "OS Login" in up.stderr
+    assert "constraints/compute.requireOsLogin" in up.stderr and "firewall" not in up.stderr
+    down = cli("down", str(path), home=orchestrate_home, endpoint=fake.url)
+    assert down.returncode == 0 and fake.instances() == [], down.stdout + down.stderr
+
+
+def test_a_restarted_vm_is_reached_with_the_host_key_recorded_at_creation(
+        hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path) -> None:
+    path = write_spec(tmp_path, hostlab, workers=2, boot_timeout_s=30,
+                      job={"module": "examples.digits"})
+    cluster = Cluster.from_spec(path)
+    hosts = cluster.up()
+    provider = cluster.provider
+    assert isinstance(provider, GcpProvider)
+    fake.preempt("gcp-e2e-1")  # STOPPING, then TERMINATED; the guest publishes nothing on restart
+    repaired = provider.repair(hosts[1], deadline_s=30)
+    assert repaired.ssh and hosts[1].ssh and repaired.ssh.host_keys == hosts[1].ssh.host_keys
+    assert provider.runner(repaired).run(["true"]).exit_code == 0
+    assert fake.calls["instances.start"] == 1 and fake.calls["instances.bulkInsert"] == 1
+    cluster.down()

@@ -9,41 +9,38 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from fake_compute import FakeCompute
+from google.auth.credentials import AnonymousCredentials, Credentials
+from google.auth.exceptions import RefreshError, TransportError
+from helpers import GCP_PROJECT, write_gcp_spec
 
 from orchestrator import spec as specs
 from orchestrator.errors import ProviderError, SpecError
 from orchestrator.hosts import Host
 from orchestrator.providers import HostHealth, for_spec
-from orchestrator.providers.gcp.compute import ENDPOINT_ENV
+from orchestrator.providers.gcp import config as gce
+from orchestrator.providers.gcp.compute import ENDPOINT_ENV, Compute, compute_v1
 from orchestrator.providers.gcp.instance import CapacityError
 from orchestrator.providers.gcp.provider import GcpProvider
 from orchestrator.providers.keys import PRIVATE_NAME
 
 REPO = Path(__file__).resolve().parent.parent
-PROJECT = "test-project"
+PROJECT = GCP_PROJECT
 LABEL = "orchestrate-cluster"
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCompute]:
-    with FakeCompute(latency_s=0.05, boot_s=0.05) as server:
+    with FakeCompute(latency_s=0.05, boot_s=0.05, host_key_delay_s=0.1) as server:
         monkeypatch.setenv(ENDPOINT_ENV, server.url)
         yield server
 
 
-def write_spec(tmp_path: Path, name: str = "gcp-test", workers: int = 3, **provider: object) -> Path:
-    settings = {"kind": "gcp", "project": PROJECT, "zones": ["us-central1-a"], **provider}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(json.dumps({
-        "name": name, "workers": workers, "workdir": str(REPO),
-        "provider": settings, "job": {"module": "examples.digits"},
-    }))
-    return path
+write_spec = write_gcp_spec
 
 
 def make_provider(path: Path, sleeps: list[float] | None = None) -> GcpProvider:
@@ -55,7 +52,14 @@ def cli(*args: str, home: Path, endpoint: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "ORCHESTRATE_HOME": str(home),
-                                 ENDPOINT_ENV: endpoint})
+                                 ENDPOINT_ENV: endpoint},
+                            preexec_fn=_as_from_a_terminal)
+
+
+def _as_from_a_terminal() -> None:
+    """Ctrl-C as a terminal delivers it: a test run as a background job (``pytest &`` in a
+    script, as CI may start it) inherits SIGINT ignored, and Python keeps it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_vms_are_created_in_one_bulk_insert_with_the_spec_settings(fake: FakeCompute, tmp_path: Path,
@@ -107,11 +111,13 @@ def test_zones_out_of_capacity_or_quota_fall_through_with_a_record_of_why(
     vms = provider.provision()
     assert {vm.zone for vm in vms} == {"us-west1-a"}
     assert [(f.zone, f.code) for f in provider.zone_failures] == [
-        ("us-central1-a", "ZONE_RESOURCE_POOL_EXHAUSTED"), ("us-east1-b", "QUOTA_EXCEEDED")]
+        ("us-central1-a", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"),
+        ("us-east1-b", "QUOTA_EXCEEDED")]
     assert "NVIDIA_T4_GPUS" in provider.zone_failures[1].message
     assert fake.calls["instances.bulkInsert"] == 3  # one per zone tried, not one per VM
     notes = provider.notes()  # what 'orchestrate up' prints
-    assert notes[0].startswith("zone us-central1-a refused the VMs (ZONE_RESOURCE_POOL_EXHAUSTED)")
+    assert notes[0].startswith(
+        "zone us-central1-a refused the VMs (ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS)")
     assert "NVIDIA_T4_GPUS" in notes[1]
 
 
@@ -214,17 +220,27 @@ def test_down_after_the_local_state_was_deleted_removes_every_vm_and_the_rule(
     assert fake.instances((LABEL, "gcp-test")) == [] and fake.firewalls() == []
 
 
+def wait_for_call(fake: FakeCompute, method: str, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while fake.calls[method] == 0:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+
+
 def test_down_after_ctrl_c_during_up_leaves_nothing_behind(tmp_path: Path,
                                                            orchestrate_home: Path) -> None:
     path = write_spec(tmp_path, zones=["us-central1-a"])
     with FakeCompute(latency_s=1.0) as fake:
         up = cli("up", str(path), home=orchestrate_home, endpoint=fake.url)
-        deadline = time.monotonic() + 60
-        while fake.calls["instances.bulkInsert"] == 0:
-            assert up.poll() is None and time.monotonic() < deadline, up.communicate()
-            time.sleep(0.05)
-        up.send_signal(signal.SIGINT)  # the create is in flight: its VMs appear after we left
-        assert up.wait(timeout=60) == 130
+        try:
+            wait_for_call(fake, "zoneOperations.wait", up)  # blocked in the create's long poll
+            up.send_signal(signal.SIGINT)  # the create is in flight: its VMs appear after we left
+            out, err = up.communicate(timeout=30)
+        finally:
+            up.kill()
+        assert up.returncode == 130, out + err
+        assert "interrupted: 'orchestrate down FILE' removes whatever was already made" in err
+        assert "Traceback" not in err
         down = cli("down", str(path), home=orchestrate_home, endpoint=fake.url)
         out, err = down.communicate(timeout=120)
         assert down.returncode == 0, out + err
@@ -267,3 +283,205 @@ def test_bad_gcp_settings_are_refused_naming_the_field(tmp_path: Path, provider:
     with pytest.raises(SpecError) as info:
         specs.load(path)
     assert f": {field}: " in str(info.value) and says in str(info.value)
+
+
+# -- Compute Engine as it really answers ---------------------------------------------------
+def compute_for(fake: FakeCompute, credentials: Credentials | None = None, deadline_s: float = 30.0,
+                sleep: Callable[[float], None] = lambda s: None) -> Compute:
+    return Compute(PROJECT, credentials or AnonymousCredentials(), endpoint=fake.url,
+                   deadline_s=deadline_s, sleep=sleep)
+
+
+@pytest.mark.parametrize("summary_only", [False, True], ids=["with-reason", "summary-only"])
+def test_a_stockout_behind_the_summary_code_moves_on_to_the_next_zone(
+        fake: FakeCompute, tmp_path: Path, summary_only: bool) -> None:
+    fake.exhaust("us-central1-a", summary_only=summary_only)
+    path = write_spec(tmp_path, zones=["us-central1-a", "us-central1-b"])
+    provider = make_provider(path)
+    vms = provider.provision()
+    assert {vm.zone for vm in vms} == {"us-central1-b"}
+    (failure,) = provider.zone_failures
+    # the real reason, not the summary: from the operation, or from the per-VM inserts
+    assert failure.code == "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"
+    assert "does not have enough resources" in failure.message
+    assert "VM_MIN_COUNT_NOT_REACHED" not in provider.notes()[0]
+    assert fake.calls["zoneOperations.list"] == (1 if summary_only else 0)
+
+
+def test_capacity_refused_at_the_request_is_a_zone_failure_not_retried(
+        fake: FakeCompute, tmp_path: Path) -> None:
+    fake.refuse_capacity("us-central1-a")
+    sleeps: list[float] = []
+    provider = make_provider(write_spec(tmp_path, zones=["us-central1-a", "us-central1-b"]), sleeps)
+    vms = provider.provision()
+    assert {vm.zone for vm in vms} == {"us-central1-b"}
+    assert [(f.zone, f.code) for f in provider.zone_failures] == [
+        ("us-central1-a", "insufficientCapacity")]
+    assert fake.calls["instances.bulkInsert"] == 2 and sleeps == []  # no 90 s of retries
+
+
+def test_a_global_gpu_quota_stops_the_zone_walk_and_says_how_to_request_it(
+        fake: FakeCompute, tmp_path: Path) -> None:
+    fake.set_global_quota("GPUS_ALL_REGIONS", 0)
+    path = write_spec(tmp_path, zones=["us-central1-a", "us-east1-b", "europe-west4-a"],
+                      accelerator={"type": "nvidia-tesla-t4", "count": 1})
+    with pytest.raises(CapacityError) as info:
+        make_provider(path).provision()
+    assert fake.calls["instances.bulkInsert"] == 1  # no other region can help
+    assert "Limit: 0.0 globally" in str(info.value)
+    fix = info.value.fix or ""
+    assert "GPUS_ALL_REGIONS" in fix and "global" in fix and "other regions" not in fix
+    assert fake.instances() == []
+
+
+def test_quota_refused_at_the_request_falls_through_to_another_region(
+        fake: FakeCompute, tmp_path: Path) -> None:
+    fake.set_quota("us-central1", "NVIDIA_T4_GPUS", 0, at_request=True)
+    provider = make_provider(write_spec(tmp_path, zones=["us-central1-a", "us-east1-b"]))
+    vms = provider.provision()
+    assert {vm.zone for vm in vms} == {"us-east1-b"}
+    (failure,) = provider.zone_failures
+    assert failure.is_quota and "Quota 'NVIDIA_T4_GPUS' exceeded" in failure.message
+
+
+def test_vms_opt_out_of_os_login_and_get_empty_per_instance_entries(
+        fake: FakeCompute, tmp_path: Path) -> None:
+    make_provider(write_spec(tmp_path)).provision()
+    (create,) = [body for method, _, body in fake.requests if method == "instances.bulkInsert"]
+    assert create["perInstanceProperties"] == {f"gcp-test-{i}": {} for i in range(3)}
+    for vm in fake.instances():
+        metadata = {i["key"]: i["value"] for i in vm["metadata"]["items"]}
+        assert metadata["enable-oslogin"] == "FALSE"  # ssh-keys metadata counts only then
+
+
+def test_host_keys_are_read_as_key_type_and_base64_only(fake: FakeCompute, tmp_path: Path) -> None:
+    provider = make_provider(write_spec(tmp_path, workers=1))
+    (vm,) = provider.provision()
+    fake.wait_idle()
+    keys: tuple[str, ...] = ()
+    for _ in range(100):
+        if keys := provider.compute.host_keys(vm.zone, vm.name):
+            break
+        time.sleep(0.05)
+    assert keys == (fake.host_key("gcp-test-0"),)  # no newline, no key type paramiko lacks
+
+
+def test_a_suspended_vm_is_resumed_not_started(fake: FakeCompute, tmp_path: Path) -> None:
+    provider = make_provider(write_spec(tmp_path))
+    provider.provision()
+    fake.suspend("gcp-test-1")
+    provider.provision()
+    assert {vm["status"] for vm in fake.instances()} == {"RUNNING"}
+    assert fake.calls["instances.resume"] == 1 and fake.calls["instances.start"] == 0
+
+
+def test_operation_waits_that_return_early_pause_between_calls(fake: FakeCompute,
+                                                               tmp_path: Path) -> None:
+    fake.latency_s = 0.6
+    fake.early_waits = True  # every operations.wait answers at once, before DONE
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        time.sleep(seconds)
+
+    make_provider(write_spec(tmp_path), pauses).provision()
+    waits = [path for method, path, _ in fake.requests if method.endswith("Operations.wait")]
+    assert len(waits) > len(set(waits))  # some operation was waited for more than once
+    assert len(pauses) >= len(waits) - len(set(waits))  # and every call again came after a pause
+    assert all(p > 0 for p in pauses)
+
+
+def test_a_wait_past_its_deadline_says_the_operation_is_not_done(fake: FakeCompute) -> None:
+    fake.latency_s = 8.0  # the operation outlives the deadline; its wait long-polls
+    compute = compute_for(fake, deadline_s=1.0)
+    rule = compute_v1.Firewall(name="slow-rule", network="global/networks/default")
+    ref = compute.insert_firewall(rule)
+    with pytest.raises(ProviderError) as info:
+        compute.wait(ref, "create firewall rule slow-rule")
+    assert "is not done after 1s" in str(info.value)
+    assert "cannot reach" not in str(info.value)
+    compute.close()
+
+
+class _Refused(Credentials):  # type: ignore[misc]
+    """Credentials whose refresh fails, as expired ADC or an unreachable metadata server do."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def refresh(self, request: object) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize(("error", "says"), [
+    (RefreshError("invalid_grant: Token has been expired or revoked."), "expired or revoked"),
+    (TransportError("Failed to retrieve http://metadata.google.internal/ from the Google "
+                    "Compute Engine metadata service."), "metadata service"),
+])
+def test_credentials_that_cannot_refresh_are_a_clear_error(fake: FakeCompute, error: Exception,
+                                                           says: str) -> None:
+    compute = compute_for(fake, credentials=_Refused(error))
+    with pytest.raises(ProviderError) as info:
+        compute.get_vm("us-central1-a", "gcp-test-0")
+    assert says in str(info.value)
+    assert info.value.fix and "gcloud auth application-default login" in info.value.fix
+    compute.close()
+
+
+def test_a_disabled_compute_api_says_to_enable_it(fake: FakeCompute, tmp_path: Path) -> None:
+    fake.disable_api()
+    with pytest.raises(ProviderError) as info:
+        make_provider(write_spec(tmp_path)).provision()
+    assert "has not been used in project" in str(info.value)
+    fix = info.value.fix or ""
+    assert f"gcloud services enable compute.googleapis.com --project {PROJECT}" in fix
+    assert "roles/" not in fix
+
+
+def test_a_lost_answer_to_a_create_does_not_create_twice(fake: FakeCompute, tmp_path: Path) -> None:
+    fake.lose_next("instances.bulkInsert")  # it ran; the retry carries the same requestId
+    vms = make_provider(write_spec(tmp_path)).provision()
+    assert len(vms) == 3 and fake.calls["instances.bulkInsert"] == 2
+    assert len(fake.operations("bulkInsert")) == 1 and len(fake.instances()) == 3
+
+
+def test_a_second_vm_of_a_name_in_another_zone_is_removed_by_up_and_down(
+        fake: FakeCompute, tmp_path: Path, orchestrate_home: Path) -> None:
+    path = write_spec(tmp_path, zones=["us-central1-a", "us-central1-b"])
+    provider = make_provider(path)
+    provider.provision()
+    # a create that landed late in the other zone: the same name, the cluster's label
+    properties = gce.instance_properties(provider.config, "gcp-test", "us-central1-b", "")
+    provider.compute.wait(provider.compute.bulk_insert(
+        "us-central1-b", gce.bulk_request(properties, ["gcp-test-1"])), "a late create")
+    assert len(fake.instances((LABEL, "gcp-test"))) == 4  # names are unique per zone only
+    vms = provider.provision()
+    assert {vm.zone for vm in vms} == {"us-central1-a"}
+    assert sorted((vm["name"], vm["zone"].rsplit("/", 1)[1]) for vm in fake.instances()) == [
+        (f"gcp-test-{i}", "us-central1-a") for i in range(3)]
+    provider.compute.wait(provider.compute.bulk_insert(
+        "us-central1-b", gce.bulk_request(properties, ["gcp-test-2"])), "another late create")
+    down = cli("down", str(path), home=orchestrate_home, endpoint=fake.url)
+    out, err = down.communicate(timeout=120)
+    assert down.returncode == 0, out + err
+    assert out.count("removed VM ") == 4 and fake.instances() == []
+
+
+def test_ctrl_c_while_up_waits_for_the_vms_to_boot_ends_it_at_once(tmp_path: Path,
+                                                                  orchestrate_home: Path) -> None:
+    path = write_spec(tmp_path, zones=["us-central1-a"], boot_timeout_s=600)
+    with FakeCompute(latency_s=0.05, host_key_delay_s=3600) as fake:  # keys never come
+        up = cli("up", str(path), home=orchestrate_home, endpoint=fake.url)
+        try:
+            wait_for_call(fake, "instances.getGuestAttributes", up)  # three threads polling
+            up.send_signal(signal.SIGINT)
+            out, err = up.communicate(timeout=30)  # not when the 600 s boot timeout ends
+        finally:
+            up.kill()
+        assert up.returncode == 130, out + err
+        assert "Traceback" not in err
+        down = cli("down", str(path), home=orchestrate_home, endpoint=fake.url)
+        out, err = down.communicate(timeout=120)
+        assert down.returncode == 0 and out.count("removed VM ") == 3, out + err

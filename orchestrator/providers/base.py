@@ -13,6 +13,7 @@ from typing import Any
 
 from orchestrator.errors import OrchestratorError, ProviderError
 from orchestrator.hosts import Host
+from orchestrator.problems import Problem
 from orchestrator.remote.base import Runner
 from orchestrator.spec import ClusterSpec
 
@@ -31,6 +32,19 @@ class DownReport:
     removed: tuple[str, ...] = ()
     stopped: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class CloudCheck:
+    """What a provider finds before any host is asked (``Provider.cloud_check``).
+
+    ``problems``: what the cloud says of the spec (an image, machine type or GPU it does not
+    have), and the hosts that do not exist yet. ``unprovisioned``: the names of those hosts:
+    the doctor reports them there and does not try to reach them.
+    """
+
+    problems: tuple[Problem, ...] = ()
+    unprovisioned: tuple[str, ...] = ()
 
 
 class Provider(ABC):
@@ -64,6 +78,12 @@ class Provider(ABC):
     def describe(self) -> dict[str, Any] | None:
         """What ``up`` creates, as ``orchestrate plan`` shows it; None: it creates no machines."""
         return None
+
+    def cloud_check(self) -> CloudCheck:
+        """The doctor's checks that need no host, run before it asks the hosts: for a cloud,
+        its catalog against the spec and which machines no ``up`` has made yet; default:
+        nothing (the hosts are the ones the spec names)."""
+        return CloudCheck()
 
     @abstractmethod
     def runner(self, host: Host) -> Runner:

@@ -44,6 +44,8 @@ class SSHHostsProvider(Provider):
     config: specs.SSHHosts  # set by the subclass to its own provider section of the spec
     host_noun = "host"  # how messages name one of the hosts
     ssh_fix = "check that this machine can reach the host's SSH port, then run 'orchestrate up' again"
+    auth_fix: str | None = None  # when the host answers but refuses the key; None: the error's
+    auth_patience_s = float("inf")  # how long a host may refuse the key before it is given up
 
     def __init__(self, spec: specs.ClusterSpec, spec_path: Path) -> None:
         super().__init__(spec, spec_path)
@@ -113,15 +115,24 @@ class SSHHostsProvider(Provider):
         """
         runner = self.runner_to(host)
         wait = POLL_FIRST_S
+        refused_since: float | None = None  # the host answers and refuses the key, since then
         while True:
             try:
                 runner.run(["true"], timeout_s=30)
                 return runner
-            except (HostUnreachableError, AuthError) as exc:
+            except HostUnreachableError as exc:
+                refused_since = None
                 if time.monotonic() > deadline:
                     raise ProviderError(
                         f"{self.host_noun} {host.name} does not accept SSH in time: {exc.message}",
                         fix=self.ssh_fix) from exc
+            except AuthError as exc:
+                now = time.monotonic()
+                refused_since = now if refused_since is None else refused_since
+                if now > deadline or now - refused_since > self.auth_patience_s:
+                    raise ProviderError(
+                        f"{self.host_noun} {host.name} refuses the SSH key: {exc.message}",
+                        fix=self.auth_fix or exc.fix or self.ssh_fix) from exc
             time.sleep(wait)
             wait = min(2 * wait, POLL_MAX_S)
 

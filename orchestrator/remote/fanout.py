@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -72,9 +72,29 @@ def fan_out(
     todo = list(items)
     if not todo:
         return FanOutResult(())
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(todo)))) as pool:
-        results = pool.map(lambda item: _call(fn, item, name_of(item)), todo)
-        return FanOutResult(tuple(results))
+    results: list[HostResult[V] | None] = [None] * len(todo)
+    queue = iter(enumerate(todo))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                entry = next(queue, None)
+            if entry is None:
+                return
+            index, item = entry
+            results[index] = _call(fn, item, name_of(item))
+
+    # Daemon threads, joined here: a Ctrl-C in the caller ends the wait at once and the process
+    # can exit, instead of waiting (as a thread pool's shutdown does) for every call in flight,
+    # e.g. one polling a booting VM for minutes. An interrupted notebook leaves them to finish.
+    workers = [threading.Thread(target=work, daemon=True, name=f"fan-out-{i}")
+               for i in range(max(1, min(max_workers, len(todo))))]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    return FanOutResult(tuple(r for r in results if r is not None))
 
 
 def _call(fn: Callable[[T], V], item: T, name: str) -> HostResult[V]:

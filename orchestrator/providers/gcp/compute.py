@@ -37,10 +37,20 @@ except ImportError as exc:  # the CLI imports this module only for provider.kind
 ENDPOINT_ENV = "ORCHESTRATE_GCE_ENDPOINT"  # e.g. http://127.0.0.1:8089 for a local fake (tests)
 CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 WAIT_CALL_S = 150.0  # one operations.wait call: the API answers within about two minutes
+WAIT_PAUSE_FIRST_S = 0.5  # operations.wait may answer before DONE: pause before asking again
+WAIT_PAUSE_MAX_S = 5.0
 MAX_TRIES = 8
+# The host key types the guest agent generates and paramiko verifies; another type published
+# next to them (a security key, a certificate) is skipped rather than failing the connection.
+HOST_KEY_TYPES = frozenset({"ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384",
+                            "ecdsa-sha2-nistp521", "ssh-rsa"})
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 RATE_REASONS = frozenset({"rateLimitExceeded", "userRateLimitExceeded"})
 QUOTA_REASONS = frozenset({"quotaExceeded", "QUOTA_EXCEEDED"})
+CAPACITY_REASONS = frozenset({"insufficientCapacity"})  # a 503 that means: try another zone
+DISABLED_REASONS = frozenset({"accessNotConfigured", "SERVICE_DISABLED"})
+ADC_FIX = ("run 'gcloud auth application-default login' (or point GOOGLE_APPLICATION_CREDENTIALS "
+           "at a valid service-account key file) and run the command again")
 FIELD_HINTS = (  # (word in the API's message, spec field, how to list valid values)
     ("machineType", "provider.machine_type", "gcloud compute machine-types list --zones ZONE"),
     ("acceleratorType", "provider.accelerator.type",
@@ -63,6 +73,7 @@ class Vm:
     name: str
     zone: str
     status: str  # PROVISIONING, STAGING, RUNNING, STOPPING, TERMINATED, ...
+    id: str  # the instance ID: the same across stop and start, new when re-created
     internal_ip: str
     external_ip: str
     spot: bool
@@ -90,15 +101,21 @@ class ComputeError(ProviderError):
     """A Compute Engine call failed; carries the HTTP status and the API's reasons."""
 
     def __init__(self, message: str, *, status: int | None, reasons: tuple[str, ...],
-                 api_message: str, fix: str | None = None) -> None:
+                 api_message: str, fix: str | None = None, timed_out: bool = False) -> None:
         super().__init__(message, fix=fix)
         self.status = status
         self.reasons = reasons
         self.api_message = api_message
+        self.timed_out = timed_out  # no answer within the call's own timeout
 
     @property
     def quota(self) -> bool:
         return bool(QUOTA_REASONS & set(self.reasons))
+
+    @property
+    def capacity(self) -> bool:
+        """Refused at the request for want of capacity in the zone (HTTP 503)."""
+        return bool(CAPACITY_REASONS & set(self.reasons))
 
 
 class Compute:
@@ -125,6 +142,10 @@ class Compute:
         self.global_operations = self._clients.enter_context(
             compute_v1.GlobalOperationsClient(**kwargs))
         self.firewalls = self._clients.enter_context(compute_v1.FirewallsClient(**kwargs))
+        self.images = self._clients.enter_context(compute_v1.ImagesClient(**kwargs))
+        self.machine_types = self._clients.enter_context(compute_v1.MachineTypesClient(**kwargs))
+        self.accelerator_types = self._clients.enter_context(
+            compute_v1.AcceleratorTypesClient(**kwargs))
 
     @classmethod
     def connect(cls, project: str, *, deadline_s: float,
@@ -139,16 +160,18 @@ class Compute:
         self._clients.close()
 
     # -- calls ---------------------------------------------------------------------------
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried on 429, 5xx and lost connections with exponential backoff.
+    def call(self, what: str, fn: Callable[[], T], *, deadline: float | None = None) -> T:
+        """``fn()``, retried on 429, 5xx and lost connections with exponential backoff, for at
+        most ``deadline_s`` and never past ``deadline`` (a ``time.monotonic()`` value).
 
         Raises:
             ComputeError: a non-retryable answer, or retries spent; says what to do.
         """
+        budget = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
         retrying = Retrying(
             retry=retry_if_exception(_transient),
             wait=wait_exponential_jitter(initial=1.0, max=30.0),
-            stop=stop_after_delay(self.deadline_s) | stop_after_attempt(MAX_TRIES),
+            stop=stop_after_delay(min(self.deadline_s, budget)) | stop_after_attempt(MAX_TRIES),
             sleep=self.sleep,
             reraise=True,
         )
@@ -160,7 +183,12 @@ class Compute:
             raise ComputeError(
                 f"{what}: cannot reach Compute Engine: {exc}", status=None, reasons=(),
                 api_message=str(exc), fix="check this machine's network and try again",
+                timed_out=isinstance(exc, requests.Timeout),
             ) from None
+        except auth_errors.GoogleAuthError as exc:  # RefreshError, TransportError, ...
+            raise ComputeError(
+                f"{what}: the Google Cloud credentials do not work: {exc}", status=None,
+                reasons=(), api_message=str(exc), fix=ADC_FIX) from None
 
     def list_vms(self, label: str, value: str) -> list[Vm]:
         """Every VM in the project labelled ``label=value``, in any zone, by name."""
@@ -193,6 +221,25 @@ class Compute:
         return self._started(f"start VM {name}",
                              lambda: self.instances.start_unary(request=request, retry=None))
 
+    def resume(self, zone: str, name: str) -> OpRef:
+        """Resume a SUSPENDED VM (``start`` refuses one)."""
+        request = compute_v1.ResumeInstanceRequest(project=self.project, zone=zone, instance=name,
+                                                   request_id=str(uuid.uuid4()))
+        return self._started(f"resume VM {name}",
+                             lambda: self.instances.resume_unary(request=request, retry=None))
+
+    def failed_inserts(self, zone: str, group: str) -> tuple[OpError, ...]:
+        """The errors of the per-VM ``insert`` operations of a bulkInsert (its operation group):
+        where the reason is when the bulkInsert's own error is only VM_MIN_COUNT_NOT_REACHED."""
+        if not group:
+            return ()
+        request = compute_v1.ListZoneOperationsRequest(project=self.project, zone=zone,
+                                                       filter='operationType = "insert"')
+        ops = self.call(f"list the VM creations in {zone}", lambda: list(
+            self.zone_operations.list(request=request, retry=None)))
+        return tuple(OpError(e.code, e.message) for op in ops
+                     if op.operation_group_id == group for e in op.error.errors)
+
     def delete(self, zone: str, name: str) -> OpRef:
         request = compute_v1.DeleteInstanceRequest(project=self.project, zone=zone, instance=name,
                                                    request_id=str(uuid.uuid4()))
@@ -218,8 +265,9 @@ class Compute:
             if exc.status == 404:
                 return ()
             raise
-        return tuple(_key_line(e.key, e.value) for e in found.query_value.items
-                     if e.namespace == "hostkeys" and e.value)
+        lines = (_key_line(e.key, e.value) for e in found.query_value.items
+                 if e.namespace == "hostkeys" and e.key in HOST_KEY_TYPES)
+        return tuple(line for line in lines if line)
 
     def get_firewall(self, name: str) -> compute_v1.Firewall | None:
         try:
@@ -242,6 +290,39 @@ class Compute:
         return self._started(f"delete firewall rule {name}",
                              lambda: self.firewalls.delete_unary(request=request, retry=None))
 
+    # -- the catalog: what exists to build VMs from ---------------------------------------
+    def image(self, project: str, name: str) -> compute_v1.Image | None:
+        """The image ``projects/PROJECT/global/images/NAME``; None if there is none."""
+        return self._found(f"look up image {name} of project {project}", lambda: self.images.get(
+            project=project, image=name, retry=None))
+
+    def image_from_family(self, project: str, family: str) -> compute_v1.Image | None:
+        """The image a VM of ``projects/PROJECT/global/images/family/FAMILY`` boots from (the
+        family's newest that is not deprecated); None if the family has none."""
+        return self._found(f"look up image family {family} of project {project}",
+                           lambda: self.images.get_from_family(project=project, family=family,
+                                                               retry=None))
+
+    def machine_type(self, zone: str, name: str) -> compute_v1.MachineType | None:
+        """Machine type ``name`` in ``zone``; None if the zone has no such type."""
+        return self._found(f"look up machine type {name} in {zone}", lambda: self.machine_types.get(
+            project=self.project, zone=zone, machine_type=name, retry=None))
+
+    def accelerator_type(self, zone: str, name: str) -> compute_v1.AcceleratorType | None:
+        """Accelerator (GPU) type ``name`` in ``zone``; None if the zone has no such type."""
+        return self._found(f"look up accelerator type {name} in {zone}",
+                           lambda: self.accelerator_types.get(
+                               project=self.project, zone=zone, accelerator_type=name, retry=None))
+
+    def _found(self, what: str, fn: Callable[[], T]) -> T | None:
+        """``call(what, fn)``, None where the API answers 404 (there is no such thing)."""
+        try:
+            return self.call(what, fn)
+        except ComputeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     # -- operations ----------------------------------------------------------------------
     def wait(self, ref: OpRef, what: str) -> tuple[OpError, ...]:
         """Wait until the operation is DONE; its errors (none: it succeeded; gone: none).
@@ -249,7 +330,19 @@ class Compute:
         Raises:
             ProviderError: it is not done within the deadline.
         """
+        op = self.wait_operation(ref, what)
+        return () if op is None else errors_of(op)
+
+    def wait_operation(self, ref: OpRef, what: str) -> compute_v1.Operation | None:
+        """The operation once DONE; None if it is gone. ``operations.wait`` may answer before
+        DONE (it is best effort): the next call comes after a pause that grows, and no call or
+        retry runs past the deadline.
+
+        Raises:
+            ProviderError: it is not done within the deadline.
+        """
         deadline = time.monotonic() + self.deadline_s
+        pause = WAIT_PAUSE_FIRST_S
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -259,13 +352,18 @@ class Compute:
                     "command again; raise provider.api_timeout_s if the API is slow")
             try:
                 op = self.call(f"wait for: {what}",
-                               functools.partial(self._wait_once, ref, min(left, WAIT_CALL_S)))
+                               functools.partial(self._wait_once, ref, min(left, WAIT_CALL_S)),
+                               deadline=deadline)
             except ComputeError as exc:
                 if exc.status == 404:
-                    return ()
+                    return None
+                if exc.timed_out and time.monotonic() >= deadline - 1.0:
+                    continue  # the long poll used the time left: not done by the deadline
                 raise
             if op.status == compute_v1.Operation.Status.DONE:
-                return tuple(OpError(e.code, e.message) for e in op.error.errors)
+                return op
+            self.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, WAIT_PAUSE_MAX_S)
 
     def _wait_once(self, ref: OpRef, timeout: float) -> compute_v1.Operation:
         if ref.scope == "global":
@@ -277,6 +375,10 @@ class Compute:
     def _started(self, what: str, fn: Callable[[], compute_v1.Operation]) -> OpRef:
         op = self.call(what, fn)
         return OpRef(f"zones/{_last(op.zone)}" if op.zone else "global", op.name)
+
+
+def errors_of(op: compute_v1.Operation) -> tuple[OpError, ...]:
+    return tuple(OpError(e.code, e.message) for e in op.error.errors)
 
 
 def _credentials(endpoint: str | None) -> Credentials:
@@ -300,11 +402,21 @@ def _transient(exc: BaseException) -> bool:
         return True
     if not isinstance(exc, api_errors.GoogleAPICallError):
         return False
-    return exc.code in RETRYABLE_STATUS or bool(RATE_REASONS & set(_reasons(exc)))
+    reasons = set(_reasons(exc))
+    if CAPACITY_REASONS & reasons:
+        return False  # the zone has no room: another zone may, the same one later may not
+    return exc.code in RETRYABLE_STATUS or bool(RATE_REASONS & reasons)
 
 
 def _reasons(exc: api_errors.GoogleAPICallError) -> tuple[str, ...]:
-    return tuple(str(e.get("reason", "")) for e in exc.errors if isinstance(e, dict))
+    """The ``errors[].reason`` of the answer, and the ErrorInfo reason of its details."""
+    reasons = [str(e.get("reason", "")) for e in exc.errors if isinstance(e, dict)]
+    if getattr(exc, "reason", None):
+        reasons.append(str(exc.reason))
+    for detail in getattr(exc, "details", None) or ():
+        if isinstance(detail, dict) and detail.get("reason"):
+            reasons.append(str(detail["reason"]))
+    return tuple(r for r in reasons if r)
 
 
 def _api_message(exc: api_errors.GoogleAPICallError) -> str:
@@ -324,6 +436,10 @@ def _explain(what: str, exc: api_errors.GoogleAPICallError, project: str) -> Com
 
 
 def _fix(status: int | None, message: str, reasons: tuple[str, ...], project: str) -> str:
+    if DISABLED_REASONS & set(reasons):
+        return (f"enable the Compute Engine API in project {project}: gcloud services enable "
+                f"compute.googleapis.com --project {project} (console: APIs & Services), wait a "
+                "minute, and run the command again; or fix provider.project")
     if QUOTA_REASONS & set(reasons):
         return ("request more quota (console: IAM & Admin > Quotas) or add zones of other "
                 "regions to provider.zones")
@@ -350,6 +466,7 @@ def _vm(instance: compute_v1.Instance) -> Vm:
         name=instance.name,
         zone=_last(instance.zone),
         status=instance.status,
+        id=str(instance.id),
         internal_ip=nic.network_i_p if nic else "",
         external_ip=external,
         spot=scheduling.provisioning_model == "SPOT" or bool(scheduling.preemptible),
@@ -359,9 +476,13 @@ def _vm(instance: compute_v1.Instance) -> Vm:
 
 
 def _key_line(kind: str, value: str) -> str:
-    """Guests publish ``hostkeys/ssh-ed25519`` = the key's base64 (some: the whole line)."""
-    value = value.strip()
-    return value if value.startswith(kind + " ") else f"{kind} {value}"
+    """``kind base64`` from a ``hostkeys/KIND`` attribute: the guest agent writes the second
+    field of the key's .pub file (with its newline when the file has no comment); other guests
+    write the whole line. "" when there is no key in it."""
+    fields = value.split()
+    if fields and fields[0] == kind:
+        fields = fields[1:]
+    return f"{kind} {fields[0]}" if fields else ""
 
 
 def _last(link: str) -> str:

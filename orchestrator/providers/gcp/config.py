@@ -42,9 +42,10 @@ def instance_properties(
 def bulk_request(
     properties: compute_v1.InstanceProperties, names: list[str]
 ) -> compute_v1.BulkInsertInstanceResource:
-    """One request for all ``names``: all of them are created, or none (min_count = count)."""
-    per_instance = {n: compute_v1.BulkInsertInstanceResourcePerInstanceProperties(name=n)
-                    for n in names}
+    """One request for all ``names``: all of them are created, or none (min_count = count).
+    Each name is a key of ``perInstanceProperties`` with an empty entry: the entry's own
+    ``name`` field is documented as output only."""
+    per_instance = {n: compute_v1.BulkInsertInstanceResourcePerInstanceProperties() for n in names}
     return compute_v1.BulkInsertInstanceResource(
         count=len(names), min_count=len(names), per_instance_properties=per_instance,
         instance_properties=properties,
@@ -67,8 +68,12 @@ def firewall_rule(config: GcpProvider, cluster: str, ports: PortRange) -> comput
 
 
 def metadata_items(config: GcpProvider, ssh_keys: str) -> list[compute_v1.Items]:
-    """The instance metadata: the user's, the cluster key, guest attributes on (for host keys)."""
-    items = {**config.metadata, "ssh-keys": ssh_keys, "enable-guest-attributes": "TRUE"}
+    """The instance metadata: the user's, the cluster key, guest attributes on (for host keys),
+    and OS Login off for these VMs: where a project turns it on (common in organisations), the
+    guest ignores ``ssh-keys`` unless the instance says FALSE (an org policy that forces OS
+    Login overrides even that; ``up`` then says so)."""
+    items = {**config.metadata, "ssh-keys": ssh_keys, "enable-guest-attributes": "TRUE",
+             "enable-oslogin": "FALSE"}
     if has_gpus(config):
         items.setdefault("install-nvidia-driver", "True")  # Deep Learning VM images honour it
     return [compute_v1.Items(key=k, value=v) for k, v in items.items()]

@@ -6,6 +6,7 @@ import json
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,18 +16,24 @@ from orchestrator.errors import ProviderError
 from orchestrator.files import write_atomic
 from orchestrator.providers.gcp import config as gce
 from orchestrator.providers.gcp import names
-from orchestrator.providers.gcp.compute import Compute, ComputeError, OpError, OpRef, Vm
+from orchestrator.providers.gcp.compute import Compute, ComputeError, OpError, OpRef, Vm, errors_of
 from orchestrator.remote.fanout import fan_out
 from orchestrator.spec import GcpProvider, PortRange
 
 STOCKOUT_CODES = frozenset({
     "ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
     "REGION_RESOURCE_POOL_EXHAUSTED", "RESOURCE_POOL_EXHAUSTED", "GPU_STOCKOUT",
+    "insufficientCapacity",  # HTTP 503 at the request
     "UNSUPPORTED_OPERATION",  # seen when a spot VM is preempted while being created
 })
 QUOTA_CODES = frozenset({"QUOTA_EXCEEDED", "quotaExceeded"})
-RESTARTABLE = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
+# A bulkInsert that could not make min_count VMs says so first; the reason follows, or is only
+# in the per-VM insert operations of its operation group.
+SUMMARY_CODES = frozenset({"VM_MIN_COUNT_NOT_REACHED"})
+RESTARTABLE = frozenset({"TERMINATED", "STOPPED"})  # started with instances.start
+SUSPENDED = "SUSPENDED"  # started with instances.resume
 QUOTA_NAME = re.compile(r"Quota '([^']+)' exceeded.*? in region ([a-z0-9-]+)")
+GLOBAL_QUOTA = re.compile(r"Quota '([^']+)' exceeded.*? globally")
 POLL_FIRST_S = 0.25
 POLL_MAX_S = 5.0
 
@@ -42,6 +49,11 @@ class ZoneFailure:
     @property
     def is_quota(self) -> bool:
         return self.code in QUOTA_CODES
+
+    @property
+    def is_global(self) -> bool:
+        """A project-wide quota (GPUS_ALL_REGIONS): no other zone or region can help."""
+        return self.is_quota and GLOBAL_QUOTA.search(self.message) is not None
 
 
 class CapacityError(ProviderError):
@@ -101,8 +113,23 @@ class Fleet:
         self.failures: tuple[ZoneFailure, ...] = ()  # zones that refused the last create
 
     def find(self) -> dict[str, Vm]:
-        """Every VM with the cluster's label, in any zone, by name."""
-        return {vm.name: vm for vm in self.compute.list_vms(names.CLUSTER_LABEL, self.cluster)}
+        """The cluster's VM of each name (label, any zone). Names are unique per zone only: of
+        copies in several zones (a create that landed after an interrupted ``up`` moved on),
+        the one kept is a running one in the zone that holds most of the cluster."""
+        return self._sorted(self.compute.list_vms(names.CLUSTER_LABEL, self.cluster))[0]
+
+    def _sorted(self, vms: Sequence[Vm]) -> tuple[dict[str, Vm], list[Vm]]:
+        """(the VM kept of each name, the other copies)."""
+        zones = Counter(vm.zone for vm in vms)
+        ranked = sorted(vms, key=lambda vm: (vm.status != "RUNNING", -zones[vm.zone], vm.zone))
+        kept: dict[str, Vm] = {}
+        extra: list[Vm] = []
+        for vm in ranked:
+            if vm.name in kept:
+                extra.append(vm)
+            else:
+                kept[vm.name] = vm
+        return dict(sorted(kept.items())), extra
 
     def converge(self, wanted: Sequence[str], ssh_keys: str, deadline: float) -> list[Vm]:
         """Make every VM of ``wanted`` RUNNING: create the missing ones, start the stopped ones.
@@ -113,9 +140,13 @@ class Fleet:
         """
         wait = POLL_FIRST_S
         while True:
-            found = self.find()
+            found, copies = self._sorted(self.compute.list_vms(names.CLUSTER_LABEL, self.cluster))
+            if copies:  # a second VM of a name: ours (labelled), and in the way of the first
+                self.delete(copies)
+                continue
             missing = [n for n in wanted if n not in found]
-            stopped = [found[n] for n in wanted if n in found and found[n].status in RESTARTABLE]
+            stopped = [found[n] for n in wanted
+                       if n in found and found[n].status in (*RESTARTABLE, SUSPENDED)]
             if missing:
                 self.create(missing, ssh_keys, prefer=[vm.zone for vm in found.values()])
             if stopped:
@@ -142,6 +173,8 @@ class Fleet:
                 self.failures = tuple(failures)
                 return zone
             failures.append(failure)
+            if failure.is_global:
+                break
         self.failures = tuple(failures)
         raise _capacity_error(self.config, len(vm_names), tuple(failures))
 
@@ -152,25 +185,38 @@ class Fleet:
         except ComputeError as exc:
             if exc.quota:
                 return ZoneFailure(zone, "QUOTA_EXCEEDED", exc.api_message)
+            if exc.capacity:
+                return ZoneFailure(zone, "insufficientCapacity", exc.api_message)
             raise
-        errors = self.wait(ref, f"create {len(vm_names)} VM(s) in {zone}")
+        self.journal.add(ref)
+        op = self.compute.wait_operation(ref, f"create {len(vm_names)} VM(s) in {zone}")
+        self.journal.done(ref)
+        errors = errors_of(op) if op is not None else ()
         if not errors:
             return None
-        first = errors[0]
-        if first.code in STOCKOUT_CODES or first.code in QUOTA_CODES:
-            return ZoneFailure(zone, first.code, first.message)
+        reasons = [e for e in errors if e.code not in SUMMARY_CODES]
+        if not reasons:  # only the summary: the reason is in the per-VM insert operations
+            assert op is not None
+            reasons = list(self.compute.failed_inserts(zone, op.operation_group_id))
+        codes = {e.code for e in (*errors, *reasons)}
+        if codes & (STOCKOUT_CODES | QUOTA_CODES) or codes <= SUMMARY_CODES:
+            shown = next((e for e in reasons if e.code in QUOTA_CODES), None) or next(
+                (e for e in reasons if e.code in STOCKOUT_CODES), None) or (reasons or errors)[0]
+            return ZoneFailure(zone, shown.code, shown.message)
         raise ProviderError(
-            f"creating VM(s) {', '.join(vm_names)} in {zone} failed: {first.code}: {first.message}",
+            f"creating VM(s) {', '.join(vm_names)} in {zone} failed: {_describe(tuple(reasons))}",
             fix="fix the provider setting the message names and run 'orchestrate up' again",
         )
 
     def start(self, vms: Sequence[Vm]) -> None:
-        """Start stopped (e.g. preempted) VMs; one whose zone has no capacity now is deleted,
-        so that the next round re-creates it under the same name wherever there is room."""
-        refs = [(vm, self.compute.start(vm.zone, vm.name)) for vm in vms]
+        """Start stopped (e.g. preempted) VMs, resume suspended ones; one whose zone has no
+        capacity now is deleted, so that the next round re-creates it under the same name
+        wherever there is room."""
+        refs = [(vm, self.compute.resume(vm.zone, vm.name) if vm.status == SUSPENDED
+                 else self.compute.start(vm.zone, vm.name)) for vm in vms]
         for vm, ref in refs:
             errors = self.wait(ref, f"start VM {vm.name}")
-            if errors and errors[0].code in STOCKOUT_CODES:
+            if {e.code for e in errors} & STOCKOUT_CODES:
                 self.delete([vm])
             elif errors:
                 raise ProviderError(f"starting VM {vm.name} failed: {_describe(errors)}",
@@ -200,7 +246,7 @@ class Fleet:
         self.settle()
         removed: list[Vm] = []
         for _ in range(3):  # a create that was in flight may land after the first listing
-            found = list(self.find().values())
+            found = self.compute.list_vms(names.CLUSTER_LABEL, self.cluster)  # copies too
             if not found:
                 break
             self.delete(found)
@@ -277,7 +323,16 @@ def _capacity_error(config: GcpProvider, count: int, failures: tuple[ZoneFailure
                                   if config.accelerator else "")
     lines = "\n".join(f"  {f.zone}: {f.code}: {f.message}" for f in failures)
     quotas = [f for f in failures if f.is_quota]
-    if quotas:
+    global_quota = next((f for f in failures if f.is_global), None)
+    if global_quota is not None:
+        named = GLOBAL_QUOTA.search(global_quota.message)
+        metric = named[1] if named else "GPUS_ALL_REGIONS"
+        fix = (f"request more of the global {metric} quota of project {config.project} (it "
+               "counts GPUs in all regions together; new projects have 0, so no zone or region "
+               "can help): console IAM & Admin > Quotas, filter 'GPUs (all regions)', edit, ask "
+               f"for the GPUs the cluster needs; 'gcloud compute project-info describe --project "
+               f"{config.project}' shows the limit")
+    elif quotas:
         named = QUOTA_NAME.search(quotas[0].message)
         quota = f"{named[1]} quota in region {named[2]}" if named else "quota"
         fix = (f"request more {quota} (console: IAM & Admin > Quotas), or add zones of other "

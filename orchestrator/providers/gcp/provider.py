@@ -17,7 +17,7 @@ from orchestrator import paths
 from orchestrator import spec as specs
 from orchestrator.errors import ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
-from orchestrator.providers.base import DownReport, HostHealth
+from orchestrator.providers.base import CloudCheck, DownReport, HostHealth
 from orchestrator.providers.gcp import names
 from orchestrator.providers.keys import KeyPair
 from orchestrator.providers.ssh_hosts import POLL_FIRST_S, POLL_MAX_S, SSHHostsProvider
@@ -46,6 +46,13 @@ class GcpProvider(SSHHostsProvider):
     host_noun = "VM"
     ssh_fix = ("check that a firewall rule lets this machine reach port 22 of the VMs "
                "(or use provider.ssh_via: external), then run 'orchestrate up' again")
+    auth_fix = ("the VM answers SSH but ignores the cluster's key in its ssh-keys metadata: OS "
+                "Login is on and forced, most likely by the organization policy "
+                "constraints/compute.requireOsLogin, which overrides the VMs' enable-oslogin=FALSE. "
+                "Ask an organization admin to exempt this project from that policy (or use a "
+                "project without it), then run 'orchestrate up' again; 'gcloud compute "
+                "project-info describe' shows the project's own enable-oslogin")
+    auth_patience_s = 60.0  # the guest agent installs ssh-keys seconds after sshd starts
 
     def __init__(self, spec: ClusterSpec, spec_path: Path, *, compute: Compute | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
@@ -127,8 +134,17 @@ class GcpProvider(SSHHostsProvider):
         return hosts
 
     def _reach(self, vm: Vm, deadline: float) -> Host:
-        """The VM as a Host: host keys from guest attributes, SSH answering, root resolved."""
-        host = self._host(vm, self._wait_for_host_keys(vm, deadline), root="")
+        """The VM as a Host: its host keys, SSH answering, root resolved.
+
+        The keys of a VM reached before under the same instance ID (a second ``up``, a stopped
+        and restarted VM) are the ones recorded then: the guest agent publishes host keys only
+        when the instance ID changes, so a restarted VM may publish nothing. A new instance
+        (created or re-created) is waited for until it publishes its own."""
+        known = self.remembered().get(vm.name)
+        recorded = known.ssh.host_keys if known is not None and known.ssh is not None else ()
+        same = known is not None and vm.id and dict(known.labels).get("instance_id") == vm.id
+        keys = recorded if same and recorded else self._wait_for_host_keys(vm, deadline)
+        host = self._host(vm, keys, root="")
         self.wait_for_ssh(host, deadline)
         host = replace(host, root=self.resolve_root(host))
         self.remember(host)
@@ -144,7 +160,7 @@ class GcpProvider(SSHHostsProvider):
             address=vm.internal_ip,
             root=root,
             ssh=self._endpoint(ssh_address, host_keys),
-            labels=(("zone", vm.zone),),
+            labels=(("zone", vm.zone), ("instance_id", vm.id)),
         )
 
     def _endpoint(self, address: str, host_keys: tuple[str, ...]) -> SSHEndpoint:
@@ -250,3 +266,13 @@ class GcpProvider(SSHHostsProvider):
     def _save_hosts(self) -> None:
         failures = [{"zone": f.zone, "code": f.code, "message": f.message} for f in self.zone_failures]
         self.save_hosts(self.vm_names, {"zone_failures": failures})
+
+    def cloud_check(self) -> CloudCheck:
+        """The doctor's first look, through the API only: the image, the machine type and the
+        GPUs in each zone against Compute Engine's catalog, and the VMs no ``up`` has reached
+        (their names are only planned: SSH to them could only fail)."""
+        from orchestrator.providers.gcp import catalog
+
+        return catalog.check(self.config, lambda: self.compute, cluster=self.spec.name,
+                             vm_names=self.vm_names, reached=list(self.remembered()),
+                             spec_path=self.spec_path)
