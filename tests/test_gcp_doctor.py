@@ -154,7 +154,7 @@ def test_doctor_before_up_says_run_up_and_tries_no_ssh(fake: FakeCompute, tmp_pa
     assert done.returncode == 1, out
     assert "Traceback" not in out
     assert "the VMs of cluster 'gcp-test' do not exist yet" in out
-    assert f"run 'orchestrate up {path.name}' first" in out
+    assert f"run 'orchestrate up {path}' first" in out
     assert "0 machine(s) checked" in out and "cannot be reached" not in out
     assert fake.calls["images.getFromFamily"] == 1  # the catalog was checked
 

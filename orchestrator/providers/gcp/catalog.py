@@ -52,7 +52,7 @@ def check(config: GcpProvider, connect: Callable[[], Compute], *, cluster: str,
         found.append(Problem(
             "gcp vms", f"{what} do not exist yet (no 'up' on this machine has reached them): "
             "the doctor checks the VMs once it has",
-            f"run 'orchestrate up {spec_path.name}' first (Cluster.up() in Python)",
+            f"run 'orchestrate up {spec_path}' first (Cluster.up() in Python)",
             hosts=unmade))
     return CloudCheck(tuple(found), unmade)
 
