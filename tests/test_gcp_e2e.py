@@ -139,7 +139,7 @@ def test_os_login_forced_by_policy_is_named_with_the_fix(
         hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path,
         orchestrate_home: Path) -> None:
     fake.os_login(True, enforced=True)  # constraints/compute.requireOsLogin: nothing overrides it
-    path = write_spec(tmp_path, hostlab, workers=1, boot_timeout_s=8,
+    path = write_spec(tmp_path, hostlab, workers=1, boot_timeout_s=20,
                       job={"module": "examples.digits"})
     up = cli("up", str(path), home=orchestrate_home, endpoint=fake.url)
     assert up.returncode == 2 and "Traceback" not in up.stderr, up.stdout + up.stderr
