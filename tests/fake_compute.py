@@ -759,8 +759,8 @@ class FakeCompute:
             items = [{"namespace": k.split("/")[0], "key": k.split("/", 1)[1], "value": v}
                      for k, v in sorted(vm.guest_attributes.items()) if k.startswith(path)]
         if not items:
-            raise ApiError(404, f"The resource 'projects/{project}/zones/{zone}/instances/{name}"
-                           f"/guestAttributes/{path}' was not found", "notFound")
+            raise _not_found(f"projects/{project}/zones/{zone}/instances/{name}"
+                             f"/guestAttributes/{path}")
         return {"kind": "compute#guestAttributes", "queryPath": path,
                 "queryValue": {"items": items},
                 "selfLink": f"{API}/projects/{project}/zones/{zone}/instances/{name}"
@@ -769,8 +769,7 @@ class FakeCompute:
     def _vm(self, project: str, zone: str, name: str) -> _Vm:
         vm = self._vms.get((project, zone, name))
         if vm is None:
-            raise ApiError(404, f"The resource 'projects/{project}/zones/{zone}/instances/{name}' "
-                           "was not found", "notFound")
+            raise _not_found(f"projects/{project}/zones/{zone}/instances/{name}")
         return vm
 
     def _find(self, name: str) -> _Vm:
@@ -814,7 +813,7 @@ class FakeCompute:
         with self._cv:
             state, replacement = self._retired.get(name, ("", ""))
         if state is None:
-            raise ApiError(404, f"The resource '{path}' was not found", "notFound")
+            raise _not_found(path)
         return _image_json(project, f"{name}-v20250605" if family else name,
                            name if family else "", state, replacement)
 
@@ -822,16 +821,14 @@ class FakeCompute:
         with self._cv:
             withheld = (zone, name) in self._withheld
         if withheld:
-            raise ApiError(404, f"The resource 'projects/{project}/zones/{zone}/machineTypes/"
-                           f"{name}' was not found", "notFound")
+            raise _not_found(f"projects/{project}/zones/{zone}/machineTypes/{name}")
         return _machine_type_json(project, zone, name)
 
     def _accelerator_type(self, project: str, zone: str, name: str) -> Json:
         with self._cv:
             withheld = (zone, name) in self._no_accelerators
         if withheld:
-            raise ApiError(404, f"The resource 'projects/{project}/zones/{zone}/acceleratorTypes/"
-                           f"{name}' was not found", "notFound")
+            raise _not_found(f"projects/{project}/zones/{zone}/acceleratorTypes/{name}")
         zone_url = f"{API}/projects/{project}/zones/{zone}"
         return {"kind": "compute#acceleratorType", "id": str(10000 + sum(map(ord, name))),
                 "creationTimestamp": "1969-12-31T16:00:00.000-08:00", "name": name,
@@ -860,8 +857,7 @@ class FakeCompute:
     def _get_firewall(self, project: str, name: str) -> Json:
         with self._cv:
             if (project, name) not in self._firewalls:
-                raise ApiError(404, f"The resource 'projects/{project}/global/firewalls/{name}' "
-                               "was not found", "notFound")
+                raise _not_found(f"projects/{project}/global/firewalls/{name}")
             return dict(self._firewalls[(project, name)])
 
     def _delete_firewall(self, project: str, name: str) -> Json:
@@ -942,8 +938,7 @@ class FakeCompute:
     def _op(self, project: str, scope: str, name: str) -> _Op:
         op = self._ops.get((project, scope, name))
         if op is None:
-            raise ApiError(404, f"The resource 'projects/{project}/{scope}/operations/{name}' "
-                           "was not found", "notFound")
+            raise _not_found(f"projects/{project}/{scope}/operations/{name}")
         return op
 
 
@@ -1070,6 +1065,11 @@ def _quota_error(metric: str, limit: int, region: str) -> Json:
             "metricName": f"compute.googleapis.com/{metric.lower()}",
             "limitName": f"{metric}-per-project-region", "dimensions": {"region": region},
             "limit": limit}}]}]}
+
+
+def _not_found(resource: str) -> ApiError:
+    """The API's 404 for a resource path (``projects/P/zones/Z/instances/N``)."""
+    return ApiError(404, f"The resource '{resource}' was not found", "notFound")
 
 
 def _burst_error(status: int) -> ApiError:

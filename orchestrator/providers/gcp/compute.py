@@ -199,14 +199,9 @@ class Compute:
         return sorted((_vm(i) for _, scoped in pairs for i in scoped.instances), key=lambda v: v.name)
 
     def get_vm(self, zone: str, name: str) -> Vm | None:
-        try:
-            found = self.call(f"look up VM {name}", lambda: self.instances.get(
-                project=self.project, zone=zone, instance=name, retry=None))
-        except ComputeError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return _vm(found)
+        found = self._found(f"look up VM {name}", lambda: self.instances.get(
+            project=self.project, zone=zone, instance=name, retry=None))
+        return None if found is None else _vm(found)
 
     def bulk_insert(self, zone: str, resource: compute_v1.BulkInsertInstanceResource) -> OpRef:
         request = compute_v1.BulkInsertInstanceRequest(
@@ -258,25 +253,17 @@ class Compute:
         """The VM's SSH host keys its guest published (``hostkeys/`` guest attributes); () if none yet."""
         request = compute_v1.GetGuestAttributesInstanceRequest(
             project=self.project, zone=zone, instance=name, query_path="hostkeys/")
-        try:
-            found = self.call(f"read the host keys of VM {name}", lambda: self.instances.get_guest_attributes(
-                request=request, retry=None))
-        except ComputeError as exc:
-            if exc.status == 404:
-                return ()
-            raise
+        found = self._found(f"read the host keys of VM {name}",
+                            lambda: self.instances.get_guest_attributes(request=request, retry=None))
+        if found is None:
+            return ()
         lines = (_key_line(e.key, e.value) for e in found.query_value.items
                  if e.namespace == "hostkeys" and e.key in HOST_KEY_TYPES)
         return tuple(line for line in lines if line)
 
     def get_firewall(self, name: str) -> compute_v1.Firewall | None:
-        try:
-            return self.call(f"look up firewall rule {name}", lambda: self.firewalls.get(
-                project=self.project, firewall=name, retry=None))
-        except ComputeError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return self._found(f"look up firewall rule {name}", lambda: self.firewalls.get(
+            project=self.project, firewall=name, retry=None))
 
     def insert_firewall(self, rule: compute_v1.Firewall) -> OpRef:
         request = compute_v1.InsertFirewallRequest(project=self.project, firewall_resource=rule,

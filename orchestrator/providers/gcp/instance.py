@@ -16,7 +16,15 @@ from orchestrator.errors import ProviderError
 from orchestrator.files import write_atomic
 from orchestrator.providers.gcp import config as gce
 from orchestrator.providers.gcp import names
-from orchestrator.providers.gcp.compute import Compute, ComputeError, OpError, OpRef, Vm, errors_of
+from orchestrator.providers.gcp.compute import (
+    Compute,
+    ComputeError,
+    OpError,
+    OpRef,
+    Vm,
+    compute_v1,
+    errors_of,
+)
 from orchestrator.remote.fanout import fan_out
 from orchestrator.spec import GcpProvider, PortRange
 
@@ -116,10 +124,11 @@ class Fleet:
         """The cluster's VM of each name (label, any zone). Names are unique per zone only: of
         copies in several zones (a create that landed after an interrupted ``up`` moved on),
         the one kept is a running one in the zone that holds most of the cluster."""
-        return self._sorted(self.compute.list_vms(names.CLUSTER_LABEL, self.cluster))[0]
+        return self._listed()[0]
 
-    def _sorted(self, vms: Sequence[Vm]) -> tuple[dict[str, Vm], list[Vm]]:
-        """(the VM kept of each name, the other copies)."""
+    def _listed(self) -> tuple[dict[str, Vm], list[Vm]]:
+        """(the VM kept of each name, the other copies), from one listing."""
+        vms = self.compute.list_vms(names.CLUSTER_LABEL, self.cluster)
         zones = Counter(vm.zone for vm in vms)
         ranked = sorted(vms, key=lambda vm: (vm.status != "RUNNING", -zones[vm.zone], vm.zone))
         kept: dict[str, Vm] = {}
@@ -140,7 +149,7 @@ class Fleet:
         """
         wait = POLL_FIRST_S
         while True:
-            found, copies = self._sorted(self.compute.list_vms(names.CLUSTER_LABEL, self.cluster))
+            found, copies = self._listed()
             if copies:  # a second VM of a name: ours (labelled), and in the way of the first
                 self.delete(copies)
                 continue
@@ -188,9 +197,7 @@ class Fleet:
             if exc.capacity:
                 return ZoneFailure(zone, "insufficientCapacity", exc.api_message)
             raise
-        self.journal.add(ref)
-        op = self.compute.wait_operation(ref, f"create {len(vm_names)} VM(s) in {zone}")
-        self.journal.done(ref)
+        op = self.wait_operation(ref, f"create {len(vm_names)} VM(s) in {zone}")
         errors = errors_of(op) if op is not None else ()
         if not errors:
             return None
@@ -291,11 +298,16 @@ class Fleet:
             self.wait(ref, f"operation {ref.name} of an earlier command")
 
     def wait(self, ref: OpRef, what: str) -> tuple[OpError, ...]:
-        """Wait for an operation, recorded in the journal while it runs."""
+        """Wait for an operation, recorded in the journal while it runs; its errors."""
+        op = self.wait_operation(ref, what)
+        return errors_of(op) if op is not None else ()
+
+    def wait_operation(self, ref: OpRef, what: str) -> compute_v1.Operation | None:
+        """The operation once DONE (None: gone), recorded in the journal while it runs."""
         self.journal.add(ref)
-        errors = self.compute.wait(ref, what)
+        op = self.compute.wait_operation(ref, what)
         self.journal.done(ref)
-        return errors
+        return op
 
     def wait_ok(self, ref: OpRef, what: str) -> None:
         errors = self.wait(ref, what)
