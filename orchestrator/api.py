@@ -7,6 +7,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from orchestrator.console import NotebookProgress
 
 HEARTBEAT_STALE_S = 10.0
+RESUMABLE = ("stopped", "cancelled", "failed")  # runs `train --resume` may continue
 
 
 @dataclass(frozen=True)
@@ -249,10 +251,12 @@ class Cluster:
             "cluster_def": {role: list(eps) for role, eps in plan.cluster_def.items()},
             "tasks": [_task_entry(plan, t) for t in plan.tasks],
             "checkpoints": _checkpoints_entry(plan),
+            "stop": _stop_entry(self.spec),
         }
 
     def train(self, *, listener: Listener | None = None, wait: bool = True,
-              attach: bool = False, doctor: bool = True, progress: bool | None = None,
+              attach: bool = False, resume: str | None = None, doctor: bool = True,
+              progress: bool | None = None,
               on_doctor: Callable[[DoctorReport], None] | None = None) -> Run:
         """Run the job, restarting the whole group on failure; with ``wait=False``, in a thread.
 
@@ -260,6 +264,9 @@ class Cluster:
             listener: called with the run view and each event (drives a display).
             attach: take over the cluster's running run whose controller died (its tasks
                 kept training) and supervise it to the end.
+            resume: continue an ended run (a run id, or "last": the newest that was
+                stopped, cancelled or failed) from its newest checkpoint, as its next attempt.
+                A run that 'down' or Ctrl-C stopped saved at its last step: none is redone.
             doctor: check every host once it is up (``doctor()``: after setup, which may
                 install TensorFlow) and refuse to start on a blocking problem.
             progress: show the live view in a Jupyter notebook; default: when running in one
@@ -272,6 +279,7 @@ class Cluster:
                 ``attach`` found nothing to attach to.
         """
         active = self._active_runs(attach)
+        resumed = self._resumable(resume) if resume is not None else None
         if not attach:
             self.up()  # idempotent: re-syncs only what changed since the last up
         if doctor and not attach:
@@ -282,13 +290,34 @@ class Cluster:
         display = _notebook_display(listener, progress)
         supervisor = Supervisor(self.spec, self.provider, self.store, workdir=self.workdir,
                                 listener=_both(display, listener))
-        run = Run(self, supervisor, active[0].id if attach else self.store.new_run(self.name),
-                  attach=attach, display=display)
+        if resumed is not None:
+            self.store.reopen_run(resumed)
+        run_id = active[0].id if attach else resumed or self.store.new_run(self.name)
+        run = Run(self, supervisor, run_id, attach=attach, resume=resumed is not None,
+                  display=display)
         if wait:
             run._run()
         else:
             run._start_thread()
         return run
+
+    def _resumable(self, which: str) -> str:
+        """The run ``train --resume`` continues: ``which`` is its id, or "last"."""
+        if which == "last":
+            ended = [r for r in self.store.runs(self.name, limit=50)
+                     if r.status in RESUMABLE]
+            if not ended:
+                raise StateError(f"cluster {self.name!r} has no stopped, cancelled or failed run "
+                                 "to resume",
+                                 fix=f"start one with 'orchestrate train {self.spec_path.name}'")
+            return ended[0].id
+        run = self.store.get_run(which)
+        if run.cluster != self.name or run.status not in RESUMABLE:
+            raise StateError(
+                f"run {which} is {run.status} in cluster {run.cluster!r}: only a stopped, "
+                f"cancelled or failed run of {self.name!r} can be resumed",
+                fix=f"list runs with 'orchestrate status {self.name}'")
+        return run.id
 
     def _active_runs(self, attach: bool) -> list[RunRecord]:
         """Runs still marked running; refuses to start beside a live one."""
@@ -325,26 +354,33 @@ class Cluster:
         """Stop the tasks of every run the store still marks running, wherever its controller is.
 
         The run is marked stopped first, so its supervisor (in this process or
-        another) does not take the stopped tasks for a failure and restart them.
+        another) does not take the stopped tasks for a failure and restart them. Every task
+        gets SIGTERM at once, so all of them save a checkpoint at the same step (``train
+        --resume`` continues there), and SIGKILL after ``timeouts.stop_grace_s``.
         """
-        stopped = []
         hosts = {h.name: h for h in self.provider.hosts()}
+        running: list[tuple[str, TaskRecord]] = []
         for run in self.store.runs(self.name, limit=50):
             if run.status != "running":
                 continue
             self.store.finish_run(run.id, status="stopped", message="stopped by down")
-            for attempt in run.attempts:
-                for task in attempt.tasks:
-                    host = hosts.get(task.host)
-                    if host is None:
-                        continue
-                    runner = self.provider.runner(host)
-                    launcher = launcher_named(task.launcher)
-                    handle = launcher.find(task)
-                    if launcher.poll(runner, handle).state is TaskState.RUNNING:
-                        launcher.stop(runner, handle, self.spec.timeouts.stop_grace_s)
-                        stopped.append(f"{run.id} {task.task}")
-        return stopped
+            running += [(run.id, task) for attempt in run.attempts for task in attempt.tasks
+                        if task.host in hosts]
+
+        def stop(item: tuple[str, TaskRecord]) -> str | None:
+            run_id, task = item
+            runner = self.provider.runner(hosts[task.host])
+            launcher = launcher_named(task.launcher)
+            handle = launcher.find(task)
+            if launcher.poll(runner, handle).state is not TaskState.RUNNING:
+                return None
+            launcher.stop(runner, handle, self.spec.timeouts.stop_grace_s)
+            return f"{run_id} {task.task}"
+
+        if not running:
+            return []
+        with ThreadPoolExecutor(max_workers=min(32, len(running))) as pool:
+            return [line for line in pool.map(stop, running) if line is not None]
 
     # -- inspection ----------------------------------------------------------------------
     def status(self) -> ClusterStatus:
@@ -439,6 +475,17 @@ def _checkpoints_entry(plan: ClusterPlan) -> dict[str, Any]:
             "named_by": layout.named_by, "mirror": layout.mirror, "summary": layout.describe()}
 
 
+def _stop_entry(spec: ClusterSpec) -> dict[str, Any]:
+    """How a planned stop ends the tasks (``down``, Ctrl-C, a preemption) and a crash's."""
+    grace = spec.timeouts.stop_grace_s
+    saves = spec.job.mode == "managed"
+    return {"grace_s": grace, "saves_on_sigterm": saves,
+            "summary": (f"SIGTERM, {grace:g}s grace " + (
+                "(every task saves a checkpoint at the same step), " if saves else
+                "(the script's own SIGTERM handling), ") +
+                "then SIGKILL; after a crash the rest are killed at once")}
+
+
 def _task_entry(plan: ClusterPlan, t: TaskPlan) -> dict[str, Any]:
     paths = plan.paths[t.host.name]
     return {"task": t.key, "role": t.role, "index": t.index, "is_chief": t.key == plan.chief_key,
@@ -488,11 +535,13 @@ class Run:
     """One training run; ``wait()`` for its result, or inspect it while it runs."""
 
     def __init__(self, cluster: Cluster, supervisor: Supervisor, run_id: str,
-                 attach: bool = False, display: NotebookProgress | None = None) -> None:
+                 attach: bool = False, resume: bool = False,
+                 display: NotebookProgress | None = None) -> None:
         self.cluster = cluster
         self.supervisor = supervisor
         self.id = run_id
         self.attach = attach
+        self.resume = resume
         self._display = display
         self._result: RunResult | None = None
         self._error: BaseException | None = None
@@ -500,7 +549,7 @@ class Run:
 
     def _run(self) -> None:
         try:
-            self._result = self.supervisor.run(self.id, attach=self.attach)
+            self._result = self.supervisor.run(self.id, attach=self.attach, resume=self.resume)
         except BaseException as exc:
             self._error = exc
             if self._thread is None:

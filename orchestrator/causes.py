@@ -20,5 +20,8 @@ class Cause(str, enum.Enum):
 
 RETRYABLE = frozenset({Cause.CRASHED, Cause.HOST_LOST, Cause.PREEMPTED, Cause.HUNG,
                        Cause.STARTUP_TIMEOUT, Cause.PORT_CONFLICT})
+# Stops of a whole group: SIGTERM, and a grace for every task to save at the same step. (So is
+# a preemption that every task saved for; one seen as a lost host left a broken group.)
+PLANNED = frozenset({Cause.STOPPED, Cause.CANCELLED})
 # The causes a spec may give a restart budget (retry.per_cause), in the order messages list them.
 BUDGETED = tuple(c.value for c in Cause if c in RETRYABLE)

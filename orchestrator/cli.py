@@ -100,6 +100,9 @@ def train(
     plain: Annotated[bool, typer.Option(help="Plain lines even on a terminal.")] = False,
     attach: Annotated[bool, typer.Option(
         help="Take over a running run whose controller died; its tasks kept training.")] = False,
+    resume: Annotated[str | None, typer.Option(
+        metavar="RUN", help="Continue an ended run from its newest checkpoint: a run id, or "
+        "'last' (the newest stopped, cancelled or failed run).")] = None,
     run_doctor: Annotated[bool, typer.Option(
         "--doctor/--no-doctor", help="Check every host first and stop on a blocking problem.")]
     = True,
@@ -110,7 +113,7 @@ def train(
     from orchestrator.console import summary as show_summary
 
     cluster = Cluster.from_spec(spec_file)
-    train_with = functools.partial(cluster.train, attach=attach, doctor=run_doctor,
+    train_with = functools.partial(cluster.train, attach=attach, resume=resume, doctor=run_doctor,
                                    on_doctor=lambda report: doctor_brief(out, report))
     if out.is_terminal and not plain:
         with LiveProgress(out) as live:

@@ -250,6 +250,8 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
         say("  learning   " + _lr_text(scaling))
     if "checkpoints" in document:
         say("  checkpoint " + document["checkpoints"]["summary"])
+    if "stop" in document:
+        say("  stop       " + document["stop"]["summary"])
     for t in tasks:
         chief = " (chief)" if t["is_chief"] else ""
         console.print(f"\n[{task_style(t['task'])}]{t['task']}[/]{chief}  {escape(t['host'])}  "

@@ -277,10 +277,22 @@ AUTO_MIRROR_MAX_BYTES = 1 << 30
 MIRROR_BUSY_MAX = 0.05
 
 
+def _keras_major(value: Any) -> Any:
+    """``keras: 3`` in YAML is an int; the field's values are strings."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 class ManagedJob(Model):
-    """The runtime builds, compiles and fits a tf_keras model from a user module."""
+    """The runtime builds and compiles the user module's model and trains it: a tf_keras model
+    with ``fit``, a Keras 3 model in the runtime's own distributed loop."""
 
     mode: Literal["managed"] = "managed"
+    keras: Literal["auto", "3", "2"] = Field(
+        default="auto",
+        description="Which Keras build_model() returns: 3 (import keras; trained in a distributed "
+        "custom loop, since Keras 3's fit fails under MultiWorkerMirroredStrategy), 2 (tf_keras; "
+        "fit), or auto (chosen by the model it returns; tf.keras is tf_keras then).",
+    )
     module: str = Field(
         pattern=MODULE_RE, description="Dotted module under workdir, e.g. examples.digits."
     )
@@ -302,12 +314,20 @@ class ManagedJob(Model):
     )
     progress_every_steps: int = Field(default=1, ge=1)
 
+    _keras = field_validator("keras", mode="before")(_keras_major)
+
 
 class CommandJob(Model):
     """Run an unmodified script (written as in TF's multi-worker tutorial) on every task."""
 
     mode: Literal["command"] = "command"
     command: tuple[str, ...] = Field(min_length=1)
+    keras: Literal["2", "3"] = Field(
+        default="2",
+        description="What tf.keras is in the script: 2 sets TF_USE_LEGACY_KERAS=1 (tf_keras, whose "
+        "fit works under MultiWorkerMirroredStrategy, as TF's tutorial scripts need); 3 leaves "
+        "it Keras 3 (for a script with its own training loop).",
+    )
     checkpoint_dir: str | None = Field(
         default=None,
         description="The directory the script checkpoints to (BackupAndRestore's backup_dir, "
@@ -315,6 +335,8 @@ class CommandJob(Model):
         "The chief's copy is verified and given to every task before a relaunch. Default: "
         "the run's directory, exported as ORCHESTRATE_CHECKPOINT_DIR.",
     )
+
+    _keras = field_validator("keras", mode="before")(_keras_major)
 
     @field_validator("checkpoint_dir")
     @classmethod
@@ -390,7 +412,10 @@ class Timeouts(Model):
         default=300.0, gt=0, description="Every task must report its first step within this."
     )
     stop_grace_s: float = Field(
-        default=5.0, ge=0, description="Wait after SIGTERM before SIGKILL (TF swallows TERM)."
+        default=60.0, ge=0,
+        description="A planned stop ('down', Ctrl-C, a preemption or maintenance notice) sends "
+        "SIGTERM: every task saves a checkpoint at the same step and exits; SIGKILL after this "
+        "long. The survivors of a crash are killed at once (the group is broken).",
     )
     hang_s: float = Field(
         default=600.0, gt=0,

@@ -234,6 +234,13 @@ class Store:
             )
         return run_id
 
+    def reopen_run(self, run_id: str) -> None:
+        """Mark an ended run running again, supervised by this process (``train --resume``)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE runs SET status='running', ended_at=NULL, message='', controller_pid=?"
+                " WHERE id=?", (os.getpid(), run_id))
+
     def finish_run(
         self, run_id: str, *, status: str, message: str = "",
         metrics: dict[str, float] | None = None, model_path: str = "",

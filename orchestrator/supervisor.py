@@ -22,7 +22,7 @@ from tenacity import (
 
 from orchestrator import paths
 from orchestrator import plan as planning
-from orchestrator.causes import RETRYABLE, Cause
+from orchestrator.causes import PLANNED, RETRYABLE, Cause
 from orchestrator.checkpoints import (
     CheckpointMirror,
     WorkerCommand,
@@ -37,7 +37,7 @@ from orchestrator.hosts import Host
 from orchestrator.launchers import launcher_for, launcher_named
 from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
-from orchestrator.remote.base import TaskHandle
+from orchestrator.remote.base import TaskHandle, TaskState
 from orchestrator.spec import ClusterSpec
 from orchestrator.state import AttemptRecord, Store
 from orchestrator.view import Listener, RunResult, RunView, TaskView, human_bytes
@@ -81,15 +81,18 @@ class Supervisor:
         self._mirror: CheckpointMirror | None = None
         self._beat = 0.0
         self._recovered: set[int] = set()  # attempts whose recovery figures are recorded
+        self._resumed_at = 0  # the first attempt of a 'train --resume'; 0 when not resumed
         self.launcher = launcher_for(spec)
         self._notify_lock = threading.RLock()  # the mirror thread notifies the listener too
 
     # -- the run ---------------------------------------------------------------------------
-    def run(self, run_id: str, *, attach: bool = False) -> RunResult:
+    def run(self, run_id: str, *, attach: bool = False, resume: bool = False) -> RunResult:
         """Supervise run ``run_id`` until it succeeds or its budget is spent.
 
         With ``attach``, first take over the run's last attempt as it is running now
-        (after the controller that started it died), then go on as usual.
+        (after the controller that started it died), then go on as usual. With ``resume``,
+        the ended run goes on from its newest checkpoint as its next attempt, with a fresh
+        retry budget.
         """
         started = self.clock()
         self.view.run_id = run_id
@@ -97,9 +100,12 @@ class Supervisor:
             paths.mirror_dir(self.spec.name, run_id), self.provider.runner, self._worker,
             mode=self.spec.checkpoint.mirror, on_mirrored=self._mirrored,
             on_pulling=self._pulling, on_off=self._say)
-        previous = self.store.attempts(run_id) if attach else []
-        self._causes.update(Cause(a.cause) for a in previous if a.cause in Cause._value2member_map_)
+        previous = self.store.attempts(run_id) if attach or resume else []
+        if attach:
+            self._causes.update(Cause(a.cause) for a in previous
+                                if a.cause in Cause._value2member_map_)
         base = len(previous)
+        self._resumed_at = base + 1 if resume else 0
         retrying = Retrying(
             stop=self._budget_spent,
             wait=wait_exponential_jitter(multiplier=self.spec.retry.backoff_initial_s,
@@ -214,13 +220,20 @@ class Supervisor:
             finished = watch.run()
         except AttemptFailed as failure:
             detected = time.time()
-            silent = self._stop_all(watched, watch)
+            if failure.saved_step is not None and self.store.run_status(run_id) == "stopped":
+                failure.cause = Cause.STOPPED  # 'down' TERMed the tasks before we noticed
+            self._check_preempted(failure)
+            silent = self._stop_all(watched, watch, planned=failure.cause in PLANNED
+                                    or failure.saved_step is not None
+                                    or failure.cause is Cause.PREEMPTED)
             failure = self._confirm(failure, silent)
             status = "stopped" if failure.cause is Cause.STOPPED else "failed"
             self._end_attempt(run_id, number, watched, status, failure, detected)
             raise failure from None
         except BaseException:
-            self._stop_all(watched, watch)
+            self._say("stopping every task: each saves a checkpoint at the same step "
+                      f"(up to {self.spec.timeouts.stop_grace_s:.0f}s)")
+            self._stop_all(watched, watch, planned=True)
             self._end_attempt(run_id, number, watched, "cancelled",
                               AttemptFailed(Cause.CANCELLED, "-", "interrupted"), time.time())
             raise
@@ -260,14 +273,21 @@ class Supervisor:
             self._record_recovery(run_id, number, w)
 
     # -- after a failure -------------------------------------------------------------------
-    def _stop_all(self, watched: list[Watched], watch: AttemptWatch) -> set[str]:
-        """Stop every task; returns the hosts that did not answer (during the attempt or now)."""
-        grace = self.spec.timeouts.stop_grace_s
+    def _stop_all(self, watched: list[Watched], watch: AttemptWatch, *, planned: bool) -> set[str]:
+        """Stop every task; returns the hosts that did not answer (during the attempt or now).
+
+        A planned stop (``down``, Ctrl-C, a task's saved stop) sends SIGTERM and waits up to
+        ``timeouts.stop_grace_s`` for every task to save at the same step and exit; after a
+        crash the group is broken (nothing to save), so the survivors are killed at once.
+        """
+        grace = self.spec.timeouts.stop_grace_s if planned else 0.0
 
         def stop(w: Watched) -> None:
             if w.unreachable is None:
                 try:
-                    self.launcher.stop(w.runner, w.handle, grace)
+                    status = self.launcher.stop(w.runner, w.handle, grace)
+                    if status.state is TaskState.EXITED:
+                        w.status = status  # the record keeps how it ended (75: saved on TERM)
                     return
                 except OrchestratorError:
                     w.unreachable = "did not answer when it was being stopped"
@@ -277,6 +297,18 @@ class Supervisor:
             list(pool.map(stop, watched))
         watch.drain()
         return {w.plan.host.name for w in watched if w.unreachable is not None}
+
+    def _check_preempted(self, failure: AttemptFailed) -> None:
+        """A lost host whose VM the cloud is taking back (a spot VM stopping): its tasks got
+        SIGTERM as it shut down, so the others are saving at the step they agreed on and must
+        be given the grace, not killed."""
+        if failure.cause is not Cause.HOST_LOST or not failure.host:
+            return
+        host = self._host(failure.host)
+        if self.provider.host_health(host) is HostHealth.PREEMPTED:
+            self._broken_hosts.add(host.name)
+            failure.cause = Cause.PREEMPTED
+            failure.detail = f"{host.name} was preempted (spot VM reclaimed); " + failure.detail
 
     def _confirm(self, failure: AttemptFailed, silent: set[str]) -> AttemptFailed:
         """Ask the provider about a lost host (preempted?), and spot code failing the same way.
@@ -290,6 +322,13 @@ class Supervisor:
                 or not self._answers(failure.host)):
             failure.cause = Cause.HOST_LOST
             failure.detail = f"host {failure.host} stopped answering as its task vanished"
+        if failure.saved_step is not None and failure.cause is Cause.PREEMPTED and failure.host:
+            # The task's host may be going away (a spot VM's ACPI shutdown): repair it first.
+            host = self._host(failure.host)
+            health = self.provider.host_health(host)
+            if health is not HostHealth.RUNNING:
+                self._broken_hosts.add(host.name)
+                failure.detail += f"; {host.name} is {health.value}"
         if failure.cause is Cause.HOST_LOST and failure.host:
             host = self._host(failure.host)
             health = self.provider.host_health(host)
@@ -334,7 +373,7 @@ class Supervisor:
         for host_name, handle in orphans:
             host = self._host(host_name)
             try:  # a task that was cut off with its host may still run there, holding its port
-                self.launcher.stop(self.provider.runner(host), handle, self.spec.timeouts.stop_grace_s)
+                self.launcher.stop(self.provider.runner(host), handle, 0.0)
             except OrchestratorError as exc:
                 self._say(f"could not stop an earlier task on {host_name}: {exc}")
 
@@ -454,8 +493,12 @@ class Supervisor:
         previous = self.store.attempts(run_id)[number - 2]
         if previous.failed_at is None or chief.first_progress_at is None:
             return
-        recovery = chief.first_progress_at - previous.failed_at
         lost = max(0, (previous.last_step or 0) - (chief.start_step or 0))
+        if number == self._resumed_at:  # the time since the stop is a person's, not ours
+            self.store.update_attempt(run_id, number - 1, steps_lost=lost)
+            self._say(f"resumed at step {chief.start_step or 0}; {lost} step(s) redone")
+            return
+        recovery = chief.first_progress_at - previous.failed_at
         self.store.update_attempt(run_id, number - 1, recovery_s=recovery, steps_lost=lost)
         self._say(f"recovered in {recovery:.1f}s from {previous.cause}; {lost} step(s) redone")
 

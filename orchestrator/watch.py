@@ -52,7 +52,7 @@ class AttemptFailed(Exception):
         self, cause: Cause, task: str, detail: str, *, exit_code: int | None = None,
         evidence: str = "", failed_at: float | None = None, host: str | None = None,
         port: tuple[str, int] | None = None, before_first_step: bool = False,
-        vanished: bool = False, connection_lost: bool = False,
+        vanished: bool = False, connection_lost: bool = False, saved_step: int | None = None,
     ) -> None:
         super().__init__(f"{cause.value}: {task}: {detail}")
         self.cause = cause
@@ -66,6 +66,8 @@ class AttemptFailed(Exception):
         self.before_first_step = before_first_step
         self.vanished = vanished  # the task's process group was gone without an exit code
         self.connection_lost = connection_lost  # ... and the SSH connection dropped meanwhile
+        # Every task saved a checkpoint at this step on a SIGTERM, then exited: a planned stop.
+        self.saved_step = saved_step
 
     @property
     def signature(self) -> str:
@@ -98,6 +100,7 @@ class Watched:
     pending_since: float = 0.0
     last_event: Event | None = None
     checkpoint_step: int | None = None
+    stopped: Event | None = None  # the task saved at a step on a SIGTERM, and exits
 
     def __post_init__(self) -> None:
         if self.drops_alive < 0:  # started (or found) running: as of now
@@ -269,6 +272,9 @@ class AttemptWatch:
             view.metrics = dict(event.get("metrics") or {}) or view.metrics
         elif event.kind == "connected":
             view.state = "connected"
+        elif event.kind == "stopped":
+            w.stopped = event
+            view.state = "stopped"
         self.on_event(w, event)
         self.listener(self.view, event)
 
@@ -277,12 +283,17 @@ class AttemptWatch:
         failures = [f for f in map(self._task_failure, self.watched) if f is not None]
         if not failures:
             return None
-        primary = [f for f in failures if not _secondary(f)]
+        primary = [f for f in failures if not _secondary(f) and f.saved_step is None]
         if primary:
             return sorted(primary, key=_rank)[0]
         now = time.time()
         self._first_failure_seen = self._first_failure_seen or now
         running = [w for w in self.watched if not w.ended]
+        saved = [f for f in failures if f.saved_step is not None]
+        if saved:  # the others save at the same step and exit within moments: name who got TERM
+            if running and now - self._first_failure_seen < SETTLE_S:
+                return None
+            return self._saved_stop(saved[0])
         if now - self._first_failure_seen < SETTLE_S and running:
             return None  # peers fail within seconds of the real failure: let it show first
         return self._stuck_failure(running, failures[0]) or failures[0]
@@ -318,11 +329,31 @@ class AttemptWatch:
                                        ended_at - self.started < EARLY_S)
         make = functools.partial(AttemptFailed, evidence=self._evidence(w), failed_at=ended_at,
                                  before_first_step=early, exit_code=w.exit_code)
+        if w.stopped is not None:
+            step = int(w.stopped.get("step", 0))
+            return make(Cause.PREEMPTED, w.key, f"saved a checkpoint at step {step} on SIGTERM",
+                        saved_step=step, host=w.plan.host.name)
         if w.status is not None and w.status.state is TaskState.LOST:
             return make(Cause.CRASHED, w.key, "its process group vanished without an exit code "
                         "(killed as a whole)", vanished=True, host=w.plan.host.name,
                         connection_lost=w.runner.drops > w.drops_alive)
         return _classify(w, make)
+
+    def _saved_stop(self, first: AttemptFailed) -> AttemptFailed:
+        """Every task saved at one step because one got SIGTERM (from outside the controller:
+        a spot VM's shutdown, a maintenance event, a person): blame that one."""
+        signalled = [w for w in self.watched
+                     if w.stopped is not None and w.stopped.get("signal") == "SIGTERM"]
+        w = signalled[0] if signalled else self._by_key(first.task)
+        saved = sorted({int(x.stopped.get("step", 0)) for x in self.watched if x.stopped})
+        who = f"{w.key} on {w.plan.host.name} got SIGTERM" if signalled else \
+            "a task got SIGTERM"
+        return AttemptFailed(
+            Cause.PREEMPTED, w.key,
+            f"{who} (a spot VM's shutdown, a maintenance event, or a stop from outside); "
+            f"every task saved a checkpoint at step {'/'.join(map(str, saved))} and exited",
+            exit_code=w.exit_code, evidence=self._evidence(w), failed_at=first.failed_at,
+            host=w.plan.host.name, saved_step=saved[-1] if saved else first.saved_step)
 
     def _check_startup(self) -> None:
         late = [w.key for w in self.watched if not w.reached_step]

@@ -70,10 +70,26 @@ def test_the_managed_job_reaches_the_worker_as_json_with_checkpoint_and_collecti
     assert (job["module"], job["epochs"], job["per_replica_batch_size"]) == ("m", 3, 16)
 
 
-@pytest.mark.parametrize("job", [MANAGED, COMMAND])
-def test_both_runtimes_give_tasks_tf_keras_as_tf_keras(job: str) -> None:
+@pytest.mark.parametrize(("job", "legacy"), [
+    (MANAGED, "1"), (COMMAND, "1"),
+    ("job: {module: m, keras: auto}\n", "1"), ("job: {module: m, keras: 2}\n", "1"),
+    ("job: {module: m, keras: 3}\n", "0"), ("job: {command: python3 t.py, keras: 3}\n", "0"),
+    ("job: {command: python3 t.py, keras: '2'}\n", "1"),
+])
+def test_tf_keras_is_tf_keras_in_tasks_unless_the_job_says_keras_3(job: str, legacy: str) -> None:
     spec = parse(job)
-    assert runtime_for(spec.job).env(spec) == {"TF_USE_LEGACY_KERAS": "1"}
+    assert runtime_for(spec.job).env(spec) == {"TF_USE_LEGACY_KERAS": legacy}
+
+
+@pytest.mark.parametrize(("job", "field"), [
+    ("job: {module: m, keras: 4}\n", "job.keras"),
+    ("job: {module: m, keras: true}\n", "job.keras"),
+    ("job: {command: python3 t.py, keras: auto}\n", "job.command.keras"),
+])
+def test_a_keras_that_does_not_exist_is_refused_naming_the_field(job: str, field: str) -> None:
+    with pytest.raises(specs.SpecError) as caught:
+        parse(job)
+    assert field.rsplit(".", 1)[-1] in str(caught.value) and "keras" in str(caught.value)
 
 
 @pytest.mark.parametrize(("job", "reports_steps"), [(MANAGED, True), (COMMAND, False)])
@@ -82,7 +98,8 @@ def test_only_the_managed_runtime_reports_steps(job: str, reports_steps: bool) -
 
 
 @pytest.mark.parametrize(("job", "runtime", "total_steps", "summary"), [
-    (MANAGED, "tf_keras", 30, "managed: m, 3 epoch(s) x 10 steps = 30 steps, optimizer adam"),
+    (MANAGED, "tf_keras", 30, "managed: m, 3 epoch(s) x 10 steps = 30 steps, optimizer adam, "
+     "Keras auto (by the model build_model() returns)"),
     (COMMAND, "command", None, "command: python3 train.py --epochs 3 (TF_CONFIG set for it)"),
 ])
 def test_describe_gives_the_plan_the_job_its_length_and_one_line(

@@ -106,8 +106,10 @@ def launch_script(spec: LaunchSpec) -> str:
     rc, rc_tmp = shlex.quote(spec.rc_path), shlex.quote(spec.rc_path + ".tmp")
     pid = shlex.quote(spec.pid_path)
     log = shlex.quote(spec.log_path)
+    # ``trap : TERM``: a planned stop TERMs the whole group; the task saves and exits, and this
+    # shell must outlive it to record its exit code (a trap with a command is not inherited).
     inner = (
-        f"echo $$ >{pid}.tmp && mv -f {pid}.tmp {pid}; "
+        f"trap : TERM; echo $$ >{pid}.tmp && mv -f {pid}.tmp {pid}; "
         f"( cd {shlex.quote(spec.cwd)} && exec {quote_argv(spec.argv)} ) >>{log} 2>&1 </dev/null; "
         f"echo $? >{rc_tmp} && mv -f {rc_tmp} {rc}"
     )
@@ -197,14 +199,16 @@ class Runner(ABC):
         self.run(f"kill -{sig} -{handle.pgid} 2>/dev/null; true")
 
     def stop(self, handle: TaskHandle, grace_s: float = 5.0) -> TaskStatus:
-        """TERM the task's process group, then KILL it if still alive after ``grace_s``.
+        """TERM the task's process group, then KILL it if still alive after ``grace_s``;
+        ``grace_s`` 0 kills it at once (a broken group has nothing to save).
 
-        TensorFlow's preemption notifier swallows SIGTERM, so the KILL is routine.
+        A managed task saves a checkpoint on TERM (every task at the same step) and exits.
         """
         status = self.poll(handle)
         if status.state is not TaskState.RUNNING:
             return status
-        self.signal(handle, "TERM")
+        if grace_s > 0:
+            self.signal(handle, "TERM")
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             if not self._group_alive(handle):

@@ -19,6 +19,12 @@ J = TypeVar("J", bound=BaseModel)
 LEGACY_KERAS_ENV: Mapping[str, str] = {"TF_USE_LEGACY_KERAS": "1"}
 
 
+def keras_env(keras: str) -> dict[str, str]:
+    """What ``tf.keras`` is in a task, by the job's ``keras``: Keras 3 for "3", else tf_keras
+    (for "auto" too: a module that writes tf.keras means the Keras whose fit() works)."""
+    return {"TF_USE_LEGACY_KERAS": "0"} if keras == "3" else dict(LEGACY_KERAS_ENV)
+
+
 @dataclass(frozen=True)
 class BatchScaling:
     """A job's batch size and learning rate, and how they follow the replicas in sync.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 
-from orchestrator.runtimes.base import LEGACY_KERAS_ENV, DoctorRules, JobDescription, JobRuntime
+from orchestrator.runtimes.base import DoctorRules, JobDescription, JobRuntime, keras_env
 from orchestrator.spec import ClusterSpec, CommandJob
 
 PYTHON_NAMES = ("python", "python3")  # a command starting with one runs the tasks' interpreter
@@ -25,7 +25,8 @@ class CommandRuntime(JobRuntime[CommandJob]):
         return (python, "-m", "worker", self.mode, "--", *command)
 
     def env(self, spec: ClusterSpec) -> dict[str, str]:
-        return dict(LEGACY_KERAS_ENV)  # the tutorial's tf.keras fit works under MWMS as tf_keras
+        # By default the tutorial's tf.keras fit works under MWMS: as tf_keras.
+        return keras_env(self.job_of(spec).keras)
 
     def describe(self, job: CommandJob) -> JobDescription:
         return JobDescription(runtime=self.name, settings=job.model_dump(mode="json"),

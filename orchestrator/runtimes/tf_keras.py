@@ -1,23 +1,29 @@
-"""The tf_keras fit runtime (``mode: managed``): the worker builds, compiles and fits the user's
-tf_keras model under MultiWorkerMirroredStrategy, with BackupAndRestore checkpoints."""
+"""The managed runtime (``mode: managed``): the worker builds and compiles the user's model under
+MultiWorkerMirroredStrategy and trains it: a tf_keras model with ``fit`` and BackupAndRestore,
+a Keras 3 model in the worker's own distributed loop (Keras 3's fit fails under MWMS). On
+SIGTERM every task saves a checkpoint at the same step and exits."""
 
 from __future__ import annotations
 
 import json
 
 from orchestrator.runtimes.base import (
-    LEGACY_KERAS_ENV,
     BatchScaling,
     DoctorRules,
     JobDescription,
     JobRuntime,
     MatchingPackage,
+    keras_env,
 )
 from orchestrator.spec import ClusterSpec, ManagedJob
 
 TF_KERAS = MatchingPackage(
     "tf_keras", "tf-keras",
     "managed jobs train with tf_keras (Keras 3's fit fails under MultiWorkerMirroredStrategy)")
+
+
+_KERAS = {"auto": "auto (by the model build_model() returns)", "3": "3 (distributed custom loop)",
+          "2": "2 (tf_keras fit)"}
 
 
 class TfKerasFit(JobRuntime[ManagedJob]):
@@ -35,14 +41,14 @@ class TfKerasFit(JobRuntime[ManagedJob]):
         return (python, "-m", "worker", self.mode, "--job", json.dumps(payload, sort_keys=True))
 
     def env(self, spec: ClusterSpec) -> dict[str, str]:
-        return dict(LEGACY_KERAS_ENV)
+        return keras_env(self.job_of(spec).keras)
 
     def describe(self, job: ManagedJob) -> JobDescription:
         total = job.epochs * job.steps_per_epoch
         return JobDescription(
             runtime=self.name, settings=job.model_dump(mode="json"), total_steps=total,
             summary=f"managed: {job.module}, {job.epochs} epoch(s) x {job.steps_per_epoch} "
-                    f"steps = {total} steps, optimizer {job.optimizer}")
+                    f"steps = {total} steps, optimizer {job.optimizer}, Keras {_KERAS[job.keras]}")
 
     def scaling(self, job: ManagedJob) -> BatchScaling:
         return BatchScaling(per_replica_batch_size=job.per_replica_batch_size,
