@@ -222,7 +222,7 @@ class Supervisor:
             detected = time.time()
             if failure.saved_step is not None and self.store.run_status(run_id) == "stopped":
                 failure.cause = Cause.STOPPED  # 'down' TERMed the tasks before we noticed
-            self._check_preempted(failure)
+            self._check_preempted(failure, watched)
             silent = self._stop_all(watched, watch, planned=failure.cause in PLANNED
                                     or failure.saved_step is not None
                                     or failure.cause is Cause.PREEMPTED)
@@ -298,17 +298,38 @@ class Supervisor:
         watch.drain()
         return {w.plan.host.name for w in watched if w.unreachable is not None}
 
-    def _check_preempted(self, failure: AttemptFailed) -> None:
-        """A lost host whose VM the cloud is taking back (a spot VM stopping): its tasks got
-        SIGTERM as it shut down, so the others are saving at the step they agreed on and must
-        be given the grace, not killed."""
-        if failure.cause is not Cause.HOST_LOST or not failure.host:
+    def _check_preempted(self, failure: AttemptFailed, watched: list[Watched]) -> None:
+        """Whether a VM the cloud is taking back (a spot VM stopping) is behind the failure.
+
+        Its tasks got SIGTERM as its guest shut down, so every task is saving at the step they
+        agreed on and must be given the grace, not killed; the VM is repaired first. After a
+        saved stop, the hosts of the tasks that did not say so are asked too: a stopping VM's
+        own 'stopped' event may never be read (its sshd is the first to go).
+        """
+        if failure.cause is Cause.HOST_LOST and failure.host:
+            suspects = [failure.host]
+        elif failure.saved_step is not None:
+            quiet = [w.plan.host.name for w in watched if w.stopped is None]
+            suspects = list(dict.fromkeys([*quiet, failure.host or ""]))
+        else:
             return
-        host = self._host(failure.host)
-        if self.provider.host_health(host) is HostHealth.PREEMPTED:
-            self._broken_hosts.add(host.name)
-            failure.cause = Cause.PREEMPTED
-            failure.detail = f"{host.name} was preempted (spot VM reclaimed); " + failure.detail
+        health = {name: self.provider.host_health(self._host(name))
+                  for name in filter(None, suspects)}
+        if failure.saved_step is not None:  # any host not answering is repaired before the next
+            self._broken_hosts.update(n for n, h in health.items() if h is not HostHealth.RUNNING)
+        for name, state in health.items():
+            if state is not HostHealth.PREEMPTED:
+                continue
+            self._broken_hosts.add(name)
+            task = next(w.key for w in watched if w.plan.host.name == name)
+            if failure.saved_step is not None:
+                failure.detail = (f"{name} was preempted (spot VM reclaimed): {task} got SIGTERM "
+                                  f"as it shut down; every task saved a checkpoint at step "
+                                  f"{failure.saved_step}")
+            else:
+                failure.detail = f"{name} was preempted (spot VM reclaimed); " + failure.detail
+            failure.cause, failure.task, failure.host = Cause.PREEMPTED, task, name
+            return
 
     def _confirm(self, failure: AttemptFailed, silent: set[str]) -> AttemptFailed:
         """Ask the provider about a lost host (preempted?), and spot code failing the same way.
@@ -322,13 +343,6 @@ class Supervisor:
                 or not self._answers(failure.host)):
             failure.cause = Cause.HOST_LOST
             failure.detail = f"host {failure.host} stopped answering as its task vanished"
-        if failure.saved_step is not None and failure.cause is Cause.PREEMPTED and failure.host:
-            # The task's host may be going away (a spot VM's ACPI shutdown): repair it first.
-            host = self._host(failure.host)
-            health = self.provider.host_health(host)
-            if health is not HostHealth.RUNNING:
-                self._broken_hosts.add(host.name)
-                failure.detail += f"; {host.name} is {health.value}"
         if failure.cause is Cause.HOST_LOST and failure.host:
             host = self._host(failure.host)
             health = self.provider.host_health(host)

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.remote.base import LaunchSpec, TaskState
+from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
 from orchestrator.remote.local import LocalRunner, live_group_members
 
 SWALLOW_TERM = (
@@ -108,3 +108,40 @@ def test_task_outlives_the_controller_that_started_it(tmp_path: Path) -> None:
     finally:
         runner.stop(handle, grace_s=0.5)
     assert live_group_members(pgid) == []
+
+
+def test_a_task_that_saves_on_term_has_its_exit_code_recorded_and_hup_does_not_kill_it(
+        tmp_path: Path) -> None:
+    # A guest's shutdown sends the session TERM and then HUP at once: the task must live on
+    # to save, and the wrapper must outlive it to write the exit code.
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(75)))\n"
+            "print('up', flush=True); time.sleep(60)")
+    runner, spec = launch(tmp_path, code)
+    handle = runner.start(spec)
+    wait_for(lambda: b"up" in runner.read_log(handle, 0)[0])
+    runner.signal(handle, "TERM")
+    runner.signal(handle, "HUP")
+    wait_for(lambda: runner.poll(handle).state is TaskState.EXITED)
+    assert runner.poll(handle).exit_code == 75
+
+
+def test_a_reused_group_id_is_never_signalled_nor_taken_for_the_task(tmp_path: Path) -> None:
+    # The task's group is long gone and its id now leads someone else's group: a later
+    # 'down' (or a stop after a reboot) must leave that group alone.
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        wait_for(lambda: Path(f"/proc/{stranger.pid}/cmdline").read_bytes().startswith(b"sleep"))
+        runner = LocalRunner()
+        _, spec = launch(tmp_path, "pass")
+        handle = TaskHandle("localhost", stranger.pid, spec.log_path, spec.rc_path)
+        assert runner.poll(handle).state is TaskState.LOST
+        assert Runner.poll(runner, handle).state is TaskState.LOST  # the shell version
+        runner.stop(handle, grace_s=0)
+        Runner.signal(runner, handle, "KILL")
+        assert stranger.poll() is None  # alive: neither version touched it
+        mine = TaskHandle("localhost", stranger.pid, spec.log_path, "sleep")  # in its cmdline
+        assert Runner.poll(runner, mine).state is TaskState.RUNNING
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -108,8 +108,11 @@ def launch_script(spec: LaunchSpec) -> str:
     log = shlex.quote(spec.log_path)
     # ``trap : TERM``: a planned stop TERMs the whole group; the task saves and exits, and this
     # shell must outlive it to record its exit code (a trap with a command is not inherited).
+    # ``trap '' HUP`` (inherited, as nohup does): a guest's shutdown (systemd, a spot VM's
+    # ACPI soft off) sends its SSH session scope TERM and then HUP at once; HUP must not kill
+    # a task that is saving on TERM.
     inner = (
-        f"trap : TERM; echo $$ >{pid}.tmp && mv -f {pid}.tmp {pid}; "
+        f"trap '' HUP; trap : TERM; echo $$ >{pid}.tmp && mv -f {pid}.tmp {pid}; "
         f"( cd {shlex.quote(spec.cwd)} && exec {quote_argv(spec.argv)} ) >>{log} 2>&1 </dev/null; "
         f"echo $? >{rc_tmp} && mv -f {rc_tmp} {rc}"
     )
@@ -185,7 +188,7 @@ class Runner(ABC):
         exited = f"echo exited $(cat {rc}) $(stat -c %Y {rc})"
         script = (
             f"if [ -f {rc} ]; then {exited}; "
-            f"elif kill -0 -{handle.pgid} 2>/dev/null; then echo running; "
+            f"elif {_ours(handle)} && kill -0 -{handle.pgid} 2>/dev/null; then echo running; "
             f"elif [ -f {rc} ]; then {exited}; else echo lost; fi"
         )
         return _parse_status(self.run(script).stdout)
@@ -196,7 +199,7 @@ class Runner(ABC):
                         timeout_s=timeout_s).stdout.strip()
 
     def signal(self, handle: TaskHandle, sig: str) -> None:
-        self.run(f"kill -{sig} -{handle.pgid} 2>/dev/null; true")
+        self.run(f"{_ours(handle)} && kill -{sig} -{handle.pgid} 2>/dev/null; true")
 
     def stop(self, handle: TaskHandle, grace_s: float = 5.0) -> TaskStatus:
         """TERM the task's process group, then KILL it if still alive after ``grace_s``;
@@ -222,7 +225,8 @@ class Runner(ABC):
         return self.poll(handle)
 
     def _group_alive(self, handle: TaskHandle) -> bool:
-        return self.run(f"kill -0 -{handle.pgid} 2>/dev/null", check=False).ok
+        return self.run(f"{_ours(handle)} && kill -0 -{handle.pgid} 2>/dev/null",
+                        check=False).ok
 
     def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
         """Bytes of the task's log from ``offset``; returns them and the new offset."""
@@ -230,6 +234,31 @@ class Runner(ABC):
         result = self.run(f"[ -f {log} ] && tail -c +{offset + 1} {log} || true")
         data = result.stdout.encode()
         return data, offset + len(data)
+
+
+def _ours(handle: TaskHandle) -> str:
+    """A shell test: process group ``handle.pgid`` is still the task's, not a reused id.
+
+    A task's group outlives a controller that remembers it (``down`` of an old run, a task
+    left on a host that was cut off, a rebooted VM); its id may by then lead someone else's
+    group. The group's leader is the launch wrapper, whose command line holds the task's rc
+    path: while a process with the id lives and does not hold it, the id is someone else's.
+    (Linux hands out no pid that is still a group's id, so a leaderless group is the task's.)
+    """
+    rc = shlex.quote(handle.rc_path)
+    cmdline = f"/proc/{handle.pgid}/cmdline"
+    return (f"{{ c=$(tr '\\0' ' ' <{cmdline} 2>/dev/null); [ -z \"$c\" ] || "
+            f"printf %s \"$c\" | grep -qF -- {rc}; }}")
+
+
+def owns_group(handle: TaskHandle) -> bool:
+    """``_ours`` for this machine, read directly."""
+    try:
+        with open(f"/proc/{handle.pgid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return True  # no leader: the group, if any, is leaderless, so the task's
+    return not cmdline or handle.rc_path.encode() in cmdline
 
 
 def _parse_status(text: str) -> TaskStatus:

@@ -10,7 +10,14 @@ import subprocess
 from pathlib import Path
 
 from orchestrator.errors import RemoteError
-from orchestrator.remote.base import ExecResult, Runner, TaskHandle, TaskState, TaskStatus
+from orchestrator.remote.base import (
+    ExecResult,
+    Runner,
+    TaskHandle,
+    TaskState,
+    TaskStatus,
+    owns_group,
+)
 from worker.probes import group_members
 
 
@@ -51,11 +58,13 @@ class LocalRunner(Runner):
         return _exited(handle.rc_path) or TaskStatus(TaskState.LOST)  # it may just have ended
 
     def signal(self, handle: TaskHandle, sig: str) -> None:
+        if not owns_group(handle):
+            return  # the id now leads someone else's group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(handle.pgid, getattr(signal, "SIG" + sig))
 
     def _group_alive(self, handle: TaskHandle) -> bool:
-        return any(True for _ in live_group_members(handle.pgid))
+        return owns_group(handle) and any(True for _ in live_group_members(handle.pgid))
 
     def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
         try:
