@@ -505,12 +505,12 @@ class Supervisor:
     def _record_recovery(self, run_id: str, number: int, chief: Watched) -> None:
         """Time from the last failure to this attempt's first step, and the steps redone."""
         previous = self.store.attempts(run_id)[number - 2]
-        if previous.failed_at is None or chief.first_progress_at is None:
-            return
         lost = max(0, (previous.last_step or 0) - (chief.start_step or 0))
         if number == self._resumed_at:  # the time since the stop is a person's, not ours
             self.store.update_attempt(run_id, number - 1, steps_lost=lost)
             self._say(f"resumed at step {chief.start_step or 0}; {lost} step(s) redone")
+            return
+        if previous.failed_at is None or chief.first_progress_at is None:
             return
         recovery = chief.first_progress_at - previous.failed_at
         self.store.update_attempt(run_id, number - 1, recovery_s=recovery, steps_lost=lost)

@@ -273,7 +273,8 @@ class AttemptWatch:
         elif event.kind == "connected":
             view.state = "connected"
         elif event.kind == "stopped":
-            w.stopped = event
+            w.stopped = event  # it trained up to the step it saved at (maybe unreported)
+            w.step = max(w.step, int(event.get("step", 0)))
             view.state = "stopped"
         self.on_event(w, event)
         self.listener(self.view, event)

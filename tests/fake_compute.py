@@ -21,7 +21,8 @@ operation, or at the request as HTTP 403 ``quotaExceeded``), ``set_global_quota(
 (``GPUS_ALL_REGIONS``, "Limit: 0.0 globally"), ``os_login(enabled, enforced)`` (the guest then
 ignores ``ssh-keys`` unless the instance's ``enable-oslogin`` is FALSE and no org policy forces
 it), ``disable_api()`` (403 ``accessNotConfigured``), ``deny(permission)``,
-``withhold(zone, machine_type)``, ``preempt(name)`` (STOPPING, then TERMINATED after ``stop_s``),
+``withhold(zone, machine_type)``, ``preempt(name, after_s=None)`` (STOPPING and the guest told to
+shut down at once, TERMINATED once it is down or ``stop_s``, 30 s, later at the latest),
 ``suspend(name)`` (SUSPENDED: ``start`` refuses it, ``resume`` brings it back),
 ``early_waits`` (``operations.wait`` answers at once, before DONE, as the real one may),
 ``retire_image(image, state)`` and ``withhold_accelerator(zone, type)`` (the catalog that
@@ -40,7 +41,9 @@ Backing: ``FakeCompute(backing=[LabBacking(h) for h in hostlab.hosts(3)])`` give
 instance the next free lab host: its IP becomes the instance's internal (and external) IP,
 its host key is published as the guest attributes ``hostkeys/<type>`` once the instance runs
 (with ``enable-guest-attributes``), and the keys of the ``ssh-keys`` metadata are authorised on
-it, as Google's guest agent does. Preemption and deletion kill the lab host; a start heals it;
+it, as Google's guest agent does. Preemption shuts the lab host down (``LabHost.shut_down()``:
+SIGTERM to its processes, SIGHUP to those of SSH logins) and kills what is left when the VM
+powers off; deletion kills the lab host; a start heals it;
 a lab host handed to a second instance gets a new host key and an empty home (a new disk).
 Instances without backing get addresses in 10.128.0.0/16 and a generated host key.
 """
@@ -109,6 +112,10 @@ class Backing(Protocol):
 
     def authorize(self, pubkey_line: str) -> None: ...
 
+    def shut_down(self) -> None: ...
+
+    def is_down(self) -> bool: ...
+
     def power_off(self) -> None: ...
 
     def power_on(self) -> None: ...
@@ -128,6 +135,13 @@ class LabBacking:
 
     def authorize(self, pubkey_line: str) -> None:
         self.host.authorize(pubkey_line)
+
+    def shut_down(self) -> None:
+        """The ACPI soft off: the guest OS shuts down (see ``LabHost.shut_down``)."""
+        self.host.shut_down()
+
+    def is_down(self) -> bool:
+        return self.host.is_down()
 
     def power_off(self) -> None:
         self.host.kill()
@@ -217,7 +231,12 @@ class FakeCompute:
         self._os_login = (False, False)  # (on for the project, forced by an org policy)
         self._api_disabled = False
         self.host_key_delay_s = host_key_delay_s
-        self.stop_s = 0.2
+        # A preempted guest's time to shut down before Compute Engine forces it off: the 30 s
+        # between ACPI G2 soft off and G3 mechanical off of a spot VM (scheduling.
+        # skipGuestOsShutdown false); and how long a guest whose processes have all ended
+        # takes to power itself off (an unbacked VM's guest is done at once).
+        self.stop_s = 30.0
+        self.halt_s = 0.2
         self.early_waits = False
         self._denied: set[str] = set()
         self._withheld: set[tuple[str, str]] = set()
@@ -321,18 +340,46 @@ class FakeCompute:
         with self._cv:
             self._withheld.add((zone, machine_type))
 
-    def preempt(self, name: str) -> None:
-        """Take a spot VM back, as Compute Engine does: STOPPING at once (the guest is told to
-        shut down), TERMINATED ``stop_s`` later, when its machine dies."""
+    def preempt(self, name: str, *, after_s: float | None = None) -> None:
+        """Take a spot VM back, as Compute Engine does: the instance is STOPPING at once and
+        its guest gets an ACPI G2 soft off, so the guest OS shuts down (the backing's
+        ``shut_down()``: SIGTERM to its processes); the VM is TERMINATED (its machine killed)
+        ``halt_s`` after the guest has no process left, or ``after_s`` (default ``stop_s``,
+        30 s) after the notice at the latest, when Compute Engine forces it off (ACPI G3).
+        A VM whose ``scheduling.instanceTerminationAction`` is DELETE is then deleted."""
         with self._cv:
             vm = self._find(name)
             scheduling = vm.body.get("scheduling", {})
             assert scheduling.get("provisioningModel") == "SPOT" or scheduling.get("preemptible"), \
                 f"{name} is not a spot VM"
+            assert vm.body["status"] == "RUNNING", f"{name} is {vm.body['status']}, not RUNNING"
             vm.body["status"] = "STOPPING"
             self._record_op(vm.project, f"zones/{vm.zone}", "compute.instances.preempted",
                             vm.body["selfLink"], done=True)
-        self._later(self.stop_s, lambda: self._power_off(vm, "TERMINATED"))
+        if vm.backing is not None:
+            vm.backing.shut_down()
+        deadline = time.monotonic() + (self.stop_s if after_s is None else after_s)
+        self._later(0.0, lambda: self._finish_preemption(vm, deadline))
+
+    def _finish_preemption(self, vm: _Vm, deadline: float) -> None:
+        """Wait for the guest to be down (or for ``deadline``), then power the VM off."""
+        while time.monotonic() < deadline:
+            if vm.backing is None or vm.backing.is_down():
+                if self._closed.wait(min(self.halt_s, max(0.0, deadline - time.monotonic()))):
+                    return
+                break
+            if self._closed.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+                return
+        with self._cv:
+            key = (vm.project, vm.zone, vm.body["name"])
+            if self._vms.get(key) is not vm or vm.body["status"] != "STOPPING":
+                return  # deleted (or otherwise handled) in the meantime
+        self._power_off(vm, "TERMINATED")
+        if vm.body.get("scheduling", {}).get("instanceTerminationAction") == "DELETE":
+            with self._cv:
+                if self._vms.get(key) is vm:
+                    del self._vms[key]
+                    self._release_backing(vm)
 
     def suspend(self, name: str) -> None:
         """Suspend a VM (as ``instances.suspend`` or a maintenance policy does): SUSPENDED."""

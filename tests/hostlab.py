@@ -38,7 +38,9 @@ directory on the way to the interpreter, its library and its site-packages that 
 not enter gets a POSIX ACL entry for that user alone, removed when the lab closes).
 
 Fault tools on a :class:`LabHost`: ``kill()`` (SIGKILL every process in the
-namespace, sshd included), ``restart_sshd()``, ``cut()``/``restore()`` (link
+namespace, sshd included: a power loss), ``shut_down()`` (the guest OS shutting down on an
+ACPI soft off: SIGTERM to every process, SIGHUP too to those of SSH logins, as systemd
+does; ``is_down()`` says when none is left), ``restart_sshd()``, ``cut()``/``restore()`` (link
 down/up), ``throttle(rate, to=address)``/``unthrottle()`` (a slow link to one
 address, e.g. ``hostlab.bridge_address``: a controller outside the cloud),
 ``rotate_host_key()``, and ``run(cmd)`` (a command inside the host).
@@ -132,6 +134,39 @@ def _kill_namespace(namespace: str) -> None:
         _kill(pids)
         time.sleep(0.02)
     raise LabError(f"processes keep appearing in namespace {namespace}: {_netns_pids(namespace)}")
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _parent(pid: int) -> int:
+    """The parent pid of ``pid`` (0 if it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(stat[stat.rindex(b")") + 2 :].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _of_ssh_login(pid: int, listener: int | None) -> bool:
+    """Whether ``pid`` belongs to an SSH login: a process of the listening sshd's line
+    (the per-connection sshds and what they run), or one whose environment sshd made
+    (``SSH_CONNECTION``: a task detached with ``setsid`` keeps it, as it stays in the
+    login's session-N.scope on a systemd machine)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if b"\0SSH_CONNECTION=" in b"\0" + f.read():
+                return True
+    except OSError:
+        return False
+    seen = 0
+    while listener is not None and pid > 1 and seen < 64:
+        pid, seen = _parent(pid), seen + 1
+        if pid == listener:
+            return True
+    return False
 
 
 def _login_pids(user: str) -> list[int]:
@@ -338,6 +373,56 @@ class LabHost:
         assert self.namespace is not None
         _kill_namespace(self.namespace)
         self._reap_sshd()
+
+    def shut_down(self, *, hangup: bool = True) -> None:
+        """Start the guest OS's shutdown, as an ACPI soft off (a spot VM's preemption notice)
+        makes systemd do it: every process of the host is signalled now, none is killed; what
+        still runs keeps running (and the link stays up) until ``kill()``, the power off.
+
+        On shutdown systemd stops every unit at once (nothing orders the ones below after each
+        other), each as its kill settings say (systemd.kill(5)); so here, per process:
+
+        - the listening sshd (Debian's ssh.service has ``KillMode=process``): SIGTERM alone.
+          It stops accepting logins; the connections it forked are not its unit's to stop.
+        - an SSH login's processes, i.e. the per-connection sshds and all they started, tasks
+          detached with ``setsid`` included (pam_systemd put the whole login in a
+          session-N.scope; a new session or process group does not leave a cgroup): SIGTERM
+          (with SIGCONT), then at once SIGHUP, because logind makes session scopes with
+          ``SendSIGHUP=yes`` ("since bash and friends tend to ignore SIGTERM"). Open SSH
+          connections drop; a task must ignore or handle SIGHUP as well to outlive the hangup
+          and save. ``hangup=False`` sends SIGTERM alone, as a non-systemd init would.
+        - any other process (started as root with ``run()`` or ``ip netns exec``, as a system
+          service would be): SIGTERM (with SIGCONT) alone.
+
+        Processes forked while this runs are signalled as well, for a few passes (systemd
+        re-reads a cgroup until no new process shows up). Without a namespace this skips like
+        ``kill()``.
+        """
+        self.lab.require_partition()
+        assert self.namespace is not None
+        listener = self.sshd.pid if self.sshd is not None and self.sshd.poll() is None else None
+        signalled: set[int] = set()
+        for _ in range(5):
+            fresh = [pid for pid in _netns_pids(self.namespace) if pid not in signalled]
+            if not fresh:
+                return
+            logins = [pid for pid in fresh if pid != listener and _of_ssh_login(pid, listener)]
+            for pid in fresh:
+                _signal(pid, signal.SIGTERM)
+                _signal(pid, signal.SIGCONT)
+            if hangup:
+                for pid in logins:
+                    _signal(pid, signal.SIGHUP)
+            signalled.update(fresh)
+
+    def is_down(self) -> bool:
+        """Whether no process of the host is left (after ``shut_down()``: the guest is done
+        and would power itself off)."""
+        if self.sshd is not None:
+            self.sshd.poll()  # reap the listener if it has exited
+        if not self.namespace:
+            return not self.sshd_running and not _login_pids(self.user)
+        return not _netns_pids(self.namespace)
 
     def cut(self) -> None:
         """Take the host's network link down: it stops answering, nothing is closed."""

@@ -104,15 +104,23 @@ def check_checkpoints(record: dict[str, Any]) -> None:
         assert isinstance(size["relaunch_capped"]["goal_met"], bool)
 
 
+def check_keras3(record: dict[str, Any]) -> None:
+    result = record["results"]
+    assert measured(result["tf_keras_fit_steps_per_s"]) and measured(result["keras3_loop_steps_per_s"])
+    assert result["ratio"] > 0 and isinstance(result["goal_met"], bool)
+    assert all(loss is not None and loss > 0 for loss in result["final_loss"].values())
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "launch": check_launch, "steady": check_steady, "recovery": check_recovery,
     "peer": check_peer, "provision": check_provision, "controller": check_controller,
     "control_path": check_control_path, "checkpoints": check_checkpoints,
+    "keras3": check_keras3,
 }
 
 
 MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
-         "peer": [pytest.mark.tf], "controller": [pytest.mark.ssh],
+         "peer": [pytest.mark.tf], "keras3": [pytest.mark.tf], "controller": [pytest.mark.ssh],
          "control_path": [pytest.mark.ssh], "checkpoints": [pytest.mark.ssh, pytest.mark.tf]}
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_compute import FakeCompute, LabBacking
@@ -15,6 +18,7 @@ from hostlab import HostLab, LabHost
 
 from orchestrator.api import Cluster
 from orchestrator.events import Event
+from orchestrator.providers.base import HostHealth
 from orchestrator.providers.gcp.compute import ENDPOINT_ENV
 from orchestrator.providers.gcp.provider import GcpProvider
 from orchestrator.view import RunView
@@ -92,28 +96,47 @@ def test_up_reaches_each_vm_with_its_published_host_key_and_a_second_up_attaches
 def test_up_train_preempt_recover_down(hostlab: HostLab, lab_hosts: list[LabHost],
                                        fake: FakeCompute, tmp_path: Path,
                                        orchestrate_home: Path) -> None:
+    """A spot VM preempted mid-training: its guest shuts down (SIGTERM to the task, as the ACPI
+    soft off makes systemd do), every task saves at the step they agree on and stops, the VM is
+    started again and the next attempt resumes at exactly that step: no step is redone."""
     path = write_spec(tmp_path, hostlab,
                       job={"module": "examples.digits", "epochs": 2, "steps_per_epoch": 40,
                            "progress_every_steps": 1},
                       checkpoint={"every_steps": 10},
                       retry={"max_restarts": 2, "backoff_initial_s": 0.5, "backoff_max_s": 2},
-                      timeouts={"stop_grace_s": 2})
+                      timeouts={"stop_grace_s": 20})
     up = cli("up", str(path), home=orchestrate_home, endpoint=fake.url)
     assert up.returncode == 0, up.stdout + up.stderr
     preempted: list[int] = []
+    stopped: dict[str, int] = {}  # task -> the step it saved at, from its "stopped" event
+    checkpoints: list[int] = []  # the chief's checkpoint steps in attempt 1 (it alone saves)
 
     def listener(view: RunView, event: Event | None) -> None:
-        if (event is not None and event.kind == "progress" and event.task == "worker:2"
-                and event.attempt == 1 and event.get("step") >= 25 and not preempted):
+        if event is None or event.attempt != 1:
+            return
+        if event.kind == "stopped":
+            stopped[event.task] = event.get("step")
+        if event.kind == "checkpoint":
+            checkpoints.append(event.get("step"))
+        if (event.kind == "progress" and event.task == "worker:2"
+                and event.get("step") >= 25 and not preempted):
             preempted.append(event.get("step"))
-            fake.preempt("gcp-e2e-2")
+            fake.preempt("gcp-e2e-2")  # the guest has the real 30 s to shut down
 
     cluster = Cluster.from_spec(path)
     result = cluster.train(listener=listener).wait()
-    assert preempted and result.status == "succeeded"
+    assert preempted and result.status == "succeeded", result
     first, second = result.attempts[:2]
-    assert (first.cause, first.failed_task) == ("preempted", "worker:2")
-    assert second.resumed_from_step and second.resumed_from_step > 0
+    seen = [(a.number, a.cause, a.failed_task, a.detail, a.last_step, a.resumed_from_step,
+             a.steps_lost) for a in result.attempts]
+    assert (first.cause, first.failed_task) == ("preempted", "worker:2"), seen
+    # Every task saved at one step (worker:2's own event is on its VM, whose sshd stopped at
+    # the shutdown), and that is the chief's last checkpoint.
+    assert stopped and len(set(stopped.values())) == 1, (stopped, seen)
+    (saved,) = set(stopped.values())
+    assert saved >= preempted[0] and checkpoints and checkpoints[-1] == saved, (checkpoints, seen)
+    assert second.resumed_from_step == saved, seen
+    assert first.steps_lost == 0, seen  # nothing redone
     assert len(set(result.digests.values())) == 1
     assert fake.calls["instances.start"] == 1 and fake.calls["instances.bulkInsert"] == 1
     assert len(fake.operations("compute.instances.preempted")) == 1
@@ -122,6 +145,57 @@ def test_up_train_preempt_recover_down(hostlab: HostLab, lab_hosts: list[LabHost
     assert down.returncode == 0, down.stdout + down.stderr
     assert "removed VM us-central1-a/gcp-e2e-2" in down.stdout
     assert fake.instances(LABEL) == [] and fake.firewalls() == []
+
+
+# Writes its pid, then each signal it gets, to the file $1; never exits by itself.
+SIGNAL_LOG = """trap 'echo TERM >>"$1"' TERM
+trap 'echo HUP >>"$1"' HUP
+echo "ready $$" >>"$1"
+while :; do sleep 1 & wait $!; done
+"""
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+    return value
+
+
+def signals_in(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_preempted_vm_signals_its_guest_processes_then_powers_off(
+        hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path) -> None:
+    path = write_spec(tmp_path, hostlab, workers=1, boot_timeout_s=30,
+                      job={"module": "examples.digits"})
+    cluster = Cluster.from_spec(path)
+    (host,) = cluster.up()
+    provider = cluster.provider
+    assert isinstance(provider, GcpProvider)
+    log = Path(host.root, "signals")  # the VM's own disk, seen from here (hosts share files)
+    provider.runner(host).run(  # over SSH, detached in a session of its own, as a task is
+        f"setsid sh -c {shlex.quote(SIGNAL_LOG)} sh {log} >/dev/null 2>&1 </dev/null &")
+    pid = int(wait_for(lambda: signals_in(log)[1:2], "the task started")[0])
+
+    fake.preempt("gcp-e2e-0", after_s=10)  # the task ignores SIGTERM: forced off after 10 s
+    assert [vm["status"] for vm in fake.instances()] == ["STOPPING"]
+    assert provider.host_health(host) is HostHealth.PREEMPTED
+    wait_for(lambda: {"TERM", "HUP"} <= set(signals_in(log)), "SIGTERM and SIGHUP reached the task")
+    assert running(pid)  # told, not killed: the machine is still on
+    wait_for(lambda: [vm["status"] for vm in fake.instances()] == ["TERMINATED"], "TERMINATED")
+    wait_for(lambda: not running(pid), "the power off killed the task")
+    cluster.down()
+    assert fake.instances() == []
 
 
 def test_a_project_with_os_login_on_still_takes_the_cluster_key(
@@ -157,7 +231,7 @@ def test_a_restarted_vm_is_reached_with_the_host_key_recorded_at_creation(
     hosts = cluster.up()
     provider = cluster.provider
     assert isinstance(provider, GcpProvider)
-    fake.preempt("gcp-e2e-1")  # STOPPING, then TERMINATED; the guest publishes nothing on restart
+    fake.preempt("gcp-e2e-1", after_s=5)  # STOPPING, TERMINATED; no host keys on the restart
     repaired = provider.repair(hosts[1], deadline_s=30)
     assert repaired.ssh and hosts[1].ssh and repaired.ssh.host_keys == hosts[1].ssh.host_keys
     assert provider.runner(repaired).run(["true"]).exit_code == 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
+import shlex
 import socket
 import subprocess
 import sys
@@ -59,6 +61,18 @@ def tcp_connects(address: str, port: int) -> bool:
     return True
 
 
+def children_in(host: LabHost, parent: int) -> list[int]:
+    """The processes of ``host`` whose parent is ``parent``."""
+    pids = subprocess.run(["ip", "netns", "pids", str(host.namespace)], capture_output=True,
+                          text=True).stdout.split()
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(pid))
+    return found
+
+
 def dead(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -111,6 +125,69 @@ def test_kill_stops_sshd_and_every_process_then_hosts_heals_it(hostlab: HostLab)
         pytest.raises(HostUnreachableError),
     ):
         r.run(["true"])
+    hostlab.hosts(2)
+    assert host.sshd_running
+
+
+# Writes its pid, then each signal it gets, to the file $1; never exits by itself.
+SIGNAL_LOG = """trap 'echo TERM >>"$1"' TERM
+trap 'echo HUP >>"$1"' HUP
+echo "ready $$" >>"$1"
+while :; do sleep 1 & wait $!; done
+"""
+
+
+def detached(script: str, *args: str) -> str:
+    """A command line that starts ``sh -c script args`` in a session of its own and returns."""
+    return f"setsid sh -c {shlex.quote(script)} sh {shlex.join(args)} >/dev/null 2>&1 </dev/null &"
+
+
+def wait_for_lines(path: Path, wanted: set[str], timeout: float = 20) -> list[str]:
+    """The lines of ``path`` once they include ``wanted`` (the first word of each counts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = path.read_text().split("\n") if path.exists() else []
+        if wanted <= {line.split(" ")[0] for line in lines if line}:
+            return [line for line in lines if line]
+        assert time.monotonic() < deadline, f"{path} never held {sorted(wanted)}: {lines}"
+        time.sleep(0.05)
+
+
+@pytest.mark.netns
+def test_shut_down_terms_every_process_hangs_up_ssh_logins_and_kills_nothing(
+        hostlab: HostLab, tmp_path: Path) -> None:
+    user = hostlab.plain_user()
+    host = hostlab.hosts(2)[1]
+    login_log, service_log = Path(host.plain_home, "signals"), tmp_path / "service-signals"
+    login_log.unlink(missing_ok=True)
+    service = in_namespace(host, "sh", "-c", SIGNAL_LOG, "sh", str(service_log))
+    with SSHRunner(host.name, host.endpoint(user=user)) as r:  # detached, in a session of its own
+        r.run(detached(SIGNAL_LOG, str(login_log)))
+    task = int(wait_for_lines(login_log, {"ready"})[0].split()[1])
+    wait_for_lines(service_log, {"ready"})
+    with SSHRunner(host.name, host.endpoint(connect_timeout_s=1.0), connect_deadline_s=1.5) as open_:
+        assert open_.run(["true"]).exit_code == 0
+        assert host.sshd is not None
+        connection = children_in(host, host.sshd.pid)  # the open connection's own sshd
+        assert connection
+        host.shut_down()
+        # the login's processes get SIGTERM and SIGHUP (session scope), a service SIGTERM alone
+        assert sorted(wait_for_lines(login_log, {"TERM", "HUP"})[1:]) == ["HUP", "TERM"]
+        assert wait_for_lines(service_log, {"TERM"})[1:] == ["TERM"]
+        deadline = time.monotonic() + 10
+        while host.sshd_running or tcp_connects(host.address, host.port):  # sshd took its TERM
+            assert time.monotonic() < deadline, "the listening sshd outlived SIGTERM"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while not all(dead(pid) for pid in connection):  # the open connection is hung up
+            assert time.monotonic() < deadline, "an SSH connection outlived the shutdown"
+            time.sleep(0.05)
+        with pytest.raises(HostUnreachableError):
+            open_.run(["true"])
+    assert not dead(task) and service.poll() is None and not host.is_down()  # nothing killed
+    host.kill()  # the power off
+    assert dead(task) and service.wait(5) == -9 and host.is_down()
+    assert service_log.read_text().split("\n")[1:] == ["TERM", ""]
     hostlab.hosts(2)
     assert host.sshd_running
 

@@ -22,8 +22,9 @@ def run_command(argv: list[str]) -> int:
     The chief's checkpoints (in ORCHESTRATE_CHECKPOINT_DIR, the directory the spec names)
     are reported as events as the script writes them, so that the controller can copy them.
     """
-    # tf.keras is tf_keras in the script: the Keras whose fit() works under MWMS.
-    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    # Unless the job says Keras 3, tf.keras is tf_keras in the script: the Keras whose fit()
+    # works under MWMS.
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     checkpoints = os.environ.get("ORCHESTRATE_CHECKPOINT_DIR", "")
     if checkpoints and not check_checkpoint_storage(checkpoints):
         return STORAGE_ERROR

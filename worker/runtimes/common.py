@@ -1,21 +1,30 @@
 """What every runtime of the worker shares: its entry in the CLI, MultiWorkerMirroredStrategy over
-gRPC RING, which task is the chief, the final save and the error event."""
+gRPC RING, which task is the chief and where it checkpoints, the save on SIGTERM, the final save
+and the error event."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from worker.events import emit
 
 Phase = str  # "connect", "build", "train", "save": where an error happened
+
+STOPPED_EXIT = 75
+"""The exit code of a task that saved a checkpoint on SIGTERM (its own or a peer's) and stopped.
+Every task of the group saved at the same step, so relaunching the group loses no step
+(75 is EX_TEMPFAIL: try again)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,11 @@ def create_strategy(tf: Any, collective_timeout_s: float | None = None) -> Any:
         implementation=tf.distribute.experimental.CommunicationImplementation.RING,
         timeout_seconds=collective_timeout_s,
     )
-    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    # Connecting installed TF's C++ SIGTERM notifier, which swallows the signal. Until the
+    # runtime's Preemption takes SIGTERM over, a SIGTERM ends the task, as it did before.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return strategy
 
 
 def is_chief(strategy: Any) -> bool:
@@ -50,6 +63,99 @@ def is_chief(strategy: Any) -> bool:
     task_type, task_id = resolver.task_type, resolver.task_id
     has_chief = "chief" in resolver.cluster_spec().as_dict()
     return bool(task_type == "chief" or (not has_chief and task_type == "worker" and task_id == 0))
+
+
+def checkpoint_dirs(strategy: Any, base: str) -> tuple[str, str]:
+    """(where every task restores from, where this task writes), in tf_keras BackupAndRestore's
+    layout: the chief writes ``base/chief``, another task ``base/workertemp_<task id>``, which
+    it removes after each save. Every task must save (saving reads synced variables
+    collectively); only the chief's copy is kept."""
+    chief = os.path.join(base, "chief")
+    if is_chief(strategy):
+        return chief, chief
+    return chief, os.path.join(base, f"workertemp_{strategy.cluster_resolver.task_id}")
+
+
+def remove_dir(tf: Any, path: str) -> None:
+    """Remove a directory (a path or a gs:// URL) if it exists."""
+    if tf.io.gfile.exists(path):
+        tf.io.gfile.rmtree(path)
+
+
+class Preemption:
+    """tf.distribute's PreemptionCheckpointHandler, made to stop the group on SIGTERM anywhere.
+
+    When any task gets SIGTERM, its handler agrees a step with every peer through TF's
+    coordination service; each task trains up to that step, saves (``save``, which returns
+    the step and epoch saved), reports it and exits with STOPPED_EXIT. The chief emits
+    ``checkpoint`` (``reason: "stop"``); every task emits ``stopped`` {step, signal:
+    "SIGTERM" where it was received, else "peer"}.
+
+    The handler's constructor asks the GCE metadata server which platform it runs on (up to
+    5 s; on a GCE CPU VM the handler then does nothing, on a GCE GPU VM it polls for
+    maintenance events instead of SIGTERM). Detection is pinned to this machine's devices
+    while it is built, so SIGTERM is the trigger everywhere. Grace period 0: stop at the next
+    step. The handler's own restore reads an empty checkpoint (the runtime restores its
+    state itself, from the chief's directory on every task), and its step counter is set to
+    the real step at every call.
+    """
+
+    def __init__(self, tf: Any, strategy: Any, chief_dir: str,
+                 save: Callable[[], tuple[int, int]]) -> None:
+        self._save, self._saved = save, (0, 0)
+        self._chief, self._chief_dir = is_chief(strategy), chief_dir
+        self.signalled = False
+        config = tf.distribute.experimental.TerminationConfig(
+            exit_fn=self._exit, grace_period=0, save_fn=self._save_at_stop)
+        nothing = tf.train.CheckpointManager(tf.train.Checkpoint(), chief_dir, max_to_keep=1)
+        with _platform_of_this_machine(tf):
+            self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+                strategy.cluster_resolver, nothing, termination_config=config)
+        self._tell_peers = signal.getsignal(signal.SIGTERM)  # the handler's own
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def run(self, step: int, train_step: Callable[..., Any], *args: Any) -> Any:
+        """``train_step(*args)`` (one step), first saving and exiting if the group agreed to
+        stop at ``step`` (the steps done so far)."""
+        self._handler._run_counter = step
+        return self._handler.run(train_step, *args)
+
+    def check(self, step: int) -> None:
+        """Save and exit if the group agreed to stop at ``step``, the step just done."""
+        self._handler._run_counter = step
+        self._handler.save_checkpoint_if_preempted()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.signalled = True
+        if callable(self._tell_peers):
+            self._tell_peers(signum, frame)
+
+    def _save_at_stop(self) -> None:
+        self._saved = self._save()
+
+    def _exit(self) -> None:
+        step, epoch = self._saved
+        if self._chief:
+            emit("checkpoint", step=step, epoch=epoch, path=self._chief_dir, reason="stop")
+        emit("stopped", step=step, signal="SIGTERM" if self.signalled else "peer")
+        sys.stderr.flush()
+        # At once, not through the interpreter's shutdown: destroying a distributed input
+        # iterator whose prefetch is inside a py_function waits for the GIL forever.
+        os._exit(STOPPED_EXIT)
+
+
+@contextlib.contextmanager
+def _platform_of_this_machine(tf: Any) -> Iterator[None]:
+    from tensorflow.python.distribute.failure_handling import failure_handling_util as util
+
+    platform = (util.PlatformDevice.INTERNAL_GPU if tf.config.list_logical_devices("GPU")
+                else util.PlatformDevice.INTERNAL_CPU)
+    detect = util.detect_platform
+    util.detect_platform = lambda: platform
+    try:
+        yield
+    finally:
+        util.detect_platform = detect
 
 
 def save_model(strategy: Any, model: Any) -> str:

@@ -1,0 +1,251 @@
+"""Keras 3 across workers and stops that lose no step, driven through the orchestrator the way a
+user drives it: real TensorFlow, MultiWorkerMirroredStrategy over gRPC RING, local processes
+and sshd hosts in network namespaces logged into as an unprivileged user.
+
+The worker's side alone (hand-launched tasks, the loop's arithmetic) is in
+tests/test_keras3_worker.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import REPO, events_in, write_spec
+from hostlab import HostLab
+
+from orchestrator.api import Cluster
+from orchestrator.errors import RunFailed
+from orchestrator.events import Event, parse_line
+from orchestrator.state import Store
+from orchestrator.view import RunResult, RunView
+
+pytestmark = pytest.mark.tf
+
+KERAS3 = ("{module: examples.keras3_digits, keras: 3, epochs: 2, steps_per_epoch: 40, "
+          "progress_every_steps: 1, deterministic: true}")
+# The same job, every batch taking at least DIGITS_PACE_S, so that a test acting at a step acts
+# while training still runs (the pace adds 0.0: the weights come out bit-identical).
+PACED_KERAS3 = KERAS3.replace("examples.keras3_digits", "tests.workloads.paced_keras3_digits")
+PACED_TF_KERAS = ("{module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 40, "
+                  "progress_every_steps: 1}")
+
+
+def local_spec(tmp_path: Path, name: str, job: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: {name}
+        workdir: {REPO}
+        workers: 2
+        job: {job}
+        checkpoint: {{every_steps: 10}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
+        timeouts: {{startup_s: 180, stop_grace_s: 30}}
+        env: {{DIGITS_PACE_S: "0.05"}}
+        """))
+    return path
+
+
+def events_of(log: str) -> list[Event]:
+    return [e for e in map(parse_line, Path(log).read_text().splitlines()) if e is not None]
+
+
+def at_step(step: int, act: Callable[[int], None], task: str = "worker:1"
+            ) -> Callable[[RunView, Event | None], None]:
+    """A listener that calls ``act(pid of task)`` once, when ``task`` of attempt 1 reports
+    ``step``."""
+    pids: dict[str, int] = {}
+    done: list[int] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if event is None or event.attempt != 1:
+            return
+        if event.kind == "started":
+            pids[event.task] = int(event.get("pid"))
+        if event.kind == "progress" and event.task == task and event.get("step") >= step \
+                and not done:
+            done.append(event.get("step"))
+            act(pids[task])
+
+    return listener
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """The deterministic Keras 3 job, never interrupted: what every broken run must end as."""
+    tmp = tmp_path_factory.mktemp("unbroken")
+    home = tmp / "home"
+    previous = os.environ.get("ORCHESTRATE_HOME")
+    os.environ["ORCHESTRATE_HOME"] = str(home)
+    try:
+        return Cluster.from_spec(local_spec(tmp, "k3-unbroken", KERAS3)).train(doctor=False).wait()
+    finally:
+        if previous is None:
+            os.environ.pop("ORCHESTRATE_HOME")
+        else:
+            os.environ["ORCHESTRATE_HOME"] = previous
+
+
+def test_a_keras3_model_trains_on_two_workers_to_one_model_that_loads_anywhere(
+        unbroken: RunResult) -> None:
+    assert unbroken.status == "succeeded" and len(unbroken.attempts) == 1
+    assert len(set(unbroken.digests.values())) == 1  # every worker holds the same weights
+    chief_log = unbroken.attempts[0].tasks[0].log
+    losses = [e.get("loss") for e in events_of(chief_log) if e.kind == "progress"]
+    assert losses[-1] < losses[0] * 0.5  # it learned
+    built = next(e for e in events_of(chief_log) if e.kind == "built")
+    assert built.get("replicas") == 2 and built.get("global_batch_size") == 64
+    assert unbroken.model_path.endswith("model.keras")
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, keras; m = keras.saving.load_model(sys.argv[1]); "
+         "print(type(m).__name__, m.count_params())", unbroken.model_path],
+        capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["Functional", str(built.get("parameters"))]
+
+
+def test_a_killed_keras3_worker_resumes_from_the_chiefs_checkpoint_bit_identical(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    path = local_spec(tmp_path, "k3-kill", PACED_KERAS3)
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL))
+    result = Cluster.from_spec(path).train(listener=listener, doctor=False).wait()
+
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    checkpoints = [e.get("step") for e in events_of(first.tasks[0].log) if e.kind == "checkpoint"]
+    assert second.resumed_from_step == checkpoints[-1] > 0  # from the chief's, not from 0
+    assert second.resumed_from_step <= first.last_step < 80
+    resumed = [e for e in events_of(second.tasks[1].log) if e.kind == "resumed"]
+    assert resumed[0].get("step") == checkpoints[-1]  # the other worker restored the chief's
+    assert set(result.digests.values()) == set(unbroken.digests.values())  # bit-identical
+
+
+def test_sigterm_to_one_keras3_worker_saves_every_task_at_one_step_and_redoes_none(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    path = local_spec(tmp_path, "k3-term", PACED_KERAS3)
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGTERM))
+    result = Cluster.from_spec(path).train(listener=listener, doctor=False).wait()
+
+    first, second = result.attempts
+    stops = {t.task: [e.get("step") for e in events_of(t.log) if e.kind == "stopped"]
+             for t in first.tasks}
+    saved = stops["worker:1"][0]
+    assert stops == {"worker:0": [saved], "worker:1": [saved]} and saved >= 25
+    assert (first.cause, first.failed_task, first.exit_code) == ("preempted", "worker:1", 75)
+    assert f"every task saved a checkpoint at step {saved}" in first.detail
+    assert second.resumed_from_step == saved == first.last_step
+    assert first.steps_lost == 0
+    assert set(result.digests.values()) == set(unbroken.digests.values())
+
+
+def test_sigterm_to_one_tf_keras_worker_redoes_no_step(tmp_path: Path,
+                                                      orchestrate_home: Path) -> None:
+    path = local_spec(tmp_path, "k2-term", PACED_TF_KERAS)
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGTERM))
+    result = Cluster.from_spec(path).train(listener=listener, doctor=False).wait()
+
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("preempted", "worker:1")
+    saved = [e.get("step") for e in events_of(first.tasks[0].log) if e.kind == "stopped"]
+    assert saved and second.resumed_from_step == saved[0] == first.last_step
+    assert first.steps_lost == 0 and len(set(result.digests.values())) == 1
+
+
+def test_down_mid_run_saves_the_current_step_and_train_resume_redoes_none(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    path = local_spec(tmp_path, "k3-down", PACED_KERAS3)
+    def down(pid: int) -> None:  # from another controller, as 'orchestrate down' would
+        Cluster.from_spec(path).down()
+
+    listener = at_step(25, down)
+    with pytest.raises(RunFailed, match="stopped by 'orchestrate down'"):
+        Cluster.from_spec(path).train(listener=listener, doctor=False).wait()
+    run = Store().runs("k3-down")[0]
+    (attempt,) = run.attempts
+    assert run.status == attempt.status == "stopped"
+    saved = {t.task: [e.get("step") for e in events_of(t.log) if e.kind == "stopped"]
+             for t in attempt.tasks}
+    assert saved["worker:0"] == saved["worker:1"] and saved["worker:0"][0] >= 25
+    assert {t.exit_code for t in attempt.tasks} == {75}
+
+    result = Cluster.from_spec(path).train(resume="last", doctor=False).wait()
+    assert result.run_id == run.id and result.status == "succeeded"
+    first, second = result.attempts
+    assert second.resumed_from_step == saved["worker:0"][0] == first.last_step
+    assert first.steps_lost == 0
+    assert set(result.digests.values()) == set(unbroken.digests.values())
+
+
+@pytest.mark.ssh
+def test_keras3_on_three_ssh_hosts_as_a_plain_user_recovers_a_killed_worker(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    hosts = hostlab.hosts(3)
+    path = write_spec(tmp_path, hostlab, hosts, """\
+        name: k3-static
+        job: {module: tests.workloads.paced_keras3_digits, epochs: 2, steps_per_epoch: 30,
+              progress_every_steps: 1}
+        env: {DIGITS_PACE_S: "0.05"}
+        checkpoint: {every_steps: 10}
+        retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 30}
+        """, user=hostlab.plain_user())
+    cluster = Cluster.from_spec(path)
+    cluster.up()
+    listener = at_step(15, lambda pid: hosts[2].run(["kill", "-9", str(pid)]), task="worker:2")
+    result = cluster.train(listener=listener).wait()
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:2")
+    assert second.resumed_from_step and second.resumed_from_step % 10 == 0
+    for h, task in zip(hosts, second.tasks, strict=True):
+        assert task.log.startswith(h.plain_home)  # the unprivileged user's own home
+        resumed = [e for e in events_in(h, task.log) if e.kind == "resumed"]
+        assert resumed and resumed[0].get("step") == second.resumed_from_step
+    losses = [e.get("loss") for e in events_in(hosts[0], second.tasks[0].log)
+              if e.kind == "progress"]
+    assert losses[-1] < 1.0
+    assert len(set(result.digests.values())) == 1
+    assert Path(result.model_path).is_file()  # fetched from the chief host
+    cluster.down()
+
+
+COMPILED = """
+import keras
+def build_model():
+    model = keras.Sequential([keras.Input(shape=(4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+def make_dataset(global_batch_size, seed=None):
+    raise AssertionError("never reached")
+"""
+NOT_A_MODEL = """
+def build_model():
+    return "a model"
+def make_dataset(global_batch_size, seed=None):
+    raise AssertionError("never reached")
+"""
+
+
+@pytest.mark.parametrize(("module", "keras", "says"), [
+    (COMPILED, "auto", "compiled"),
+    (NOT_A_MODEL, "auto", "str"),
+    (None, "2", "job.keras is 2"),
+], ids=["compiled", "not a model", "keras mismatch"])
+def test_a_module_that_returns_the_wrong_thing_is_a_user_error_not_retried(
+        tmp_path: Path, orchestrate_home: Path, module: str | None, keras: str,
+        says: str) -> None:
+    if module is not None:
+        (tmp_path / "wrong.py").write_text(textwrap.dedent(module))
+    name = "examples.keras3_digits" if module is None else "wrong"
+    path = tmp_path / "cluster.yaml"
+    path.write_text(f"name: wrong\nworkers: 1\nworkdir: {tmp_path if module else REPO}\n"
+                    f"job: {{module: {name}, keras: '{keras}'}}\nretry: {{max_restarts: 3}}\n")
+    with pytest.raises(RunFailed) as info:
+        Cluster.from_spec(path).train(doctor=False)
+    assert says in str(info.value)
+    run = Store().get_run(info.value.run_id)
+    assert len(run.attempts) == 1 and run.attempts[0].cause == "user_error"
