@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,9 +157,11 @@ def test_sigterm_to_one_tf_keras_worker_redoes_no_step(tmp_path: Path,
     assert first.steps_lost == 0 and len(set(result.digests.values())) == 1
 
 
+@pytest.mark.parametrize("keras", ["3", "2"])
 def test_down_mid_run_saves_the_current_step_and_train_resume_redoes_none(
-        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
-    path = local_spec(tmp_path, "k3-down", PACED_KERAS3)
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult, keras: str) -> None:
+    path = local_spec(tmp_path, "k3-down", PACED_KERAS3 if keras == "3" else PACED_TF_KERAS)
+
     def down(pid: int) -> None:  # from another controller, as 'orchestrate down' would
         Cluster.from_spec(path).down()
 
@@ -178,7 +181,45 @@ def test_down_mid_run_saves_the_current_step_and_train_resume_redoes_none(
     first, second = result.attempts
     assert second.resumed_from_step == saved["worker:0"][0] == first.last_step
     assert first.steps_lost == 0
-    assert set(result.digests.values()) == set(unbroken.digests.values())
+    if keras == "3":  # deterministic: as if never stopped
+        assert set(result.digests.values()) == set(unbroken.digests.values())
+
+
+def test_ctrl_c_on_train_saves_every_task_and_train_resume_redoes_none(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    path = local_spec(tmp_path, "k2-ctrl-c", PACED_TF_KERAS)
+    train = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain", "--no-doctor"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    try:
+        logs = orchestrate_home / "clusters" / "k2-ctrl-c" / "runs"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any(
+                e.kind == "progress" and e.get("step") >= 25
+                for log in logs.glob("*/logs/attempt-1/worker-0.log") for e in events_of(str(log))):
+            time.sleep(0.2)
+        train.send_signal(signal.SIGINT)
+        output, _ = train.communicate(timeout=120)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 130, output
+    assert "each saves a checkpoint at the same step" in output
+    run = Store().runs("k2-ctrl-c")[0]
+    assert run.status == "cancelled"
+    saved = {e.get("step") for t in run.attempts[0].tasks for e in events_of(t.log)
+             if e.kind == "stopped"}
+    assert len(saved) == 1 and {t.exit_code for t in run.attempts[0].tasks} == {75}
+
+    again = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain", "--no-doctor",
+         "--resume", "last"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    (step,) = saved
+    assert f"resumed at step {step}; 0 step(s) redone" in again.stdout
+    first, second = Store().get_run(run.id).attempts
+    assert second.resumed_from_step == step and first.steps_lost == 0
 
 
 @pytest.mark.ssh
