@@ -13,19 +13,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from orchestrator import containers
 from orchestrator import doctor as doctoring
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.doctor import DoctorReport, TensorFlowImport
-from orchestrator.errors import StateError
+from orchestrator.errors import OrchestratorError, StateError
 from orchestrator.events import Event, LineBuffer, parse_line
 from orchestrator.hosts import Host
 from orchestrator.launchers import launcher_named
 from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.providers import DownReport, Provider, for_spec
 from orchestrator.remote.base import TaskState
-from orchestrator.runtimes import runtime_for
-from orchestrator.spec import ClusterSpec
+from orchestrator.runtimes import GpuDescription, resolve_gpus, runtime_for
+from orchestrator.spec import ClusterSpec, Container
 from orchestrator.state import AttemptRecord, ClusterRecord, RunRecord, Store, TaskRecord
 from orchestrator.supervisor import Supervisor
 from orchestrator.view import Listener, RunResult, RunView
@@ -191,6 +192,8 @@ class Cluster:
         """Create or attach to the hosts and prepare them; idempotent."""
         self._record("provisioning")
         hosts = self.provider.up()
+        if self.spec.container is not None:
+            containers.pull_all(hosts, self.provider.runner, self.spec.container)
         self._record("up", hosts)
         return hosts
 
@@ -252,6 +255,9 @@ class Cluster:
             "tasks": [_task_entry(plan, t) for t in plan.tasks],
             "checkpoints": _checkpoints_entry(plan),
             "stop": _stop_entry(self.spec),
+            "gpus": asdict(GpuDescription.of(self.spec.job)),
+            **({"container": _container_entry(self.spec.container)}
+               if self.spec.container is not None else {}),
         }
 
     def train(self, *, listener: Listener | None = None, wait: bool = True,
@@ -282,13 +288,17 @@ class Cluster:
         resumed = self._resumable(resume) if resume is not None else None
         if not attach:
             self.up()  # idempotent: re-syncs only what changed since the last up
+        spec = self.spec
         if doctor and not attach:
             report = self.doctor()
             if on_doctor is not None:
                 on_doctor(report)
             report.raise_if_blocking()
+            # collectives: auto, decided once from the GPUs found, so every task of every
+            # attempt agrees (without the doctor, each task decides by the GPUs it sees)
+            spec = resolve_gpus(spec, report.gpus_per_task)
         display = _notebook_display(listener, progress)
-        supervisor = Supervisor(self.spec, self.provider, self.store, workdir=self.workdir,
+        supervisor = Supervisor(spec, self.provider, self.store, workdir=self.workdir,
                                 listener=_both(display, listener))
         if resumed is not None:
             self.store.reopen_run(resumed)
@@ -345,6 +355,7 @@ class Cluster:
     def down(self) -> DownReport:
         """Stop every task this cluster started, then remove what ``up`` made."""
         stopped = self.stop_tasks()
+        stopped += self._remove_containers()
         report = self.provider.down()
         self._record("down")
         self.provider.close()
@@ -381,6 +392,31 @@ class Cluster:
             return []
         with ThreadPoolExecutor(max_workers=min(32, len(running))) as pool:
             return [line for line in pool.map(stop, running) if line is not None]
+
+    def _remove_containers(self) -> list[str]:
+        """Every container this cluster started on its hosts, found by label: those of tasks
+        no run record knows any more (a store that was lost, a launch cut short) included."""
+        runtimes = {task.launcher for run in self.store.runs(self.name, limit=50)
+                    for attempt in run.attempts for task in attempt.tasks
+                    if task.launcher in containers.RUNTIMES}
+        if self.spec.container is not None:
+            runtimes.add(self.spec.container.runtime)
+        if not runtimes:
+            return []
+        machines: dict[str, Host] = {}
+        for host in self.provider.hosts():
+            machines.setdefault(host.machine, host)
+
+        def remove(host: Host) -> list[str]:
+            try:
+                runner = self.provider.runner(host)
+                return [f"{host.name} container {name}" for rt in sorted(runtimes)
+                        for name in containers.remove_cluster(runner, rt, self.name)]
+            except OrchestratorError as exc:
+                return [f"{host.name}: containers not removed ({exc.message})"]
+
+        with ThreadPoolExecutor(max_workers=min(32, len(machines))) as pool:
+            return [line for lines in pool.map(remove, machines.values()) for line in lines]
 
     # -- inspection ----------------------------------------------------------------------
     def status(self) -> ClusterStatus:
@@ -484,6 +520,18 @@ def _stop_entry(spec: ClusterSpec) -> dict[str, Any]:
                 "(every task saves a checkpoint at the same step), " if saves else
                 "(the script's own SIGTERM handling), ") +
                 "then SIGKILL; after a crash the rest are killed at once")}
+
+
+def _container_entry(container: Container) -> dict[str, Any]:
+    """How the tasks run in the image (``orchestrate plan``)."""
+    pull = {"missing": "up pulls it on every host where it is missing",
+            "always": "up pulls it on every host every time",
+            "never": "it must be on every host already"}[container.pull]
+    gpus = {"auto": "GPUs passed in where the host has them", "all": "every GPU passed in",
+            "none": "no GPU passed in"}[container.gpus]
+    return {**container.model_dump(mode="json"),
+            "summary": f"{container.runtime} run {container.image} ({pull}; host network and "
+                       f"IPC, the task's directories mounted, {gpus})"}
 
 
 def _task_entry(plan: ClusterPlan, t: TaskPlan) -> dict[str, Any]:

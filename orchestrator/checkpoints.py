@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import containers
 from orchestrator.errors import OrchestratorError, RemoteError
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.remote.base import Runner, quote_argv
-from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, MIRROR_BUSY_MAX
+from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, MIRROR_BUSY_MAX, Container
 from worker.transfer import holds_checkpoint, listing, needed
 
 RunnerFor = Callable[[Host], Runner]
@@ -50,10 +51,16 @@ class WorkerCommand:
 
     python: str
     lib: str
+    container: Container | None = None
 
     def argv(self, module: str, *args: str, stdlib_only: bool = False) -> list[str]:
         """``stdlib_only``: a module that imports only the standard library starts without
-        ``site`` (-S), some tens of ms sooner: what a relaunch waits for, once per piece."""
+        ``site`` (-S), some tens of ms sooner: what a relaunch waits for, once per piece.
+        Others need TensorFlow: with ``container``, they run in the image (the absolute paths
+        among ``args`` mounted), since the host may have none."""
+        if self.container is not None and not stdlib_only:
+            return containers.worker_argv(self.container, [a for a in args if a.startswith("/")],
+                                          module, *args, pythonpath=self.lib)
         return ["env", f"PYTHONPATH={self.lib}", self.python, *(["-S"] if stdlib_only else []),
                 "-m", module, *args]
 

@@ -73,6 +73,9 @@ class PlainProgress:
             if now - self._last >= self.every_s or event.get("step") == view.total_steps:
                 self._last = now
                 self.console.print(_progress_line(view, event), markup=False, highlight=False)
+        elif event.kind == "built" and event.task == _chief(view) and replicas_text(view):
+            self.console.print(f"[{event.task}] {replicas_text(view)}", markup=False,
+                               highlight=False)
         elif event.kind in ("checkpoint", "resumed", "error"):
             self.console.print(f"[{event.task}] {event.kind}: {_event_text(event)}",
                                markup=False, highlight=False)
@@ -93,7 +96,8 @@ class RunFrame:
         self.bar.update(self._bar_id, completed=steps, total=view.total_steps,
                         description=f"attempt {view.attempt}")
         messages = [Text(m, style="dim") for m in view.messages[-4:]]
-        return Group(self.table(view), self.bar, *messages)
+        replicas = replicas_text(view)
+        return Group(self.table(view), self.bar, *([Text(replicas)] if replicas else []), *messages)
 
     @staticmethod
     def table(view: RunView) -> Table:
@@ -219,6 +223,24 @@ def summary(console: Console, result: RunResult) -> None:
                       markup=False, highlight=False, soft_wrap=True)
 
 
+def replicas_text(view: RunView) -> str:
+    """The replicas the tasks reported at connect, and what the batch and learning rate are
+    for them ("" until a task connected)."""
+    if view.replicas is None:
+        return ""
+    local = sorted({t.replicas for t in view.tasks.values() if t.replicas is not None})
+    per_task = f" ({local[0]} per task)" if len(local) == 1 else (
+        f" ({' or '.join(map(str, local))} per task)" if local else "")
+    text = f"{view.replicas} replica(s) in sync{per_task}"
+    if view.collectives:
+        text += f", {view.collectives.upper()} collectives"
+    if view.global_batch_size is not None:
+        text += f"; global batch {view.global_batch_size}"
+    if view.learning_rate is not None:
+        text += f", learning rate {view.learning_rate:g}"
+    return text
+
+
 def _chief(view: RunView) -> str:
     return next(iter(view.tasks), "")
 
@@ -252,6 +274,10 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
         say("  checkpoint " + document["checkpoints"]["summary"])
     if "stop" in document:
         say("  stop       " + document["stop"]["summary"])
+    if "gpus" in document:
+        say("  gpus       " + document["gpus"]["summary"])
+    if "container" in document:
+        say("  container  " + document["container"]["summary"])
     for t in tasks:
         chief = " (chief)" if t["is_chief"] else ""
         console.print(f"\n[{task_style(t['task'])}]{t['task']}[/]{chief}  {escape(t['host'])}  "
@@ -273,7 +299,8 @@ def _hosts_text(document: dict[str, Any]) -> str:
                 "'up' creates the missing ones")
     hosts = document["hosts"]
     if all(h["ssh"] is None for h in hosts):
-        return f"{len(hosts)} process(es) on this machine"
+        kind = "container(s)" if "container" in document else "process(es)"
+        return f"{len(hosts)} {kind} on this machine"
     listed = ", ".join(f"{h['name']} ({h['ssh']['user']}@{h['ssh']['address']}:{h['ssh']['port']})"
                        for h in hosts)
     return f"listed in the spec, reached over SSH: {listed}"
@@ -284,7 +311,8 @@ def _batch_text(s: dict[str, Any]) -> str:
             f"batch {s['global_batch_size']}")
     if not s["replicas_known"]:
         text += (" (assuming 1 replica per task, as on CPU hosts; each GPU of a host is a "
-                 "replica: 'orchestrate doctor' counts them)")
+                 "replica: 'orchestrate doctor' counts them, and train shows what the tasks "
+                 "report)")
     return text
 
 
@@ -358,8 +386,10 @@ def doctor_line(report: DoctorReport) -> str:
         return f"doctor: {len(report.hosts)} machine(s) checked"
     gpus = sum(len(h.gpus) for h in report.hosts)
     links = f", {_links_text(report)}" if report.links else ""
-    return (f"doctor: {len(report.hosts)} machine(s) ok in {report.seconds:.1f}s: python "
-            f"{first.python_version}, tensorflow {first.tf_version}, "
+    image = first.fact("container", "image_id")
+    stack = (f"image {str(image)[:19]}" if image else
+             f"python {first.python_version}, tensorflow {first.tf_version}")
+    return (f"doctor: {len(report.hosts)} machine(s) ok in {report.seconds:.1f}s: {stack}, "
             f"{gpus or 'no'} GPU(s){links}")
 
 
@@ -372,8 +402,11 @@ def _render_host(console: Console, h: HostCheck) -> None:
                       f"{escape(h.error)}", highlight=False, soft_wrap=True)
         return
     cuda = f" (built for CUDA {h.tf_cuda})" if h.tf_cuda else ""
-    say(f"  python {h.python_version} ({h.python}), tensorflow {h.tf_version or 'MISSING'}{cuda}, "
-        f"tf_keras {h.tf_keras_version or '-'}")
+    if h.fact("container"):  # the tasks run the image's Python and TensorFlow
+        say(f"  python {h.python_version} ({h.python}) on the host, for its checks")
+    else:
+        say(f"  python {h.python_version} ({h.python}), tensorflow {h.tf_version or 'MISSING'}"
+            f"{cuda}, tf_keras {h.tf_keras_version or '-'}")
     if h.gpus:
         seen = "" if h.tf_gpus is None else f"; TensorFlow sees {len(h.tf_gpus)}"
         models = ", ".join(f"{g.name} ({human_bytes((g.memory_mib or 0) << 20)})" for g in h.gpus)
@@ -381,6 +414,15 @@ def _render_host(console: Console, h: HostCheck) -> None:
     else:
         say(f"  GPUs: none ({h.fact('nvidia', 'error') or 'nvidia-smi lists none'}): tasks "
             "train on the CPU")
+    engine = h.fact("container")
+    if engine:
+        image = engine.get("image_id")
+        inside = {True: "; a container sees the GPUs", False: "; a container does NOT see the "
+                  "GPUs", None: ""}[engine.get("gpus_inside")]
+        say("  container: " + ("engine MISSING" if not engine.get("installed") else
+                               "engine NOT USABLE" if not engine.get("usable") else
+                               f"image {str(image)[:19]}" if image else "image not pulled yet")
+            + inside)
     free = human_bytes(h.free_bytes) if h.free_bytes is not None else "?"
     ports = ", ".join(f"{p['port']} {'free' if p['free'] else 'IN USE'}" for p in h.ports)
     say(f"  disk: {free} free for {h.fact('disk', 'path')}; ports: {ports}")

@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import worker as worker_package
+from orchestrator import containers
 from orchestrator.errors import CommandError, OrchestratorError
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.problems import Problem
 from orchestrator.remote.base import ExecResult, Runner
 from orchestrator.remote.fanout import FanOutResult, fan_out
-from orchestrator.runtimes import MatchingPackage, runtime_for
-from orchestrator.spec import ClusterSpec, is_url
+from orchestrator.runtimes import MatchingPackage, resolve_collectives, runtime_for
+from orchestrator.spec import ClusterSpec, Container, is_url
 from orchestrator.view import human_bytes
 
 PREFLIGHT = Path(worker_package.__file__).parent / "preflight.py"
@@ -125,10 +126,16 @@ class HostCheck:
         return list(self.fact("ports") or [])
 
     @property
-    def replicas(self) -> int:
-        """Replicas each task here would run: one per GPU TensorFlow sees, else one (CPU)."""
+    def gpu_count(self) -> int:
+        """GPUs each task here would use: those TensorFlow sees where it was imported, else
+        those nvidia-smi lists (every task of a machine sees all of them)."""
         seen = self.tf_gpus
-        return max(1, len(seen) if seen is not None else len(self.gpus))
+        return len(seen) if seen is not None else len(self.gpus)
+
+    @property
+    def replicas(self) -> int:
+        """Replicas each task here would run: one per GPU it uses, else one (CPU)."""
+        return max(1, self.gpu_count)
 
 
 @dataclass(frozen=True)
@@ -169,6 +176,13 @@ class DoctorReport:
         if not self.hosts or not all(h.checked for h in self.hosts):
             return None
         return sum(h.replicas * len(h.tasks) for h in self.hosts)
+
+    @property
+    def gpus_per_task(self) -> list[int] | None:
+        """The GPUs of every task, by host; None if a host was not checked."""
+        if not self.hosts or not all(h.checked for h in self.hosts):
+            return None
+        return [h.gpu_count for h in self.hosts for _ in h.tasks]
 
     def raise_if_blocking(self) -> None:
         if self.blocking:
@@ -249,15 +263,36 @@ def examine(
     errors = {r.name: r.error for r in reached.failed}
     live = [m for m in machines if m.name not in errors]
     storage = StorageCheck.of(spec, plan, machines)
+    if spec.container is not None:  # TensorFlow is the image's, not the host's
+        tensorflow = "never"
     answers = fan_out(live, lambda m: _preflight(m, live, runner(m.host), tensorflow, storage),
                       name_of=lambda m: m.name)
+    engines, engine_problems = (({}, []) if spec.container is None else
+                                _engines(spec.container, live, runner))
     checks = [_host_check(m, errors.get(m.name), answers) for m in machines]
+    checks = [replace(c, facts={**c.facts, "container": engines[c.name]})
+              if c.name in engines else c for c in checks]
     if storage is not None and storage.marker is not None:
         checks = _look_for_marker(storage, machines, checks, runner)
     links = _links(machines, checks)
-    problems = sorted([*found, *diagnose(spec, plan, checks, links)], key=lambda p: not p.blocking)
+    problems = sorted([*found, *diagnose(spec, plan, checks, links), *engine_problems],
+                      key=lambda p: not p.blocking)
     return DoctorReport(spec.name, provider, tuple(checks), tuple(links), tuple(problems),
                         time.monotonic() - started)
+
+
+def _engines(container: Container, live: Sequence[Machine], runner: Callable[[Host], Runner]
+             ) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
+    """The container engine on every machine (installed, usable, image, GPUs inside): its
+    facts by machine name, and their problems."""
+    asked = fan_out(live, lambda m: containers.examine(runner(m.host), container),
+                    name_of=lambda m: m.name)
+    facts = {r.name: r.value for r in asked.succeeded if r.value is not None}
+    found = containers.problems(container, facts, {m.name: m.host for m in live})
+    found += [Problem("container", f"{r.name}: {container.runtime} could not be asked: {r.error}",
+                      f"check {container.runtime} on {r.name}", hosts=(r.name,))
+              for r in asked.failed]
+    return {name: f.to_dict() for name, f in facts.items()}, found
 
 
 def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner,
@@ -441,11 +476,12 @@ def diagnose(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
              links: Sequence[Link]) -> list[Problem]:
     """Every problem the answers show, blocking ones first."""
     ok = [c for c in checks if c.checked]
+    hosted = spec.container is None  # else Python and TensorFlow are the image's
     found = [
         *_unreachable(checks),
-        *_tensorflow(spec, ok),
-        *_gpus(ok),
-        *_python(ok),
+        *(_tensorflow(spec, ok) if hosted else []),
+        *_gpus(spec, ok),
+        *(_python(ok) if hosted else []),
         *_disk(ok),
         *_storage(plan, ok),
         *_ports(plan, ok),
@@ -536,8 +572,8 @@ def _matching(package: MatchingPackage, checks: Sequence[HostCheck]) -> list[Pro
     return problems
 
 
-def _gpus(checks: Sequence[HostCheck]) -> list[Problem]:
-    problems = []
+def _gpus(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]:
+    problems = [*_gpu_counts(checks), *_collectives(spec, checks)]
     gpu_hosts = [c for c in checks if c.gpus]
     models = _spread(gpu_hosts, lambda c: " + ".join(sorted({g.name for g in c.gpus})))
     if len(models) > 1:
@@ -561,6 +597,60 @@ def _gpus(checks: Sequence[HostCheck]) -> list[Problem]:
             "(GPU VMs from one image)", blocking=False, hosts=tuple(c.name for c in gpu_hosts)))
     for c in gpu_hosts:
         problems += _gpu_stack(c)
+    return problems
+
+
+def _gpu_counts(checks: Sequence[HostCheck]) -> list[Problem]:
+    """Every task must run as many replicas as every other: MultiWorkerMirroredStrategy sizes
+    its collective group as a task's own replicas times the tasks."""
+    counted = [c for c in checks if not (c.gpus and c.tf_gpus == [])]  # blind TF: blocking already
+    if len({c.replicas for c in counted}) < 2:
+        return []
+    seen = _spread(counted, lambda c: f"{c.gpu_count} GPU(s)" if c.gpu_count else "no GPU")
+    fewest = min(c.gpu_count for c in counted)
+    same = (f", or make every task use {fewest}: env: {{CUDA_VISIBLE_DEVICES: "
+            f"'{','.join(map(str, range(fewest)))}'}} in the spec" if fewest else "")
+    return [Problem(
+        "gpu", f"the hosts have different numbers of GPUs: {_spread_text(seen)}. Each task runs "
+        "a replica per GPU it sees, and MultiWorkerMirroredStrategy needs the same number on "
+        "every task (it sizes the collective group as its own replicas x the tasks)",
+        f"give every host the same GPUs (one machine type){same}",
+        hosts=tuple(c.name for c in counted))]
+
+
+def _collectives(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]:
+    """The job's collectives against the GPUs found: NCCL needs a GPU in every task and one
+    task per GPU; RING where every host has GPUs leaves NCCL's speed unused."""
+    if not checks:
+        return []
+    asked = spec.job.collectives
+    choice = resolve_collectives(asked, [c.gpu_count for c in checks for _ in c.tasks])
+    named = f"job.collectives: {asked}" + (" (NCCL here)" if asked != choice else "")
+    problems = []
+    cpu = [c.name for c in checks if not c.gpu_count]
+    if asked == "ring" and not cpu:
+        problems.append(Problem(
+            "collectives", "every host has GPUs but job.collectives is ring: gradients are "
+            "all-reduced over gRPC through the hosts' CPUs, slower than NCCL from GPU to GPU",
+            "set job.collectives: nccl (or auto: NCCL when every task has a GPU)",
+            blocking=False, hosts=tuple(c.name for c in checks)))
+    if choice == "nccl" and cpu:
+        problems.append(Problem(
+            "collectives", f"{named}, but {', '.join(cpu)} {'has' if len(cpu) == 1 else 'have'} "
+            "no GPU that TensorFlow can use: NCCL all-reduces only between GPUs, so the tasks "
+            "there would stop at start",
+            "give every host a GPU (and TensorFlow with CUDA), or set job.collectives: auto "
+            "(RING when a task has no GPU) or ring", hosts=tuple(cpu)))
+    for c in checks:
+        if len(c.tasks) > 1 and c.gpu_count:
+            nccl = choice == "nccl"
+            problems.append(Problem(
+                "gpu", f"{c.name} runs {len(c.tasks)} tasks and each uses all {c.gpu_count} of "
+                "its GPUs" + (f": with {named}, NCCL refuses two ranks on one GPU ('Duplicate "
+                              "GPU detected')" if nccl else ": they compete for GPU memory and time"),
+                "run one task per machine (a task uses every GPU of its host)"
+                + (", or set job.collectives: ring" if nccl else ""),
+                blocking=nccl, hosts=(c.name,)))
     return problems
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from orchestrator import containers
 from orchestrator.errors import StateError
 from orchestrator.plan import TaskPlan
 from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskStatus
-from orchestrator.spec import ClusterSpec
+from orchestrator.spec import ClusterSpec, Container
 from orchestrator.state import TaskRecord
 
 
@@ -69,6 +70,37 @@ class ProcessLauncher(Launcher):
         return runner.process_states(handle, python, timeout_s=timeout_s)
 
 
+class ContainerLauncher(ProcessLauncher):
+    """The task in a container of the spec's image (``docker run`` / ``podman run`` in the
+    foreground of the same launch wrapper, see ``orchestrator/containers.py``).
+
+    Poll and output are the client's; stop and ``process_states`` go to the container, which
+    outlives a client that is killed. The kind is the engine's name, so a later controller
+    finds the container with the engine that started it; it needs no spec to stop one.
+    """
+
+    def __init__(self, runtime: str, container: Container | None = None) -> None:
+        self.kind = runtime
+        self.container = container
+
+    def start(self, runner: Runner, task: TaskPlan) -> TaskHandle:
+        if self.container is None:
+            raise StateError("a container task cannot be started without the spec's container")
+        argv = containers.run_argv(self.container, task)
+        return runner.start(LaunchSpec(tuple(argv), task.cwd, task.log_path, task.rc_path, task.env))
+
+    def stop(self, runner: Runner, handle: TaskHandle, grace_s: float) -> TaskStatus:
+        runner.run(containers.stop_script(self.kind, handle.rc_path, grace_s),
+                   check=False, timeout_s=grace_s + 120)
+        return runner.stop(handle, grace_s=min(grace_s, 10.0))
+
+    def process_states(self, runner: Runner, handle: TaskHandle, python: str,
+                       timeout_s: float) -> str:
+        words = runner.run(containers.states_script(self.kind, handle.rc_path),
+                           timeout_s=timeout_s).stdout
+        return containers.state_letters(words)
+
+
 LAUNCHERS: dict[str, type[Launcher]] = {ProcessLauncher.kind: ProcessLauncher}
 
 
@@ -78,14 +110,19 @@ def launcher_named(kind: str) -> Launcher:
     Raises:
         StateError: the record names a launcher this version does not have.
     """
+    if kind in containers.RUNTIMES:
+        return ContainerLauncher(kind)
     cls = LAUNCHERS.get(kind)
     if cls is None:
         raise StateError(f"a task was started by launcher {kind!r}, which this version lacks",
                          fix=f"use the orchestrate version that started it (launchers here: "
-                         f"{', '.join(LAUNCHERS)})")
+                         f"{', '.join([*LAUNCHERS, *containers.RUNTIMES])})")
     return cls()
 
 
 def launcher_for(spec: ClusterSpec) -> Launcher:
-    """The launcher a spec's tasks start with: a plain process group (the only kind so far)."""
+    """The launcher a spec's tasks start with: in a container of ``spec.container``'s image,
+    else a plain process group."""
+    if spec.container is not None:
+        return ContainerLauncher(spec.container.runtime, spec.container)
     return ProcessLauncher()

@@ -152,6 +152,8 @@ def build(
             fix="give one host per task (workers, plus one if separate_chief is true)",
         )
     _check_addresses(hosts)
+    if spec.container is not None:  # the worker runs in the image, with the image's Python
+        python = spec.container.python
     ports = _assign_ports(spec, hosts, busy_ports)
     endpoints = [host_port(h.address, p) for h, p in zip(hosts, ports, strict=True)]
     cluster_def = _cluster_def(roles, endpoints)
@@ -279,7 +281,9 @@ def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
     spec = shared.spec
     config = tf_config(shared.cluster_def, role, index)
     cwd = task_cwd(host, shared.local_workdir)
-    lib = [] if host.is_local else [lib_dir(host.root)]
+    # The worker package synced by `up` (SSH hosts; local ones too when the tasks run in an
+    # image): first on the path, so the controller's own worker runs whatever the image holds.
+    lib = [] if host.is_local and spec.container is None else [lib_dir(host.root)]
     env = {
         **spec.env,
         "TF_CONFIG": json.dumps(config, separators=(",", ":")),

@@ -242,6 +242,54 @@ class PortRange(Model):
         return self
 
 
+# An image reference: [registry[:port]/]path[:tag][@digest], as docker and podman accept it.
+IMAGE_RE = (r"^[a-z0-9][a-z0-9.-]*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
+            r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
+# `run` options the launcher sets itself: a task's network, name, removal and user are not the
+# spec's to change (TF's gRPC needs the host's address; stop and down find tasks by name).
+RESERVED_RUN_OPTIONS = ("--network", "--net", "--name", "--rm", "-d", "--detach", "--user", "-u",
+                        "--label", "-l", "--ipc", "--pid", "--userns", "-i", "-t", "--tty")
+
+
+class Container(Model):
+    """Run every task in this image: host network, the task's directories mounted at the same
+    paths, TF_CONFIG and the task's environment passed in, GPUs passed through when present."""
+
+    image: str = Field(max_length=512, description="The worker image (see docker/README.md).")
+    runtime: Literal["docker", "podman"] = Field(
+        default="docker", description="The container engine on every host.")
+    options: tuple[str, ...] = Field(
+        default=(), description="Extra `run` options, one word each (e.g. --shm-size=8g).")
+    pull: Literal["missing", "always", "never"] = Field(
+        default="missing", description="`up` pulls the image on every host: when absent, "
+        "every time, or never (it must be there already).")
+    gpus: Literal["auto", "all", "none"] = Field(
+        default="auto", description="Pass the host's GPUs in: auto = where the host has them.")
+    python: str = Field(default="python3", pattern=r"^[A-Za-z0-9_./+-]+$",
+                        description="The interpreter in the image that runs the worker.")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, image: str) -> str:
+        if not re.match(IMAGE_RE, image):
+            raise ValueError(
+                f"{image!r} is not an image reference: write [REGISTRY/]PATH[:TAG][@sha256:DIGEST] "
+                "in lower case, e.g. us-docker.pkg.dev/PROJECT/REPO/orchestrate-worker:2.21")
+        return image
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, options: tuple[str, ...]) -> tuple[str, ...]:
+        for option in options:
+            if any(c in option for c in "\0\n\r"):
+                raise ValueError(f"option {option!r} contains a control character")
+            name = option.split("=", 1)[0]
+            if name in RESERVED_RUN_OPTIONS:
+                raise ValueError(f"option {option!r} is set by the orchestrator (tasks use the "
+                                 "host network and their own name, user and labels): remove it")
+        return options
+
+
 def check_storage_path(value: str, *, relative_ok: bool) -> str:
     """A checkpoint location: a ``gs://bucket/...`` URL or a path (absolute unless ``relative_ok``)."""
     if any(c in value for c in "\0\n\r"):
@@ -282,7 +330,23 @@ def _keras_major(value: Any) -> Any:
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-class ManagedJob(Model):
+class GpuJob(Model):
+    """What every kind of job sets for the GPUs of its tasks."""
+
+    collectives: Literal["ring", "nccl", "auto"] = Field(
+        default="ring",
+        description="How the tasks all-reduce: ring (gRPC, on any device), nccl (GPU to GPU; "
+        "every task needs a GPU), or auto (nccl when every task has GPUs, else ring: decided at "
+        "train from the GPUs the doctor finds, else by each task from the GPUs it sees).",
+    )
+    gpu_memory_growth: bool = Field(
+        default=True,
+        description="Let TensorFlow take GPU memory as it needs it instead of all of it at "
+        "start (set_memory_growth; TF_FORCE_GPU_ALLOW_GROWTH=true for a command job).",
+    )
+
+
+class ManagedJob(GpuJob):
     """The runtime builds and compiles the user module's model and trains it: a tf_keras model
     with ``fit``, a Keras 3 model in the runtime's own distributed loop."""
 
@@ -317,7 +381,7 @@ class ManagedJob(Model):
     _keras = field_validator("keras", mode="before")(_keras_major)
 
 
-class CommandJob(Model):
+class CommandJob(GpuJob):
     """Run an unmodified script (written as in TF's multi-worker tutorial) on every task."""
 
     mode: Literal["command"] = "command"
@@ -452,6 +516,8 @@ class ClusterSpec(Model):
     retry: Retry = Field(default_factory=Retry)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     env: dict[str, str] = Field(default_factory=dict)
+    container: Container | None = Field(
+        default=None, description="Run every task in a container image (see docker/README.md).")
 
     @model_validator(mode="before")
     @classmethod

@@ -458,7 +458,8 @@ class Supervisor:
             self._say(f"{', '.join(copied.up_to_date)} already had the chief's checkpoint")
 
     def _worker(self, host: Host) -> WorkerCommand:
-        return WorkerCommand(self.provider.python(host), paths.lib_dir(host.root))
+        return WorkerCommand(self.provider.python(host), paths.lib_dir(host.root),
+                             self.spec.container)
 
     def _moved(self, link: str, count: int) -> None:
         self.view.checkpoint_bytes[link] = self.view.checkpoint_bytes.get(link, 0) + count

@@ -23,6 +23,7 @@ class TaskView:
     steps_per_s: float | None = None
     last_event: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    replicas: int | None = None  # this task's own (one per GPU it uses), once it connected
 
 
 @dataclass
@@ -39,6 +40,12 @@ class RunView:
     # pushed back) and "host_to_host" (the chief's checkpoint given to the other hosts).
     checkpoint_bytes: dict[str, int] = field(
         default_factory=lambda: {"through_controller": 0, "host_to_host": 0})
+    # As the tasks report them once connected (None until then, and for command jobs): the
+    # replicas in sync, the collectives, and the global batch and learning rate they train with.
+    replicas: int | None = None
+    collectives: str | None = None
+    global_batch_size: int | None = None
+    learning_rate: float | None = None
 
 
 Listener = Callable[[RunView, Event | None], None]

@@ -26,7 +26,7 @@ from orchestrator.remote.base import Runner, TaskHandle, TaskState, TaskStatus
 from orchestrator.runtimes import runtime_for
 from orchestrator.spec import ClusterSpec
 from orchestrator.state import TaskRecord
-from orchestrator.view import Listener, RunView
+from orchestrator.view import Listener, RunView, TaskView
 
 # Errors a task raises because a PEER failed: the task that raised them is not the cause.
 PEER_ERRORS = ("UnavailableError", "CancelledError", "AbortedError", "DeadlineExceededError",
@@ -272,12 +272,25 @@ class AttemptWatch:
             view.metrics = dict(event.get("metrics") or {}) or view.metrics
         elif event.kind == "connected":
             view.state = "connected"
+            self._connected(view, event)
+        elif event.kind == "built":
+            self.view.global_batch_size = event.get("global_batch_size")
+            self.view.learning_rate = event.get("learning_rate")
         elif event.kind == "stopped":
             w.stopped = event  # it trained up to the step it saved at (maybe unreported)
             w.step = max(w.step, int(event.get("step", 0)))
             view.state = "stopped"
         self.on_event(w, event)
         self.listener(self.view, event)
+
+    def _connected(self, view: TaskView, event: Event) -> None:
+        """The replicas the task really runs (one per GPU it uses); fields an older worker
+        does not send stay as they were."""
+        local = event.get("local_replicas")
+        view.replicas = int(local) if local is not None else None
+        if event.get("replicas") is not None:
+            self.view.replicas = int(event.get("replicas"))
+        self.view.collectives = event.get("collectives", self.view.collectives)
 
     # -- deciding --------------------------------------------------------------------------
     def _failure(self) -> AttemptFailed | None:

@@ -14,6 +14,38 @@ sys.path.insert(0, str(REPO))
 pytest_plugins = ["hostlab"]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Container tests last (stable otherwise): the image they need builds meanwhile."""
+    items.sort(key=lambda item: item.get_closest_marker("container") is not None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the worker image (tests/containers.py) as soon as the selected tests are
+    known, when any is a container test, so that the build overlaps the tests before them."""
+    if not session.config.option.collectonly and any(
+            item.get_closest_marker("container") for item in session.items):
+        import containers
+
+        containers.start_building_in_background()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if "containers" in sys.modules:
+        sys.modules["containers"].stop_background_build()
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    """The worker image built from docker/Dockerfile (tests/containers.py); skips where podman
+    cannot run containers, saying why."""
+    import containers
+
+    reason = containers.podman_usable()
+    if reason is not None:
+        pytest.skip(reason)
+    return containers.worker_image()
+
+
 @pytest.fixture(autouse=True)
 def orchestrate_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "orchestrate-home"

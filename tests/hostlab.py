@@ -322,6 +322,8 @@ class LabHost:
     sshd: subprocess.Popen[bytes] | None = None
     is_cut: bool = False
     throttled_to: str | None = None
+    podman: subprocess.Popen[bytes] | None = None
+    session_env: str = ""  # extra `SetEnv` words for the plain user's SSH sessions
 
     @property
     def plain_home(self) -> str:
@@ -492,6 +494,52 @@ class LabHost:
         self.host_key_line = _keygen(self.dir / "ssh_host_ed25519_key", self.name)
         self.lab.write_known_hosts()
         self.restart_sshd()
+
+    def serve_podman(self, *, user: str | None) -> str:
+        """A rootful podman service in this host's network namespace, as a docker daemon is
+        on a GPU VM; its socket given to ``user`` (None: root only, a user without access),
+        and ``CONTAINER_HOST`` set for the plain user's SSH sessions, so that ``podman`` there
+        is a client of it. Started with ``nsenter --net`` (``ip netns exec`` remounts /sys,
+        and runc then finds no cgroup mount). Returns the socket's URL."""
+        if self.podman is None or self.podman.poll() is not None:
+            socket_path = self.dir / "podman.sock"
+            socket_path.unlink(missing_ok=True)
+            argv = ["podman", "--runtime", "runc", "system", "service", "--time=0",
+                    f"unix://{socket_path}"]
+            if self.namespace:
+                argv = ["nsenter", f"--net=/var/run/netns/{self.namespace}", *argv]
+            with open(self.dir / "podman.log", "ab") as log:
+                self.podman = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + 30
+            while not socket_path.exists():
+                if self.podman.poll() is not None or time.monotonic() > deadline:
+                    raise LabError(f"podman service of {self.name} did not start: "
+                                   f"{(self.dir / 'podman.log').read_text()[-1000:]}")
+                time.sleep(0.05)
+        socket_path = self.dir / "podman.sock"
+        if user is None:
+            os.chown(socket_path, 0, 0)
+        else:
+            shutil.chown(socket_path, user)
+        socket_path.chmod(0o600)
+        url = f"unix://{socket_path}"
+        if self.session_env != f"CONTAINER_HOST={url}":
+            self.session_env = f"CONTAINER_HOST={url}"
+            (self.dir / "sshd_config").write_text(self.lab._sshd_config(self))
+            self.restart_sshd()
+        return url
+
+    def stop_podman(self) -> None:
+        if self.podman is not None:
+            if self.podman.poll() is None:
+                self.podman.terminate()
+                try:
+                    self.podman.wait(15)
+                except subprocess.TimeoutExpired:
+                    self.podman.kill()
+                    self.podman.wait(10)
+            self.podman = None
 
     def start_sshd(self) -> None:
         argv = [SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")]
@@ -807,7 +855,8 @@ class HostLab:
             "Subsystem": "sftp internal-sftp",
         }
         shared = (f"Match User {self.tag}g\n    SetEnv HOME={host.home}\n"
-                  f"Match User {self.tag}q\n    SetEnv HOME={host.plain_home}\n")
+                  f"Match User {self.tag}q\n    SetEnv HOME={host.plain_home} "
+                  f"{host.session_env}\n")
         return "".join(f"{key} {value}\n" for key, value in settings.items()) + shared
 
     # -- teardown --------------------------------------------------------
@@ -836,6 +885,7 @@ class HostLab:
 
     def _stop_hosts(self) -> None:
         for host in self._hosts:
+            host.stop_podman()
             if host.namespace:
                 _kill_namespace(host.namespace)
             else:

@@ -49,6 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("supervisor", "doctor"),
     ("watch", "checkpoints"),
     ("launchers",),
+    ("containers",),
     ("providers",),
     ("remote", "plan"),
     ("runtimes",),

@@ -68,11 +68,13 @@ def problems_for(*answers: dict[str, Any], job: str = "{module: m}") -> list[tup
     pytest.param([facts(nvidia=A100), facts(nvidia=T4)],
                  [("cuda", True, "the NVIDIA driver 470.256.02 on h1 supports CUDA up to 11.4, "
                    "but TensorFlow 2.21.0 is built for CUDA 12.5.1"),
+                  ("collectives", False, "every host has GPUs but job.collectives is ring"),
                   ("gpu", False, "GPU models differ: NVIDIA A100-SXM4-40GB on h0; Tesla T4 on h1"),
                   ("gpu", False, "NVIDIA driver versions differ: 570.124.06 on h0; 470.256.02 on h1")],
                  id="mixed GPUs, a driver too old"),
     pytest.param([facts(nvidia=A100 | {"cuda": "12.4"}), facts(nvidia=A100)],
-                 [("cuda", False, "the NVIDIA driver 570.124.06 on h0 supports CUDA up to 12.4, "
+                 [("collectives", False, "every host has GPUs but job.collectives is ring"),
+                  ("cuda", False, "the NVIDIA driver 570.124.06 on h0 supports CUDA up to 12.4, "
                    "but TensorFlow 2.21.0 is built for CUDA 12.5.1: it runs by CUDA's")],
                  id="a driver one CUDA minor behind"),
     pytest.param([facts(nvidia=A100, tf_gpus=[]), facts(nvidia=A100, tf_gpus=["A100"])],

@@ -78,7 +78,7 @@ def test_the_managed_job_reaches_the_worker_as_json_with_checkpoint_and_collecti
 ])
 def test_tf_keras_is_tf_keras_in_tasks_unless_the_job_says_keras_3(job: str, legacy: str) -> None:
     spec = parse(job)
-    assert runtime_for(spec.job).env(spec) == {"TF_USE_LEGACY_KERAS": legacy}
+    assert runtime_for(spec.job).env(spec)["TF_USE_LEGACY_KERAS"] == legacy
 
 
 @pytest.mark.parametrize(("job", "field"), [

@@ -1,14 +1,18 @@
 """One-line JSON events on stdout: the only thing the worker tells the controller.
 
 Every event has ``event``, ``task``, ``attempt`` and ``time``. A managed task emits, in order:
-``started`` {pid, mode, python}; ``connected`` {replicas, tf_version} (every task reached);
+``started`` {pid, mode, python}; ``connected`` {replicas (in sync, every task's),
+local_replicas (this task's: one per GPU it uses, else one), gpus (TensorFlow sees here),
+collectives ("ring" or "nccl"), tf_version} (every task reached; a controller reads only the
+fields it knows, and an older worker's event has just replicas and tf_version);
 ``built`` {global_batch_size, learning_rate, replicas, parameters}; ``training`` or
 ``resumed`` {step, total_steps}; while it trains ``progress`` {step, total_steps, loss,
 metrics, steps_per_s, examples_per_s} (loss and metrics: means over the epoch so far),
 ``epoch`` {epoch, logs} and, from the chief only, ``checkpoint`` {step, epoch, path};
 then ``finished`` {metrics, model_path (the chief's; "" elsewhere), weights_sha256, step}.
 Instead of finishing it may emit ``error`` {phase, type, message, traceback} (phase
-``build``: the user's module; the message says the fix) and exit 1, or, when any task got
+``build``: the user's module, or GPU settings that do not fit the task such as NCCL without a
+GPU; the message says the fix) and exit 1, or, when any task got
 SIGTERM, save with every peer at one step: the chief emits ``checkpoint`` {..., reason:
 "stop"}, every task ``stopped`` {step, signal: "SIGTERM" where it was received, else "peer"},
 and exits with ``worker.runtimes.common.STOPPED_EXIT`` (75).

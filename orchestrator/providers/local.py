@@ -6,10 +6,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import worker as worker_package
 from orchestrator import paths
 from orchestrator.hosts import Host
 from orchestrator.providers.base import DownReport, Provider
 from orchestrator.remote.local import LocalRunner
+from orchestrator.remote.sync import sync_dir
 from orchestrator.spec import ClusterSpec
 from worker import probes
 
@@ -28,7 +30,14 @@ class LocalProvider(Provider):
         return str(paths.cluster_home(self.spec.name))
 
     def up(self) -> list[Host]:
-        return self.hosts()
+        """Nothing to create; with ``container``, the tasks run in an image, so the controller's
+        ``worker`` package is copied to ``<root>/lib`` (on their PYTHONPATH, mounted) as on an
+        SSH host."""
+        hosts = self.hosts()
+        if self.spec.container is not None:
+            sync_dir(self._runner, str(Path(worker_package.__file__).parent),
+                     f"{paths.lib_dir(self.root)}/worker", ("__pycache__", "*.pyc"))
+        return hosts
 
     def hosts(self) -> list[Host]:
         return [

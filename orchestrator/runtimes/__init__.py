@@ -10,11 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.runtimes.base import (
+    COLLECTIVES_ENV,
     BatchScaling,
     DoctorRules,
+    GpuDescription,
     JobDescription,
     JobRuntime,
     MatchingPackage,
+    resolve_collectives,
+    resolve_gpus,
 )
 from orchestrator.runtimes.command import CommandRuntime
 from orchestrator.runtimes.tf_keras import TfKerasFit
@@ -22,8 +26,9 @@ from orchestrator.spec import Job
 
 RUNTIMES: dict[str, JobRuntime[Any]] = {r.mode: r for r in (TfKerasFit(), CommandRuntime())}
 
-__all__ = ["RUNTIMES", "BatchScaling", "DoctorRules", "JobDescription", "JobRuntime",
-           "MatchingPackage", "runtime_for"]
+__all__ = ["COLLECTIVES_ENV", "RUNTIMES", "BatchScaling", "DoctorRules", "GpuDescription",
+           "JobDescription", "JobRuntime", "MatchingPackage", "resolve_collectives",
+           "resolve_gpus", "runtime_for"]
 
 
 def runtime_for(job: Job) -> JobRuntime[Any]:

@@ -4,13 +4,13 @@ controller sees it. The worker's side of a runtime is its module in ``worker/run
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from orchestrator.spec import ClusterSpec
+from orchestrator.spec import ClusterSpec, GpuJob
 
 J = TypeVar("J", bound=BaseModel)
 
@@ -23,6 +23,60 @@ def keras_env(keras: str) -> dict[str, str]:
     """What ``tf.keras`` is in a task, by the job's ``keras``: Keras 3 for "3", else tf_keras
     (for "auto" too: a module that writes tf.keras means the Keras whose fit() works)."""
     return {"TF_USE_LEGACY_KERAS": "0"} if keras == "3" else dict(LEGACY_KERAS_ENV)
+
+
+# The collectives every task's MultiWorkerMirroredStrategy uses: "ring", "nccl", or "auto"
+# where train had no GPU count (each task then picks by the GPUs it sees).
+COLLECTIVES_ENV = "ORCHESTRATE_COLLECTIVES"
+# TensorFlow's own switch: memory growth on every GPU of the process (for a command job's
+# script, which the runtime cannot configure; set only to turn growth on, since "false"
+# would override a script's own set_memory_growth).
+MEMORY_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
+_COLLECTIVES = {"ring": "RING (gRPC)", "nccl": "NCCL (GPU to GPU)"}
+
+
+def resolve_collectives(choice: str, gpus_per_task: Sequence[int] | None) -> str:
+    """``job.collectives`` made concrete where it can be: "auto" is "nccl" when every task
+    sees a GPU and "ring" when one sees none; it stays "auto" when the counts are unknown
+    (None: the doctor did not run or did not reach every host)."""
+    if choice != "auto" or not gpus_per_task:
+        return choice
+    return "nccl" if all(gpus_per_task) else "ring"
+
+
+def resolve_gpus(spec: ClusterSpec, gpus_per_task: Sequence[int] | None) -> ClusterSpec:
+    """``spec`` with its job's ``collectives: auto`` resolved from the GPUs of every task (in
+    the plan's order; None where unknown), so that every task of every attempt agrees."""
+    job = spec.job
+    choice = resolve_collectives(job.collectives, gpus_per_task)
+    if choice == job.collectives:
+        return spec
+    return spec.model_copy(update={"job": job.model_copy(update={"collectives": choice})})
+
+
+def gpu_env(job: GpuJob) -> dict[str, str]:
+    """What every task's environment says of its GPUs: the collectives to use."""
+    return {COLLECTIVES_ENV: job.collectives}
+
+
+@dataclass(frozen=True)
+class GpuDescription:
+    """How ``orchestrate plan`` shows a job's GPU settings: the collectives, memory growth."""
+
+    collectives: str
+    memory_growth: bool
+    summary: str
+
+    @classmethod
+    def of(cls, job: GpuJob) -> GpuDescription:
+        if job.collectives == "auto":
+            how = ("auto: NCCL if every task sees a GPU, else RING (decided at train from the "
+                   "doctor's GPU count; without it, by each task from the GPUs it sees)")
+        else:
+            how = f"{_COLLECTIVES[job.collectives]}, job.collectives: {job.collectives}"
+        growth = "on" if job.gpu_memory_growth else "off (each task takes all GPU memory)"
+        return cls(job.collectives, job.gpu_memory_growth,
+                   f"collectives {how}; memory growth {growth}")
 
 
 @dataclass(frozen=True)

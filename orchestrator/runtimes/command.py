@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import shlex
 
-from orchestrator.runtimes.base import DoctorRules, JobDescription, JobRuntime, keras_env
+from orchestrator.runtimes.base import (
+    MEMORY_GROWTH_ENV,
+    DoctorRules,
+    JobDescription,
+    JobRuntime,
+    gpu_env,
+    keras_env,
+)
 from orchestrator.spec import ClusterSpec, CommandJob
 
 PYTHON_NAMES = ("python", "python3")  # a command starting with one runs the tasks' interpreter
@@ -25,8 +32,13 @@ class CommandRuntime(JobRuntime[CommandJob]):
         return (python, "-m", "worker", self.mode, "--", *command)
 
     def env(self, spec: ClusterSpec) -> dict[str, str]:
-        # By default the tutorial's tf.keras fit works under MWMS: as tf_keras.
-        return keras_env(self.job_of(spec).keras)
+        # By default the tutorial's tf.keras fit works under MWMS: as tf_keras. The script
+        # reads the collectives from ORCHESTRATE_COLLECTIVES; memory growth is TensorFlow's
+        # own variable (unless the spec's env sets it).
+        job = self.job_of(spec)
+        growth = job.gpu_memory_growth and MEMORY_GROWTH_ENV not in spec.env
+        return {**keras_env(job.keras), **gpu_env(job),
+                **({MEMORY_GROWTH_ENV: "true"} if growth else {})}
 
     def describe(self, job: CommandJob) -> JobDescription:
         return JobDescription(runtime=self.name, settings=job.model_dump(mode="json"),

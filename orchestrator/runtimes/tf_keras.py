@@ -13,6 +13,7 @@ from orchestrator.runtimes.base import (
     JobDescription,
     JobRuntime,
     MatchingPackage,
+    gpu_env,
     keras_env,
 )
 from orchestrator.spec import ClusterSpec, ManagedJob
@@ -41,7 +42,8 @@ class TfKerasFit(JobRuntime[ManagedJob]):
         return (python, "-m", "worker", self.mode, "--job", json.dumps(payload, sort_keys=True))
 
     def env(self, spec: ClusterSpec) -> dict[str, str]:
-        return keras_env(self.job_of(spec).keras)
+        job = self.job_of(spec)
+        return {**keras_env(job.keras), **gpu_env(job)}
 
     def describe(self, job: ManagedJob) -> JobDescription:
         total = job.epochs * job.steps_per_epoch

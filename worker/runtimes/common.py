@@ -1,6 +1,6 @@
-"""What every runtime of the worker shares: its entry in the CLI, MultiWorkerMirroredStrategy over
-gRPC RING, which task is the chief and where it checkpoints, the save on SIGTERM, the final save
-and the error event."""
+"""What every runtime of the worker shares: its entry in the CLI, the task's GPUs (memory growth,
+the collectives they use) and MultiWorkerMirroredStrategy over them, which task is the chief and
+where it checkpoints, the save on SIGTERM, the final save and the error event."""
 
 from __future__ import annotations
 
@@ -41,14 +41,54 @@ class WorkerRuntime:
     run: Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 
 
-def create_strategy(tf: Any, collective_timeout_s: float | None = None) -> Any:
-    """MWMS with gRPC RING collectives; must run before any other TF op.
+class DeviceError(Exception):
+    """The job's GPU settings do not fit this task (NCCL without a GPU); the message says the fix."""
+
+
+@dataclass(frozen=True)
+class Devices:
+    """What this task trains on: the GPUs TensorFlow sees, and the collectives that every task
+    of the group uses ("ring": gRPC on any device; "nccl": GPU to GPU)."""
+
+    gpus: int
+    collectives: str
+
+
+def prepare_devices(tf: Any, collectives: str, memory_growth: bool) -> Devices:
+    """Memory growth on every GPU TensorFlow sees (before anything initialises them), and the
+    job's collectives for them: "auto" (the controller had no GPU count) is NCCL where this
+    task sees a GPU, else RING.
+
+    Raises:
+        DeviceError: NCCL was asked for and this task sees no GPU. TensorFlow itself would
+            only log a warning and all-reduce on the CPU; a task that was meant to train on
+            GPUs and sees none has a broken CUDA set-up, which should not pass unnoticed.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    if memory_growth:
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+    if collectives == "auto":
+        collectives = "nccl" if gpus else "ring"
+    if collectives == "nccl" and not gpus:
+        raise DeviceError(
+            "job.collectives is nccl but TensorFlow sees no GPU in this task: NCCL all-reduces "
+            "only between GPUs. Set job.collectives: auto (RING where a task has no GPU) or "
+            "ring, or make the GPUs visible (TensorFlow with CUDA: pip install "
+            "'tensorflow[and-cuda]'; CUDA_VISIBLE_DEVICES not empty)")
+    return Devices(len(gpus), collectives)
+
+
+def create_strategy(tf: Any, devices: Devices, collective_timeout_s: float | None = None) -> Any:
+    """MWMS with the collectives of ``devices``; must run before any other TF op (after
+    ``prepare_devices``).
 
     With ``collective_timeout_s``, a collective that waits longer (a stuck peer) fails
     the task instead of hanging it forever.
     """
+    implementation = tf.distribute.experimental.CommunicationImplementation
     options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+        implementation=implementation.NCCL if devices.collectives == "nccl" else implementation.RING,
         timeout_seconds=collective_timeout_s,
     )
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
@@ -56,6 +96,14 @@ def create_strategy(tf: Any, collective_timeout_s: float | None = None) -> Any:
     # runtime's Preemption takes SIGTERM over, a SIGTERM ends the task, as it did before.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return strategy
+
+
+def connected_fields(strategy: Any, devices: Devices) -> dict[str, Any]:
+    """What the ``connected`` event says of the group: the replicas in sync (every task's),
+    this task's own replicas (one per GPU it uses, else one), its GPUs and the collectives."""
+    return {"replicas": int(strategy.num_replicas_in_sync),
+            "local_replicas": len(strategy.extended.worker_devices),
+            "gpus": devices.gpus, "collectives": devices.collectives}
 
 
 def is_chief(strategy: Any) -> bool:

@@ -22,10 +22,13 @@ from typing import Any, Protocol
 
 from worker.events import emit
 from worker.runtimes.common import (
+    DeviceError,
     Phase,
     WorkerRuntime,
+    connected_fields,
     create_strategy,
     emit_error,
+    prepare_devices,
     save_model,
     weights_digest,
 )
@@ -40,8 +43,9 @@ class BuildError(Exception):
 
 @dataclass(frozen=True)
 class Job:
-    """The job as the controller sends it: the spec's ManagedJob (``mode`` aside), plus the
-    checkpoint interval and the collective timeout."""
+    """The job as the controller sends it: the spec's ManagedJob (``mode`` aside, ``collectives``
+    resolved where the controller knew every task's GPUs), plus the checkpoint interval and the
+    collective timeout."""
 
     module: str
     model_fn: str
@@ -60,6 +64,8 @@ class Job:
     progress_every_steps: int
     checkpoint_every_steps: int
     collective_timeout_s: float | None
+    collectives: str = "ring"  # "ring", "nccl", or "auto" (the controller had no GPU count)
+    gpu_memory_growth: bool = True
 
     @classmethod
     def from_json(cls, text: str) -> Job:
@@ -92,9 +98,10 @@ def run_managed(job: Job) -> int:
     try:
         import tensorflow as tf
 
-        strategy = create_strategy(tf, job.collective_timeout_s)
+        devices = prepare_devices(tf, job.collectives, job.gpu_memory_growth)
+        strategy = create_strategy(tf, devices, job.collective_timeout_s)
         phase = "build"
-        emit("connected", replicas=strategy.num_replicas_in_sync, tf_version=tf.__version__)
+        emit("connected", **connected_fields(strategy, devices), tf_version=tf.__version__)
         model, training = _build(tf, strategy, job)
         phase = "train"
         metrics, step = training.fit()
@@ -103,6 +110,9 @@ def run_managed(job: Job) -> int:
         emit("finished", metrics=metrics, model_path=model_path,
              weights_sha256=weights_digest(model), step=step)
         return 0
+    except DeviceError as exc:  # the job's GPU settings: the spec's to fix, as a build error
+        emit_error(exc, "build")
+        return 1
     except Exception as exc:  # reported to the controller, then the task fails
         emit_error(exc, phase)
         return 1

@@ -1,0 +1,287 @@
+"""Tasks in containers, driven the way a user drives them: the worker image built from
+docker/Dockerfile (tests/containers.py), real podman containers with the host's network,
+TensorFlow's gRPC RING collectives between containers, on 2 local tasks and on sshd hosts in
+network namespaces logged into as an unprivileged user (a podman service per host, its socket
+given to that user as docker's is to the docker group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from containers import IMAGE_TIMEOUT_S, PODMAN, podman_usable
+from helpers import REPO, events_in, write_spec
+from hostlab import HostLab, LabHost
+
+from orchestrator.api import Cluster
+from orchestrator.events import Event
+from orchestrator.view import RunView
+
+pytestmark = [pytest.mark.tf, pytest.mark.container,
+              pytest.mark.timeout(IMAGE_TIMEOUT_S + 600)]
+
+PACED = ("{module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 30, "
+         "progress_every_steps: 1}")
+
+
+
+
+def containers_of(cluster: str, *, every: bool = True, host: LabHost | None = None) -> list[str]:
+    """Names of the cluster's containers (``every``: stopped ones too), on this machine's
+    podman or, with ``host``, on that host's podman service."""
+    argv = ["ps", *(["-a"] if every else []), "--format", "{{.Names}}",
+            "--filter", f"label=orchestrate.cluster={cluster}"]
+    out = podman_on(host, *argv).stdout
+    return sorted(out.split())
+
+
+def podman_on(host: LabHost | None, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``podman ARGV`` on this machine, or as a client of ``host``'s podman service."""
+    if host is None:
+        return subprocess.run([*PODMAN, *argv], capture_output=True, text=True, check=True)
+    env = {**os.environ, "CONTAINER_HOST": f"unix://{host.dir / 'podman.sock'}"}
+    return subprocess.run(["podman", *argv], capture_output=True, text=True, check=True, env=env)
+
+
+def local_spec(tmp_path: Path, name: str, image: str, *, pace: str = "0.05") -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: {name}
+        workdir: {REPO}
+        workers: 2
+        job: {PACED}
+        container: {{image: "{image}", runtime: podman, pull: never}}
+        checkpoint: {{every_steps: 10}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
+        timeouts: {{startup_s: 240, stop_grace_s: 20}}
+        env: {{DIGITS_PACE_S: "{pace}"}}
+        """))
+    return path
+
+
+def kill_container_at(step: int, kill: Callable[[str], None], task: str = "worker:1"
+                      ) -> Callable[[RunView, Event | None], None]:
+    """A listener that kills ``task``'s container of attempt 1 once it reports ``step``."""
+    done: list[int] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if (event is not None and event.attempt == 1 and event.kind == "progress"
+                and event.task == task and event.get("step") >= step and not done):
+            done.append(event.get("step"))
+            kill(f"orch-{view.cluster}-{view.run_id}-a1-{task.replace(':', '-')}")
+
+    return listener
+
+
+def test_two_local_tasks_train_in_containers_and_a_killed_container_resumes(
+        image: str, tmp_path: Path, orchestrate_home: Path) -> None:
+    cluster = Cluster.from_spec(local_spec(tmp_path, "ct-local", image))
+    cluster.up()
+    kill = kill_container_at(15, lambda name: subprocess.run(
+        [*PODMAN, "kill", name], check=True, capture_output=True))
+    result = cluster.train(listener=kill).wait()
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    assert "137" in first.detail or "signal 9" in first.detail  # podman kill: SIGKILL
+    assert second.resumed_from_step and second.resumed_from_step % 10 == 0
+    for task in second.tasks:
+        assert task.launcher == "podman"  # `--attach`, `down` and `logs` find it that way
+        events = [json.loads(line.split(" ", 1)[1]) for line in Path(task.log).read_text()
+                  .splitlines() if line.startswith("@orchestrate ")]
+        assert any(e["event"] == "resumed" and e["step"] == second.resumed_from_step
+                   for e in events)
+    assert len(set(result.digests.values())) == 1  # both replicas hold one model
+    assert containers_of("ct-local") == []  # --rm, and the killed one was removed
+    cluster.down()
+
+
+def cli(*args: str, **kwargs: object) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)  # type: ignore[call-overload]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_attach_after_a_controller_kill_finds_the_containers_and_down_leaves_none(
+        image: str, tmp_path: Path, orchestrate_home: Path) -> None:
+    spec = local_spec(tmp_path, "ct-attach", image, pace="0.3")
+    train = cli("train", str(spec), "--no-doctor")
+    cluster = Cluster.from_spec(spec)
+    try:
+        def training() -> bool:
+            logs = list(orchestrate_home.glob("clusters/ct-attach/runs/*/logs/attempt-1/worker-0.log"))
+            return bool(logs) and '"event": "progress"' in logs[0].read_text()
+        wait_for(lambda: len(containers_of("ct-attach", every=False)) == 2, 240, "2 containers")
+        wait_for(training, 240, "a step recorded")
+        train.kill()  # the controller dies; its tasks go on in their containers
+        train.wait(30)
+        running = containers_of("ct-attach", every=False)
+        assert len(running) == 2 and all(n.startswith("orch-ct-attach-") for n in running)
+        attach = cli("train", str(spec), "--attach")
+        try:
+            wait_for(lambda: cluster.status().runs[0].controller_pid == attach.pid, 120,
+                     "the attach to take the run over")
+        finally:
+            down = subprocess.run([sys.executable, "-m", "orchestrator.cli", "down", str(spec)],
+                                  capture_output=True, text=True, timeout=300)
+            out, _ = attach.communicate(timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "stopped" in down.stdout
+        assert attach.returncode != 0, out  # the attached run was stopped by down
+        assert "down" in out
+        assert containers_of("ct-attach") == []
+        run = cluster.status().runs[0]
+        assert run.status == "stopped"
+    finally:
+        if train.poll() is None:
+            train.kill()
+        subprocess.run([*PODMAN, "rm", "-f", *containers_of("ct-attach")], capture_output=True)
+
+
+def test_on_ssh_hosts_as_a_plain_user_a_killed_container_resumes_and_down_leaves_none(
+        image: str, hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    hostlab.require_partition()
+    hosts = hostlab.hosts(2)
+    user = hostlab.plain_user()
+    for h in hosts:
+        h.serve_podman(user=user)
+    path = write_spec(tmp_path, hostlab, hosts, f"""\
+        name: ct-ssh
+        job: {PACED}
+        container: {{image: "{image}", runtime: podman}}
+        env: {{DIGITS_PACE_S: "0.05"}}
+        checkpoint: {{every_steps: 10}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}}
+        timeouts: {{startup_s: 240, stop_grace_s: 20}}
+        """, user=user)
+    cluster = Cluster.from_spec(path)
+    try:
+        cluster.up()
+        report = cluster.doctor()
+        assert report.ok, [p.message for p in report.problems]
+        assert all(h.fact("container", "image_id") for h in report.hosts)
+
+        kill = kill_container_at(15, lambda name: podman_on(hosts[1], "kill", name))
+        result = cluster.train(listener=kill).wait()
+        first, second = result.attempts
+        assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+        assert second.resumed_from_step and second.resumed_from_step % 10 == 0
+        for h, task in zip(hosts, second.tasks, strict=True):
+            assert task.log.startswith(h.plain_home)  # the unprivileged user's own home
+            assert any(e.kind == "resumed" for e in events_in(h, task.log))
+            # files the container wrote belong to the SSH user, not to root
+            owner = h.run(["stat", "-c", "%U", task.log]).stdout.strip()
+            assert owner == user
+        assert len(set(result.digests.values())) == 1
+        for h in hosts:
+            assert containers_of("ct-ssh", host=h) == []
+    finally:
+        cluster.down()
+        for h in hosts:
+            assert containers_of("ct-ssh", host=h) == []
+
+
+def test_a_user_without_access_to_the_engine_gets_the_host_and_the_fix(
+        image: str, hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    hostlab.require_partition()
+    hosts = hostlab.hosts(2)
+    user = hostlab.plain_user()
+    hosts[0].serve_podman(user=user)
+    hosts[1].serve_podman(user=None)  # the socket is root's: like a user not in the docker group
+    path = write_spec(tmp_path, hostlab, hosts, f"""\
+        name: ct-denied
+        job: {PACED}
+        container: {{image: "{image}", runtime: podman}}
+        """, user=user)
+    try:
+        doctor = subprocess.run([sys.executable, "-m", "orchestrator.cli", "doctor", str(path)],
+                                capture_output=True, text=True, timeout=300)
+        assert doctor.returncode != 0
+        text = doctor.stdout + doctor.stderr
+        assert "Traceback" not in text
+        assert "podman on ct-denied-1 cannot be used by its SSH user" in text
+        assert "permission denied" in text.lower()
+        assert f"give {user} access to the podman socket on ct-denied-1" in text
+        assert "ct-denied-0" not in text.split("problem")[-1]  # the other host is fine
+        up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", str(path)],
+                            capture_output=True, text=True, timeout=300)
+        assert up.returncode != 0 and "Traceback" not in up.stdout + up.stderr
+        assert "ct-denied-1" in up.stdout + up.stderr
+        assert containers_of("ct-denied", host=hosts[0]) == []
+    finally:
+        hosts[1].serve_podman(user=user)
+
+
+def test_an_image_that_does_not_exist_and_an_engine_that_is_missing(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    reason = podman_usable()
+    if reason is not None:
+        pytest.skip(reason)
+    spec = tmp_path / "missing.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        name: ct-missing
+        workdir: {REPO}
+        job: {PACED}
+        container: {{image: "localhost/orchestrate-no-such-image:1", runtime: podman}}
+        """))
+    up = subprocess.run([sys.executable, "-m", "orchestrator.cli", "up", str(spec)],
+                        capture_output=True, text=True, timeout=300)
+    text = up.stdout + up.stderr
+    assert up.returncode != 0 and "Traceback" not in text
+    assert "local-0: podman could not provide the image localhost/orchestrate-no-such-image:1" in text
+    assert "check that localhost/orchestrate-no-such-image:1 exists" in text
+    assert containers_of("ct-missing") == []
+
+    # A PATH without the engine: every tool of this machine but podman and docker.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for directory in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for entry in Path(directory).iterdir():
+            if entry.name not in {"podman", "docker"} and not (bin_dir / entry.name).exists():
+                (bin_dir / entry.name).symlink_to(entry)
+    env = {**os.environ, "PATH": str(bin_dir)}
+    doctor = subprocess.run([sys.executable, "-m", "orchestrator.cli", "doctor", str(spec)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    text = doctor.stdout + doctor.stderr
+    assert doctor.returncode != 0 and "Traceback" not in text
+    assert "podman is not installed on local-0" in text
+    assert "apt-get install podman" in text
+
+
+def test_the_containers_stop_with_a_planned_stop_saving_at_one_step(
+        image: str, tmp_path: Path, orchestrate_home: Path) -> None:
+    """SIGTERM through the engine reaches the task (``--init`` forwards it): every task saves
+    at one step and exits 75, as outside a container."""
+    cluster = Cluster.from_spec(local_spec(tmp_path, "ct-term", image, pace="0.2"))
+    cluster.up()
+    stopped: list[str] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if (event is not None and event.kind == "progress" and event.task == "worker:0"
+                and event.get("step") >= 8 and not stopped):
+            stopped.append("x")
+            subprocess.run([*PODMAN, "stop", "-t", "30",
+                            f"orch-ct-term-{view.run_id}-a1-worker-1"], check=True,
+                           capture_output=True)
+
+    run = cluster.train(listener=listener, wait=False)
+    result = run.wait()
+    first = result.attempts[0]
+    assert first.cause == "preempted"
+    assert {t.exit_code for t in first.tasks} == {75}
+    assert result.attempts[1].resumed_from_step == first.last_step
+    assert containers_of("ct-term") == []
+    cluster.down()
