@@ -153,6 +153,7 @@ def test_attach_after_a_controller_kill_finds_the_containers_and_down_leaves_non
 
 def test_on_ssh_hosts_as_a_plain_user_a_killed_container_resumes_and_down_leaves_none(
         image: str, hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """Through the CLI, as a user would: up, doctor, train (a container killed mid-run), down."""
     hostlab.require_partition()
     hosts = hostlab.hosts(2)
     user = hostlab.plain_user()
@@ -162,36 +163,61 @@ def test_on_ssh_hosts_as_a_plain_user_a_killed_container_resumes_and_down_leaves
         name: ct-ssh
         job: {PACED}
         container: {{image: "{image}", runtime: podman}}
-        env: {{DIGITS_PACE_S: "0.05"}}
+        env: {{DIGITS_PACE_S: "0.1"}}
         checkpoint: {{every_steps: 10}}
         retry: {{max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}}
         timeouts: {{startup_s: 240, stop_grace_s: 20}}
         """, user=user)
-    cluster = Cluster.from_spec(path)
+    train: subprocess.Popen[str] | None = None
     try:
-        cluster.up()
-        report = cluster.doctor()
-        assert report.ok, [p.message for p in report.problems]
-        assert all(h.fact("container", "image_id") for h in report.hosts)
+        up = orchestrate("up", str(path))
+        assert up.returncode == 0, up.stdout + up.stderr
+        doctor = orchestrate("doctor", str(path))
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert doctor.stdout.count("container: image ") == 2  # both hosts have the image
 
-        kill = kill_container_at(15, lambda name: podman_on(hosts[1], "kill", name))
-        result = cluster.train(listener=kill).wait()
-        first, second = result.attempts
+        train = cli("train", str(path))
+        chief_logs = f"{hosts[0].plain_home}/.orchestrate/clusters/ct-ssh/runs/*/logs/attempt-1/worker-0.log"
+
+        def checkpointed() -> bool:
+            logs = list(Path("/").glob(chief_logs.lstrip("/")))
+            return bool(logs) and '"event": "checkpoint"' in logs[0].read_text()
+
+        wait_for(checkpointed, 300, "the chief's first checkpoint")
+        # (the lab's hosts share this machine's podman storage: each service lists them all)
+        names = [n for n in containers_of("ct-ssh", every=False, host=hosts[1])
+                 if n.endswith("-a1-worker-1")]
+        assert len(names) == 1
+        podman_on(hosts[1], "kill", names[0])
+        out, _ = train.communicate(timeout=600)
+        assert train.returncode == 0, out
+        assert "attempt 1 failed: crashed in worker:1" in out
+        run = Cluster.from_spec(path).run()
+        first, second = run.attempts
         assert (first.cause, first.failed_task) == ("crashed", "worker:1")
         assert second.resumed_from_step and second.resumed_from_step % 10 == 0
         for h, task in zip(hosts, second.tasks, strict=True):
             assert task.log.startswith(h.plain_home)  # the unprivileged user's own home
             assert any(e.kind == "resumed" for e in events_in(h, task.log))
-            # files the container wrote belong to the SSH user, not to root
-            owner = h.run(["stat", "-c", "%U", task.log]).stdout.strip()
-            assert owner == user
-        assert len(set(result.digests.values())) == 1
+        # what TensorFlow wrote in the container belongs to the SSH user, not to root
+        owners = hosts[0].run(f"find {hosts[0].plain_home}/.orchestrate -path '*checkpoints*' "
+                              "-type f -exec stat -c %U {} +").stdout.split()
+        assert owners and set(owners) == {user}
         for h in hosts:
             assert containers_of("ct-ssh", host=h) == []
     finally:
-        cluster.down()
+        if train is not None and train.poll() is None:
+            train.kill()
+            train.wait()
+        down = orchestrate("down", str(path))
+        assert down.returncode == 0, down.stdout + down.stderr
         for h in hosts:
             assert containers_of("ct-ssh", host=h) == []
+
+
+def orchestrate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args],
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_a_user_without_access_to_the_engine_gets_the_host_and_the_fix(
