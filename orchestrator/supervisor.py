@@ -6,6 +6,7 @@ failure stops ALL tasks and relaunches ALL of them from the chief's latest good 
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import Counter
@@ -17,12 +18,11 @@ from tenacity import (
     RetryCallState,
     Retrying,
     retry_if_exception,
-    wait_exponential_jitter,
 )
 
 from orchestrator import paths
 from orchestrator import plan as planning
-from orchestrator.causes import PLANNED, RETRYABLE, Cause
+from orchestrator.causes import IMMEDIATE, PLANNED, RETRYABLE, Cause
 from orchestrator.checkpoints import (
     CheckpointMirror,
     WorkerCommand,
@@ -108,8 +108,7 @@ class Supervisor:
         self._resumed_at = base + 1 if resume else 0
         retrying = Retrying(
             stop=self._budget_spent,
-            wait=wait_exponential_jitter(multiplier=self.spec.retry.backoff_initial_s,
-                                         max=self.spec.retry.backoff_max_s),
+            wait=self._backoff,
             retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed)
                                      and e.cause in RETRYABLE),
             sleep=self.backoff_sleep,
@@ -168,9 +167,16 @@ class Supervisor:
                       f", all causes: {restarts} of {self.spec.retry.max_restarts})")
         return spent
 
+    def _backoff(self, state: RetryCallState) -> float:
+        failure = state.outcome.exception() if state.outcome else None
+        cause = failure.cause if isinstance(failure, AttemptFailed) else None
+        return backoff(state.attempt_number, cause, self.spec.retry.backoff_initial_s,
+                       self.spec.retry.backoff_max_s)
+
     def _before_sleep(self, state: RetryCallState) -> None:
         wait = state.next_action.sleep if state.next_action else 0.0
-        self._say(f"restarting all tasks in {wait:.1f}s")
+        self._say(f"restarting all tasks in {wait:.1f}s" if wait > 0 else
+                  "restarting all tasks now")
 
     # -- one attempt -----------------------------------------------------------------------
     def _attempt(self, run_id: str, number: int) -> dict[str, Event]:
@@ -578,3 +584,23 @@ def _advice(failure: AttemptFailed) -> str:
     return ("read the task logs with 'orchestrate logs', then raise retry.max_restarts "
             "if the cause was transient")
 
+
+JITTER = 0.2  # the backoff is drawn from delay x (1 +- JITTER)
+
+
+def backoff(failures: int, cause: Cause | None, initial_s: float, max_s: float,
+            draw: Callable[[float, float], float] = random.uniform) -> float:
+    """Seconds to wait before the restart after the ``failures``-th failed attempt in a row.
+
+    The first restart after a crash or a preemption (``IMMEDIATE``) starts at once; every other
+    waits ``initial_s x 2^(n-1)`` (n counting the restarts that waited), capped at ``max_s``,
+    with a jitter in proportion to it (+-20%) so that clusters that failed together do not
+    restart in lockstep, and a delay of 0.2 s stays about 0.2 s (tenacity's own jitter adds
+    up to 1 s whatever the delay).
+    """
+    immediate = cause in IMMEDIATE
+    if immediate and failures == 1:
+        return 0.0
+    n = failures - 1 if immediate else failures
+    delay = min(max_s, initial_s * 2.0 ** (n - 1))
+    return min(max_s, max(0.0, delay * draw(1 - JITTER, 1 + JITTER)))

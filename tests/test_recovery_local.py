@@ -184,6 +184,7 @@ def test_the_same_failure_before_the_first_step_twice_is_a_user_error(tmp_path: 
         supervisor.run(run_id)
     attempts = store.attempts(run_id)
     assert [a.cause for a in attempts] == ["crashed", "user_error"]  # not all 6 attempts
+    assert waits == [0.0]  # the restart after a crash started at once (no backoff)
     assert "fails the same way before the first step" in attempts[1].detail
     assert "libcudart.so.12" in str(info.value)  # the evidence is in the report
 

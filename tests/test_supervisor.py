@@ -68,7 +68,7 @@ def test_one_crashed_task_restarts_the_whole_group(tmp_path: Path) -> None:
         "failed", "crashed", "worker:1", 3)
     assert "exited 3" in first.detail
     assert second.status == "succeeded" and second.cause == ""
-    assert len(sleeps) == 1 and 1.0 <= sleeps[0] <= 8.0
+    assert sleeps == [0.0]  # the first restart after a crash starts at once
     waiting_peer = next(t for t in first.tasks if t.task == "worker:0")
     assert live_group_members(waiting_peer.pgid) == []  # stopped, not left behind
     assert store.get_run(run_id).status == "succeeded"
@@ -87,7 +87,7 @@ def test_spent_budget_fails_with_a_report_of_every_attempt(tmp_path: Path) -> No
     for n in (1, 2, 3):
         assert f"attempt {n}: crashed in worker:" in report
     assert info.value.fix and "orchestrate logs" in info.value.fix
-    assert len(sleeps) == 2 and sleeps[1] > sleeps[0] * 0.9  # exponential, with jitter
+    assert len(sleeps) == 2 and sleeps[0] == 0.0 and sleeps[1] > 0  # at once, then backoff
     assert store.get_run(run_id).status == "failed"
     assert [a.exit_code for a in store.attempts(run_id)] == [7, 7, 7]
 
@@ -221,3 +221,26 @@ def test_the_last_event_before_a_task_is_killed_is_in_the_attempt_record(
     assert chief.checkpoint_step == 7
     # After the checkpoint, the chief printed only the command wrapper's report of its death.
     assert chief.last_event in ("checkpoint", "error") and chief.last_event_at is not None
+
+
+# -- backoff -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("failures", "cause", "low", "high"), [
+    (1, "crashed", 0.0, 0.0),  # a crash: the first restart starts at once
+    (1, "preempted", 0.0, 0.0),
+    (2, "crashed", 0.16, 0.24),  # then as any repeated failure: initial, 2x initial, ...
+    (3, "crashed", 0.32, 0.48),
+    (1, "hung", 0.16, 0.24),  # what may clear up with time waits from the first restart
+    (1, "host_lost", 0.16, 0.24),
+    (2, "port_conflict", 0.32, 0.48),
+    (9, "crashed", 0.8, 1.0),  # capped at backoff_max_s, jittered below it
+])
+def test_backoff_waits_in_proportion_to_its_delay(failures: int, cause: str, low: float,
+                                                  high: float) -> None:
+    from orchestrator.causes import Cause
+    from orchestrator.supervisor import backoff
+
+    for draw in (lambda a, b: a, lambda a, b: b, lambda a, b: (a + b) / 2):
+        wait = backoff(failures, Cause(cause), 0.2, 1.0, draw=draw)
+        assert low - 1e-9 <= wait <= high + 1e-9
+    spread = {round(backoff(failures, Cause(cause), 0.2, 1.0), 6) for _ in range(50)}
+    assert max(spread) <= high + 1e-9 and min(spread) >= low - 1e-9
