@@ -20,7 +20,7 @@ from orchestrator import spec as specs
 from orchestrator.doctor import DoctorReport, TensorFlowImport
 from orchestrator.errors import OrchestratorError, StateError
 from orchestrator.events import Event, LineBuffer, parse_line
-from orchestrator.hosts import Host
+from orchestrator.hosts import Host, one_per_machine
 from orchestrator.launchers import launcher_named
 from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.providers import DownReport, Provider, for_spec
@@ -403,9 +403,7 @@ class Cluster:
             runtimes.add(self.spec.container.runtime)
         if not runtimes:
             return []
-        machines: dict[str, Host] = {}
-        for host in self.provider.hosts():
-            machines.setdefault(host.machine, host)
+        machines = one_per_machine(self.provider.hosts())
 
         def remove(host: Host) -> list[str]:
             try:
@@ -416,7 +414,7 @@ class Cluster:
                 return [f"{host.name}: containers not removed ({exc.message})"]
 
         with ThreadPoolExecutor(max_workers=min(32, len(machines))) as pool:
-            return [line for lines in pool.map(remove, machines.values()) for line in lines]
+            return [line for lines in pool.map(remove, machines) for line in lines]
 
     # -- inspection ----------------------------------------------------------------------
     def status(self) -> ClusterStatus:

@@ -20,13 +20,13 @@ import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.hosts import Host
+from orchestrator.hosts import Host, one_per_machine
 from orchestrator.plan import TaskPlan
 from orchestrator.problems import Problem
 from orchestrator.remote.base import Runner
+from orchestrator.remote.fanout import fan_out
 from orchestrator.spec import Container, is_url
 
 LABEL = "orchestrate"
@@ -82,7 +82,8 @@ def run_argv(container: Container, task: TaskPlan) -> list[str]:
         "--workdir", task.cwd,
         "--env", "HOME=/tmp",
     ]
-    for d in mounts(task):
+    dirs = mounts(task)
+    for d in dirs:
         words += ["--volume", f"{d}:{d}"]
     for key in task.env:
         words += ["--env", key]
@@ -91,7 +92,7 @@ def run_argv(container: Container, task: TaskPlan) -> list[str]:
            "all": f"set -- \"$@\" {GPU_FLAGS[rt]}; ", "none": ""}[container.gpus]
     # The bind mounts' sources must exist (podman refuses a missing one, docker makes it
     # root's): made here, as the SSH user.
-    script = ("mkdir -p -- " + " ".join(shlex.quote(d) for d in mounts(task)) + " && "
+    script = ("mkdir -p -- " + " ".join(shlex.quote(d) for d in dirs) + " && "
               'set -- --user "$(id -u):$(id -g)"; ' + gpu +
               'exec "$0" run "$@" ' + " ".join(shlex.quote(w) for w in words[1:]))
     return ["sh", "-c", script, rt]
@@ -158,18 +159,13 @@ def pull(runner: Runner, host: Host, container: Container) -> str:
 
 
 def pull_all(hosts: Sequence[Host], runner_for: Callable[[Host], Runner],
-             container: Container) -> dict[str, str]:
-    """``pull`` on every machine in parallel (once per machine); image id by host name.
+             container: Container) -> None:
+    """``pull`` on every machine in parallel (once per machine).
 
     Raises:
         ContainerError: for the first host that failed, naming every host that did.
     """
-    from orchestrator.remote.fanout import fan_out
-
-    machines: dict[str, Host] = {}
-    for host in hosts:
-        machines.setdefault(host.machine, host)
-    result = fan_out(list(machines.values()), lambda h: pull(runner_for(h), h, container),
+    result = fan_out(one_per_machine(hosts), lambda h: pull(runner_for(h), h, container),
                      name_of=lambda h: h.name)
     if result.failed:
         first = result.failed[0].error
@@ -179,8 +175,6 @@ def pull_all(hosts: Sequence[Host], runner_for: Callable[[Host], Runner],
             raise ContainerError(f"{first.message}{more}", fix=first.fix) from first
         raise ContainerError(f"{result.failed[0].name}: {first}{more}",
                              fix=f"check {container.runtime} on that host") from first
-    by_machine = {r.name: str(r.value) for r in result.succeeded}
-    return {h.name: by_machine[machines[h.machine].name] for h in hosts}
 
 
 def failure_text(container: Container, output: str) -> str:
@@ -240,11 +234,6 @@ class EngineFacts:
     host_gpus: bool = False
     gpus_inside: bool | None = None  # None: not asked (no GPU on the host, or no image)
     gpu_error: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"installed": self.installed, "usable": self.usable, "error": self.error,
-                "image_id": self.image_id, "host_gpus": self.host_gpus,
-                "gpus_inside": self.gpus_inside, "gpu_error": self.gpu_error}
 
 
 def examine(runner: Runner, container: Container) -> EngineFacts:

@@ -9,7 +9,7 @@ import secrets
 import shlex
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -292,7 +292,7 @@ def _engines(container: Container, live: Sequence[Machine], runner: Callable[[Ho
     found += [Problem("container", f"{r.name}: {container.runtime} could not be asked: {r.error}",
                       f"check {container.runtime} on {r.name}", hosts=(r.name,))
               for r in asked.failed]
-    return {name: f.to_dict() for name, f in facts.items()}, found
+    return {name: asdict(f) for name, f in facts.items()}, found
 
 
 def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -63,3 +64,12 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def one_per_machine(hosts: Sequence[Host]) -> list[Host]:
+    """The first host of each machine, in order: for what is done once per machine (the
+    container engine's images and containers are the machine's, not a task's)."""
+    machines: dict[str, Host] = {}
+    for host in hosts:
+        machines.setdefault(host.machine, host)
+    return list(machines.values())
