@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from orchestrator import containers
 from orchestrator.errors import StateError
 from orchestrator.plan import TaskPlan
-from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskStatus
+from orchestrator.remote.base import LaunchSpec, LogPoll, Runner, TaskHandle, TaskStatus
 from orchestrator.spec import ClusterSpec, Container
 from orchestrator.state import TaskRecord
 
@@ -30,6 +30,16 @@ class Launcher(ABC):
     @abstractmethod
     def poll(self, runner: Runner, handle: TaskHandle) -> TaskStatus:
         """Running, exited (with its code) or lost."""
+
+    def poll_log(self, runner: Runner, handle: TaskHandle, offset: int, *,
+                 status: bool = True) -> LogPoll:
+        """The watch loop's poll: ``poll`` (unless not ``status``: then None), then the task's
+        log from ``offset`` (``Runner.poll_log``'s bytes). A launcher whose ``poll`` is the
+        runner's answers both in one round trip (``ProcessLauncher``); this default takes two,
+        and reports no status of its own without ``status``."""
+        got = self.poll(runner, handle) if status else None
+        log = runner.poll_log(handle, offset, status=False)
+        return LogPoll(got, log.data, log.next_offset, log.capped)
 
     @abstractmethod
     def stop(self, runner: Runner, handle: TaskHandle, grace_s: float) -> TaskStatus:
@@ -61,6 +71,10 @@ class ProcessLauncher(Launcher):
 
     def poll(self, runner: Runner, handle: TaskHandle) -> TaskStatus:
         return runner.poll(handle)
+
+    def poll_log(self, runner: Runner, handle: TaskHandle, offset: int, *,
+                 status: bool = True) -> LogPoll:
+        return runner.poll_log(handle, offset, status=status)
 
     def stop(self, runner: Runner, handle: TaskHandle, grace_s: float) -> TaskStatus:
         return runner.stop(handle, grace_s=grace_s)

@@ -1,7 +1,12 @@
 """Watch one attempt: read every task's events, poll it, and say which failure ended it, and why.
 
 Polls run on a thread pool so one host that stops answering cannot stall the others; a
-poll that takes longer than ``timeouts.poll_s`` marks its host lost.
+poll that takes longer than ``timeouts.poll_s`` marks its host lost. A poll is one round trip
+(``Launcher.poll_log``: the status, then the new log bytes). While a task's output keeps
+coming, its polls read the log alone and skip the costly half of the status (whether its
+process group lives): an exit is still seen at once by the exit code its wrapper records
+(which every poll looks at), and a group that vanished without one by the first full poll
+after its log went quiet (``POLL_QUIET_S``), or within ``STATUS_EVERY_S`` at most.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ MISMATCH = re.compile(r"Shape mismatch in the collective instance \d+|"
 EARLY_S = 120.0
 STEP_EVENTS = ("training", "resumed", "progress")
 SETTLE_S = 3.0  # how long peers' secondary errors wait for the primary failure to show
+# A task whose last poll brought log bytes this recently is polled for its log alone (and the
+# exit code its wrapper recorded); a quiet one is asked whether its process group lives, and
+# so is every task at least every STATUS_EVERY_S (a group whose leftovers keep writing).
+POLL_QUIET_S = 1.0
+STATUS_EVERY_S = 5.0
+DRAIN_READS = 8  # polls' worth of log (POLL_LOG_MAX each) read after the tasks were stopped
 
 
 class AttemptFailed(Exception):
@@ -95,9 +106,15 @@ class Watched:
     first_progress_at: float | None = None
     last_heard: float = field(default_factory=time.time)
     unreachable: str | None = None
-    drops_alive: int = -1  # the runner's drops when a poll last saw the task running
+    # The runner's drops when a poll last saw the task running. Only a status that says so
+    # counts, never log bytes: bytes read over a connection made after a drop may have been
+    # written before it (by a task whose machine rebooted since), so they prove nothing about
+    # the task after the drop.
+    drops_alive: int = -1
     pending: Future[Polled] | None = None
     pending_since: float = 0.0
+    data_at: float = float("-inf")  # (monotonic) when a poll last brought log bytes
+    status_at: float = float("-inf")  # (monotonic) when the last poll with a status was sent
     last_event: Event | None = None
     checkpoint_step: int | None = None
     stopped: Event | None = None  # the task saved at a step on a SIGTERM, and exits
@@ -129,13 +146,16 @@ class Watched:
 
 @dataclass(frozen=True)
 class Polled:
-    """One poll of a task: its status (None for a log read alone), then the log bytes from
-    ``offset`` to ``next_offset``."""
+    """One poll of a task: its status (None when not asked and no exit code was recorded),
+    then the log bytes from ``offset`` to ``next_offset``; ``capped``: more may follow.
+    ``drops``: the runner's connection drops as the poll returned."""
 
     status: TaskStatus | None
     data: bytes
     offset: int
     next_offset: int
+    capped: bool = False
+    drops: int = 0
 
 
 class AttemptWatch:
@@ -187,32 +207,55 @@ class AttemptWatch:
                 with contextlib.suppress(RemoteError, FutureTimeout):
                     self._take(w, w.pending.result(timeout=self.spec.timeouts.poll_s))
             w.pending = None
-            if w.unreachable is None:
+            for _ in range(DRAIN_READS):
+                if w.unreachable is not None:
+                    break
                 try:
-                    self._take(w, self._read(w))
+                    polled = self._read(w)
                 except RemoteError:
-                    continue
+                    break
+                self._take(w, polled)
+                if not polled.capped:
+                    break
 
     # -- polling ---------------------------------------------------------------------------
-    def _io(self, w: Watched, offset: int) -> Polled:
-        """On a pool thread: the status, then the log after it (so nothing is missed)."""
-        status = self.launcher.poll(w.runner, w.handle)
-        data, next_offset = w.runner.read_log(w.handle, offset)
-        return Polled(status, data, offset, next_offset)
+    def _io(self, w: Watched, offset: int, status: bool) -> Polled:
+        """On a pool thread: one poll, the status (or without ``status`` only a recorded exit
+        code), then the log after it (so nothing is missed)."""
+        got = self.launcher.poll_log(w.runner, w.handle, offset, status=status)
+        return Polled(got.status, got.data, offset, got.next_offset, got.capped, w.runner.drops)
 
     def _read(self, w: Watched) -> Polled:
-        data, next_offset = w.runner.read_log(w.handle, w.offset)
-        return Polled(None, data, w.offset, next_offset)
+        """The log alone (the tasks are stopped: how they ended is the stop's to say)."""
+        got = self.launcher.poll_log(w.runner, w.handle, w.offset, status=False)
+        return Polled(None, got.data, w.offset, got.next_offset, got.capped)
 
     def _take(self, w: Watched, polled: Polled) -> None:
-        """Consume a poll: the log offset moves here, in the loop that feeds the data on."""
-        if polled.offset == w.offset:
+        """Consume a poll: the log offset moves here, in the loop that feeds the data on.
+
+        An end (exit code or vanished group) counts once the log is read to it: a poll that
+        ended its read at the cap leaves the end for a later poll, which reports it again."""
+        consumed = polled.offset == w.offset
+        if consumed:
             w.offset = polled.next_offset
+            if polled.data:
+                w.data_at = time.monotonic()
             self._feed(w, polled.data)
-        if polled.status is not None and polled.status.state is TaskState.RUNNING:
-            w.drops_alive = w.runner.drops
-        elif polled.status is not None:
+        if polled.status is None:
+            return
+        if polled.status.state is TaskState.RUNNING:
+            w.drops_alive = polled.drops
+        elif consumed and not polled.capped:
             w.status = polled.status
+
+    def _status_due(self, w: Watched) -> bool:
+        """Whether the next poll asks if the task's group lives: not while its output keeps
+        coming (``POLL_QUIET_S``), unless the last such poll is ``STATUS_EVERY_S`` old."""
+        now = time.monotonic()
+        if now - w.data_at < POLL_QUIET_S and now - w.status_at < STATUS_EVERY_S:
+            return False
+        w.status_at = now
+        return True
 
     def _collect(self) -> None:
         now = time.time()
@@ -220,7 +263,8 @@ class AttemptWatch:
             if w.ended or w.unreachable:
                 continue
             if w.pending is None:
-                w.pending, w.pending_since = self._pool.submit(self._io, w, w.offset), now
+                w.pending = self._pool.submit(self._io, w, w.offset, self._status_due(w))
+                w.pending_since = now
             if w.pending.done():
                 try:
                     self._take(w, w.pending.result())

@@ -9,9 +9,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import paramiko
 from hostlab import HostLab, LabHost
 
 from orchestrator.events import Event, parse_line
+from orchestrator.remote.ssh import Link, SSHRunner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,3 +68,19 @@ def write_gcp_spec(tmp_path: Path, name: str = "gcp-test", workers: int = 3,
         "provider": settings, "job": {"module": "examples.digits"},
     }))
     return path
+
+
+class CountingRunner(SSHRunner):
+    """The real runner, noting the session channels it opens (one per command, one per SFTP
+    session): what a poll costs in round trips to the host."""
+
+    def __init__(self, host: LabHost) -> None:
+        super().__init__(host.name, host.endpoint())
+        self.channels: list[Link] = []
+
+    def __enter__(self) -> CountingRunner:
+        return self
+
+    def _open_channel(self, link: Link) -> paramiko.Channel:
+        self.channels.append(link)
+        return super()._open_channel(link)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
 from orchestrator.remote.local import LocalRunner, live_group_members
+from worker.probes import process_stat
 
 SWALLOW_TERM = (
     "import signal, time; signal.signal(signal.SIGTERM, lambda *a: print('TERM ignored', flush=True));"
@@ -145,3 +150,104 @@ def test_a_reused_group_id_is_never_signalled_nor_taken_for_the_task(tmp_path: P
     finally:
         stranger.kill()
         stranger.wait()
+
+
+# -- polls without listing every process --------------------------------------------------------
+@pytest.fixture
+def proc_listings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every listing of /proc from now on (os.listdir, spied on: it still lists)."""
+    listings: list[str] = []
+    listdir = os.listdir
+
+    def spy(path: str = ".") -> list[str]:
+        if os.fspath(path).rstrip("/") == "/proc":
+            listings.append(os.fspath(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", spy)
+    return listings
+
+
+def test_a_poll_of_a_running_task_lists_no_processes(tmp_path: Path,
+                                                     proc_listings: list[str]) -> None:
+    runner, spec = launch(tmp_path, "print('up', flush=True); import time; time.sleep(30)")
+    handle = runner.start(spec)
+    try:
+        wait_for(lambda: b"up" in runner.read_log(handle, 0)[0])
+        proc_listings.clear()
+        for _ in range(20):
+            assert runner.poll(handle).state is TaskState.RUNNING
+            got = runner.poll_log(handle, 0)
+            assert got.status is not None and got.status.state is TaskState.RUNNING
+            assert (got.data, got.next_offset) == (b"up\n", 3)
+        assert proc_listings == []
+    finally:
+        runner.stop(handle, grace_s=0)
+    assert runner.poll(handle).state is TaskState.LOST
+
+
+def until_zombie(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: (process_stat(proc.pid) or ("?", 0))[0] == "Z")  # exited, not reaped
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes],
+                                            TaskHandle]]:
+    """A process group of this test's children, so that it decides when each is reaped:
+    its leader (whose command line holds the task's rc path, as the launch wrapper's does)
+    and one more member."""
+    rc = str(tmp_path / "t.rc")
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", rc],
+                              process_group=0)
+    member = subprocess.Popen(["sleep", "60"], process_group=leader.pid)
+    handle = TaskHandle("localhost", leader.pid, str(tmp_path / "t.log"), rc)
+    try:
+        yield leader, member, handle
+    finally:
+        for proc in (leader, member):
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(("leader_is", "member_is", "alive", "lists"), [
+    pytest.param("alive", "alive", True, False, id="leader-alive"),
+    pytest.param("alive", "zombie", True, False, id="leader-alive-member-zombie"),
+    pytest.param("zombie", "alive", True, True, id="zombie-leader-member-alive"),
+    pytest.param("zombie", "zombie", False, True, id="only-zombies"),
+    pytest.param("reaped", "alive", True, True, id="leaderless-member-alive"),
+    pytest.param("reaped", "zombie", False, True, id="leaderless-member-zombie"),
+    pytest.param("reaped", "reaped", False, True, id="nothing-left"),
+])
+def test_a_groups_leader_answers_for_it_and_only_without_one_are_processes_listed(
+    group: tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], TaskHandle],
+    proc_listings: list[str], leader_is: str, member_is: str, alive: bool, lists: bool,
+) -> None:
+    leader, member, handle = group
+    for proc, becomes in ((member, member_is), (leader, leader_is)):
+        if becomes == "zombie":
+            until_zombie(proc)
+        elif becomes == "reaped":
+            proc.kill()
+            proc.wait()
+    proc_listings.clear()
+    assert LocalRunner().poll(handle).state is (TaskState.RUNNING if alive else TaskState.LOST)
+    assert bool(proc_listings) is lists
+
+
+def test_a_task_whose_wrapper_was_killed_alone_is_still_seen_running(tmp_path: Path) -> None:
+    # The group's leader (the launch wrapper) gone: the task lives on, leaderless.
+    runner, spec = launch(tmp_path, "import os; print(os.getpid(), flush=True); "
+                                    "import time; time.sleep(30)")
+    handle = runner.start(spec)
+    wait_for(lambda: runner.read_log(handle, 0)[0].strip().isdigit())
+    task_pid = int(runner.read_log(handle, 0)[0])
+    os.kill(handle.pgid, signal.SIGKILL)
+    wait_for(lambda: (process_stat(handle.pgid) or ("Z", 0))[0] == "Z")
+    try:
+        for _ in range(5):
+            assert runner.poll(handle).state is TaskState.RUNNING
+            time.sleep(0.05)
+    finally:
+        os.kill(task_pid, signal.SIGKILL)
+    wait_for(lambda: runner.poll(handle).state is TaskState.LOST)  # no wrapper: no exit code

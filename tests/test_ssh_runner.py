@@ -14,12 +14,19 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from helpers import CountingRunner
 from hostlab import HostLab, LabHost
 
 from orchestrator.errors import AuthError, HostKeyError, HostUnreachableError, RemoteError
-from orchestrator.remote.base import LaunchSpec, TaskHandle, TaskState, TaskStatus
+from orchestrator.remote.base import POLL_LOG_MAX, LaunchSpec, TaskHandle, TaskState, TaskStatus
 from orchestrator.remote.local import live_group_members
-from orchestrator.remote.ssh import BULK_CHANNELS, MAX_CHANNELS, READ_LOG_MAX, SSHRunner, fingerprint
+from orchestrator.remote.ssh import (
+    BULK_CHANNELS,
+    MAX_CHANNELS,
+    READ_LOG_MAX,
+    SSHRunner,
+    fingerprint,
+)
 
 pytestmark = pytest.mark.ssh
 
@@ -193,6 +200,101 @@ def test_task_outlives_its_runner_and_a_new_runner_stops_it(host: LabHost) -> No
         assert second.poll(handle).state is TaskState.RUNNING
         assert second.stop(handle).state is not TaskState.RUNNING
         assert not group_alive(handle)
+
+
+# -- the watch loop's poll: one command -------------------------------------------------------
+# Bytes no decoding survives: invalid UTF-8, a NUL, half of a two-byte character.
+ODD = b"a\xff\xfeb\x00z\n\xc3"
+ODD_PRINTF = r"a\377\376b\000z\n\303"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("status", [True, False], ids=["with-status", "log-only"])
+@pytest.mark.parametrize(("case", "then", "state", "code"), [
+    pytest.param("running", "sleep 60", TaskState.RUNNING, None, id="running"),
+    pytest.param("exited", "exit 3", TaskState.EXITED, 3, id="exited-3"),
+    # its whole group killed: no exit code
+    pytest.param("lost", "sleep 60", TaskState.LOST, None, id="lost"),
+])
+def test_a_poll_is_one_command_with_the_status_then_the_exact_log_bytes(
+    host: LabHost, case: str, then: str, state: TaskState, code: int | None, status: bool
+) -> None:
+    with CountingRunner(host) as runner:
+        spec = task(host, "sh", "-c", f"printf '{ODD_PRINTF}'; {then}")
+        handle = runner.start(spec)
+        try:
+            wait_until(lambda: Path(spec.log_path).read_bytes() == ODD)
+            if case == "exited":
+                wait_until(lambda: Path(spec.rc_path).exists())
+            if case == "lost":
+                runner.signal(handle, "KILL")  # zombies answer kill 0 until they are reaped
+                wait_until(lambda: not runner.run(f"kill -0 -{handle.pgid}", check=False).ok)
+            runner.channels.clear()
+            got = runner.poll_log(handle, 0, status=status)
+            assert runner.channels == ["control"]  # one command; no SFTP session either
+            assert runner._control is None
+            assert (got.data, got.next_offset, got.capped) == (ODD, len(ODD), False)
+            if status or state is TaskState.EXITED:  # a log-only poll still sees an exit code
+                assert got.status is not None
+                assert (got.status.state, got.status.exit_code) == (state, code)
+                if state is TaskState.EXITED:
+                    assert got.status.ended_at is not None
+                    assert abs(got.status.ended_at - time.time()) < 120
+            else:
+                assert got.status is None  # not asked whether the group lives
+            inside = runner.poll_log(handle, 5, status=status)  # from the middle of the bytes
+            assert (inside.data, inside.next_offset) == (ODD[5:], len(ODD))
+            assert runner.poll_log(handle, len(ODD), status=status).data == b""
+        finally:
+            runner.stop(handle, grace_s=0)
+
+
+@pytest.mark.parametrize(("size", "limit", "polls"), [
+    # the default cap: 1 MiB, 1 MiB, the rest
+    pytest.param(2 * POLL_LOG_MAX + 12345, POLL_LOG_MAX, 3, id="2MiB-and-more"),
+    # an exact multiple: the fourth poll finds nothing more
+    pytest.param(3000, 1000, 4, id="exact-multiple"),
+    pytest.param(999, 1000, 1, id="under-the-cap"),
+])
+def test_a_log_longer_than_the_cap_comes_over_several_polls_byte_for_byte(
+    host: LabHost, size: int, limit: int, polls: int
+) -> None:
+    with CountingRunner(host) as runner:
+        spec = task(host, "sh", "-c", f"head -c {size} /dev/urandom; exit 0")
+        handle = runner.start(spec)
+        wait_until(lambda: Path(spec.rc_path).exists())
+        written = Path(spec.log_path).read_bytes()
+        assert len(written) == size
+        runner.channels.clear()
+        got, offset, seen = b"", 0, []
+        while True:
+            poll = runner.poll_log(handle, offset, limit=limit)
+            assert poll.status is not None  # the end is reported with every part
+            assert (poll.status.state, poll.status.exit_code) == (TaskState.EXITED, 0)
+            assert len(poll.data) <= limit and poll.next_offset == offset + len(poll.data)
+            got, offset = got + poll.data, poll.next_offset
+            seen.append(poll.capped)
+            if not poll.capped:
+                break
+        assert got == written
+        assert seen == [True] * (polls - 1) + [False]
+        assert runner.channels == ["control"] * polls
+
+
+def test_a_poll_of_a_log_not_written_yet_returns_no_bytes(host: LabHost) -> None:
+    with CountingRunner(host) as runner:
+        handle = TaskHandle(host.name, 1, f"{host.home}/no-such-{uuid.uuid4().hex}.log", "/x.rc")
+        got = runner.poll_log(handle, 5)
+        assert (got.status, got.data, got.next_offset, got.capped) == (
+            TaskStatus(TaskState.LOST), b"", 5, False)  # pid 1 does not hold the rc path
+        assert runner.poll_log(handle, 5, status=False).status is None
+        assert runner.channels == ["control", "control"]
 
 
 # -- files ----------------------------------------------------------------------

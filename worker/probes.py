@@ -41,21 +41,40 @@ def taken_ports(start: int, end: int, want: int) -> list[int]:
     return taken
 
 
+def process_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, process-group id) of process ``pid``, or None when there is none.
+
+    One read of ``/proc/PID/stat``: how the controller asks after a task's group leader
+    without listing every process (``group_members``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return _state_and_group(f.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _state_and_group(stat: bytes) -> tuple[str, int]:
+    # pid (comm) state ppid pgrp ...: comm may hold spaces or parens, so split after the last ')'
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[2])
+
+
 def group_members(pgid: int) -> list[tuple[int, str]]:
-    """(pid, state letter) of every process in process group ``pgid``, read from /proc."""
+    """(pid, state letter) of every process in process group ``pgid``, read from /proc.
+
+    Lists every process of the machine: ``process_stat`` of the group's leader is the cheap
+    question while the leader lives."""
     members = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+                state, group = _state_and_group(f.read())
+        except (OSError, ValueError, IndexError):
             continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces or parens, so split after the last ')'
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if int(fields[2]) == pgid:
-            members.append((int(name), fields[0].decode()))
+        if group == pgid:
+            members.append((int(name), state))
     return members
 
 

@@ -4,7 +4,9 @@ A transport fills in ``_exec`` (run a shell script, return exit code and
 output) and file transfer; everything else -- launching a task detached in its
 own session, polling it, stopping its process group with TERM then KILL,
 reading its log incrementally -- is built here from POSIX shell, quoted with
-``shlex.quote`` at every value, so local and SSH share one code path.
+``shlex.quote`` at every value, so local and SSH share one code path. The watch
+loop's poll (status, then the new log bytes) is one script too (``poll_log_script``),
+so a transport that runs it with raw output answers a poll in one command.
 """
 
 from __future__ import annotations
@@ -74,6 +76,28 @@ class TaskStatus:
     state: TaskState
     exit_code: int | None = None
     ended_at: float | None = None  # when the exit code was written (the host's clock)
+
+
+# Log bytes one poll's reply brings over a link at most; the rest comes with the next polls. A
+# burst of output (a long traceback, verbose logging, a log re-read from its start by
+# --attach) then holds a poll up for one MiB's transfer, not for all of it.
+POLL_LOG_MAX = 1 << 20
+
+
+@dataclass(frozen=True)
+class LogPoll:
+    """One poll of a task: its status, then its log's bytes from the offset asked to
+    ``next_offset`` (taken after the status, so every line written before an exit is in it).
+
+    ``status`` is None when the poll did not ask whether the task lives (``status=False``)
+    and found no exit code recorded. ``capped``: the poll brought as many bytes as it may,
+    so more may follow; a poll that says the task ended has then not read its log to the end.
+    """
+
+    status: TaskStatus | None
+    data: bytes
+    next_offset: int
+    capped: bool = False
 
 
 @functools.cache
@@ -184,14 +208,24 @@ class Runner(ABC):
         return TaskHandle(self.host_name, pgid, spec.log_path, spec.rc_path)
 
     def poll(self, handle: TaskHandle) -> TaskStatus:
-        rc = shlex.quote(handle.rc_path)
-        exited = f"echo exited $(cat {rc}) $(stat -c %Y {rc})"
-        script = (
-            f"if [ -f {rc} ]; then {exited}; "
-            f"elif {_ours(handle)} && kill -0 -{handle.pgid} 2>/dev/null; then echo running; "
-            f"elif [ -f {rc} ]; then {exited}; else echo lost; fi"
-        )
-        return _parse_status(self.run(script).stdout)
+        return _parse_status(self.run(_status_script(handle)).stdout)
+
+    def poll_log(self, handle: TaskHandle, offset: int, *, status: bool = True,
+                 limit: int = POLL_LOG_MAX) -> LogPoll:
+        """The task's status, then the bytes of its log from ``offset``.
+
+        Without ``status`` the poll does not ask whether the task's group lives (the costly
+        part: its ownership and every process of it); it still reports an exit code the
+        wrapper recorded (one look at the rc file), else its status is None.
+
+        ``limit`` bounds the bytes one reply carries where they cross a link (SSH: one
+        command's output, ``poll_log_script``); a runner that reads the file in place returns
+        what its ``read_log`` does. This fallback is two commands (``poll``, ``read_log``),
+        reports no exit code without ``status``, and its log is ``read_log``'s.
+        """
+        got = self.poll(handle) if status else None
+        data, next_offset = self.read_log(handle, offset)
+        return LogPoll(got, data, next_offset)
 
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         """State letters of the task's processes ('T' = stopped); empty when none is left."""
@@ -234,6 +268,52 @@ class Runner(ABC):
         result = self.run(f"[ -f {log} ] && tail -c +{offset + 1} {log} || true")
         data = result.stdout.encode()
         return data, offset + len(data)
+
+
+def _exited_script(handle: TaskHandle) -> str:
+    rc = shlex.quote(handle.rc_path)
+    return f"echo exited $(cat {rc}) $(stat -c %Y {rc})"
+
+
+def _status_script(handle: TaskHandle) -> str:
+    """Prints one line: ``exited CODE MTIME``, ``running`` or ``lost`` (see ``_parse_status``).
+
+    The rc file is looked at again after a group found gone: the wrapper may have written it
+    in between."""
+    rc, exited = shlex.quote(handle.rc_path), _exited_script(handle)
+    return (
+        f"if [ -f {rc} ]; then {exited}; "
+        f"elif {_ours(handle)} && kill -0 -{handle.pgid} 2>/dev/null; then echo running; "
+        f"elif [ -f {rc} ]; then {exited}; else echo lost; fi"
+    )
+
+
+def poll_log_script(handle: TaskHandle, offset: int, limit: int, status: bool = True) -> str:
+    """One command for one poll: a status line, then the log's raw bytes from ``offset``.
+
+    The line is ``_status_script``'s, or without ``status`` the rc file's alone (``exited
+    CODE MTIME``, else ``-``). The bytes follow it unchanged (at most ``limit``; none when the
+    log does not exist yet), so the output must be read as bytes (``parse_poll_log``). The
+    status comes first: a task seen ended has written its last line before the log is read.
+    """
+    rc, log = shlex.quote(handle.rc_path), shlex.quote(handle.log_path)
+    line = (_status_script(handle) if status
+            else f"if [ -f {rc} ]; then {_exited_script(handle)}; else echo -; fi")
+    return f"{line}; tail -c +{offset + 1} {log} 2>/dev/null | head -c {limit}"
+
+
+def parse_poll_log(out: bytes, offset: int, limit: int) -> LogPoll:
+    """What ``poll_log_script`` printed, as a ``LogPoll`` of the bytes from ``offset``.
+
+    Raises:
+        ValueError: no status line (the script did not run to its end).
+    """
+    line, newline, data = out.partition(b"\n")
+    if not newline:
+        raise ValueError(f"a poll printed no status line: {out[:200]!r}")
+    text = line.decode("utf-8", errors="replace")
+    status = None if text.strip() == "-" else _parse_status(text)
+    return LogPoll(status, data, offset + len(data), len(data) >= limit)
 
 
 def _ours(handle: TaskHandle) -> str:

@@ -11,14 +11,20 @@ from pathlib import Path
 
 from orchestrator.errors import RemoteError
 from orchestrator.remote.base import (
+    POLL_LOG_MAX,
     ExecResult,
+    LogPoll,
     Runner,
     TaskHandle,
     TaskState,
     TaskStatus,
     owns_group,
 )
-from worker.probes import group_members
+from worker.probes import group_members, process_stat
+
+# States of a process that is no more: a zombie (exited, not yet reaped; it still answers
+# kill 0, and a container's PID 1 may never reap it) and a dead one on its way out.
+GONE = ("Z", "X", "x")
 
 
 class LocalRunner(Runner):
@@ -64,7 +70,19 @@ class LocalRunner(Runner):
             os.killpg(handle.pgid, getattr(signal, "SIG" + sig))
 
     def _group_alive(self, handle: TaskHandle) -> bool:
-        return owns_group(handle) and any(True for _ in live_group_members(handle.pgid))
+        """Whether any process of the task's group lives (zombies do not).
+
+        The group's leader is the launch wrapper, which waits for the task (and traps TERM to
+        outlive it), so while the leader lives one read of its ``/proc/PGID/stat`` answers,
+        with no look at other processes. Only a group whose leader is gone or a zombie (killed,
+        or a wrapper that died first) needs every process listed (``group_members``).
+        """
+        if not owns_group(handle):
+            return False
+        leader = process_stat(handle.pgid)
+        if leader is not None and leader[0] not in GONE and leader[1] == handle.pgid:
+            return True
+        return any(True for _ in live_group_members(handle.pgid))
 
     def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
         try:
@@ -74,6 +92,16 @@ class LocalRunner(Runner):
         except FileNotFoundError:
             return b"", offset
         return data, offset + len(data)
+
+    def poll_log(self, handle: TaskHandle, offset: int, *, status: bool = True,
+                 limit: int = POLL_LOG_MAX) -> LogPoll:
+        """``poll`` (or, without ``status``, the rc file alone), then ``read_log``: direct
+        reads, no round trip. The log is read in place, so it comes whole (``limit`` bounds
+        what a reply carries over a link; cutting a read here would only read the rest again
+        on every later poll). It goes through ``read_log``, which subclasses may wrap."""
+        got = self.poll(handle) if status else _exited(handle.rc_path)
+        data, next_offset = self.read_log(handle, offset)
+        return LogPoll(got, data, next_offset)
 
 
 def _exited(rc_path: str) -> TaskStatus | None:
@@ -88,4 +116,4 @@ def _exited(rc_path: str) -> TaskStatus | None:
 
 def live_group_members(pgid: int) -> list[int]:
     """PIDs in process group ``pgid`` that are not zombies (a zombie still answers kill 0)."""
-    return [pid for pid, state in group_members(pgid) if state != "Z"]
+    return [pid for pid, state in group_members(pgid) if state not in GONE]

@@ -32,13 +32,22 @@ from tenacity import (
 from orchestrator.errors import AuthError, HostKeyError, HostUnreachableError, RemoteError
 from orchestrator.files import write_atomic
 from orchestrator.hosts import SSHEndpoint
-from orchestrator.remote.base import ExecResult, Runner, TaskHandle
+from orchestrator.remote.base import (
+    POLL_LOG_MAX,
+    ExecResult,
+    LogPoll,
+    Runner,
+    TaskHandle,
+    parse_poll_log,
+    poll_log_script,
+)
 
 KEEPALIVE_S = 15
 DEAD_PEER_S = 60  # unacknowledged data for this long means the host is gone (TCP_USER_TIMEOUT)
-# Two connections per host. The control connection carries commands (at most 6 at once) and
-# the one SFTP session that reads logs; the bulk connection carries transfers (at most 2 at
-# once, each on an SFTP session of its own). OpenSSH allows 10 sessions per connection
+# Two connections per host. The control connection carries commands (at most 6 at once; the
+# watch loop's polls are commands, each bringing its task's status and new log bytes) and the
+# one SFTP session that reads logs (``read_log``); the bulk connection carries transfers (at
+# most 2 at once, each on an SFTP session of its own). OpenSSH allows 10 sessions per connection
 # (MaxSessions) and frees one only once our close has reached it: a session the host still
 # counts after our close is waited for a little. Bulk bytes never share a TCP stream with a
 # poll, so a poll on a slow link waits for no transfer's data ahead of it.
@@ -283,6 +292,12 @@ class SSHRunner(Runner):
     # -- commands --------------------------------------------------------
     def _exec(self, script: str, timeout_s: float | None = None,
               input: str | None = None) -> ExecResult:
+        code, out, err = self._exec_raw(script, timeout_s, input)
+        return ExecResult(code, _text(out), _text(err))
+
+    def _exec_raw(self, script: str, timeout_s: float | None = None,
+                  input: str | None = None) -> tuple[int, bytes, bytes]:
+        """``_exec`` with the output as the host wrote it: exit code, stdout, stderr."""
         deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         with self._slots, self._session() as chan:
             try:
@@ -302,7 +317,21 @@ class SSHRunner(Runner):
             if chan.exit_status == -1 and not self._alive(chan):
                 raise self._lost(script, None)
             code = chan.exit_status if chan.exit_status != -1 else 255
-        return ExecResult(code, _text(out), _text(err))
+        return code, out, err
+
+    def poll_log(self, handle: TaskHandle, offset: int, *, status: bool = True,
+                 limit: int = POLL_LOG_MAX) -> LogPoll:
+        """The status and the new log bytes in one command on the control connection (one
+        session channel), not a command and then an SFTP read (open, read, close)."""
+        script = poll_log_script(handle, offset, limit, status)
+        code, out, err = self._exec_raw(script)
+        try:
+            if code != 0:
+                raise ValueError(f"exit {code}: {_text(err).strip()[:300]}")
+            return parse_poll_log(out, offset, limit)
+        except ValueError as exc:
+            raise RemoteError(f"poll of {handle.log_path} failed: {exc}", host=self.host_name,
+                              fix="the host needs a POSIX sh with tail and head") from None
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[paramiko.Channel]:
@@ -402,7 +431,11 @@ class SSHRunner(Runner):
     def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
         """Bytes of the task's log from ``offset`` (at most 8 MiB a call), read over SFTP.
 
-        Reads use the runner's control session, which no bulk transfer ever holds.
+        Reads use the runner's control session, which no bulk transfer ever holds. A read
+        ends at the size the file had when opened: SFTP reads until a request finds nothing
+        more, which never comes while a task writes more than once a round trip (measured: a
+        line every 10 ms over a 20 ms round trip, still reading after 20 s). The watch loop
+        polls with ``poll_log`` instead: one command.
         """
         what = f"read of {handle.log_path}"
         with self._control_lock:
@@ -413,8 +446,9 @@ class SSHRunner(Runner):
                 except FileNotFoundError:
                     return b"", offset
                 with f:
+                    size = f.stat().st_size or 0
                     f.seek(offset)
-                    data = f.read(READ_LOG_MAX)
+                    data = f.read(max(0, min(READ_LOG_MAX, size - offset)))
         return data, offset + len(data)
 
     def _control_sftp(self, what: str) -> paramiko.SFTPClient:

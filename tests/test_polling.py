@@ -1,0 +1,229 @@
+"""The watch loop's polls, with the supervisor and real local tasks (command mode, no TensorFlow).
+
+While a task's output keeps coming its polls read the log alone (and the exit code its wrapper
+records), not whether its process group lives; the end of a task is still seen: an exit at
+once, a group killed as a whole once its log goes quiet, and one that vanished while a process
+outside it goes on writing its log at the next periodic full poll. Only the launcher is
+wrapped, to note each poll; it polls for real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import CountingRunner
+from hostlab import HostLab, LabHost
+
+from orchestrator import spec, watch
+from orchestrator.causes import Cause
+from orchestrator.errors import RunFailed
+from orchestrator.hosts import Host
+from orchestrator.launchers import ProcessLauncher
+from orchestrator.plan import TaskPlan
+from orchestrator.providers.local import LocalProvider
+from orchestrator.remote.base import POLL_LOG_MAX, LogPoll, Runner, TaskHandle, TaskState
+from orchestrator.state import AttemptRecord, Store
+from orchestrator.supervisor import Supervisor
+from orchestrator.view import RunView, TaskView
+from orchestrator.watch import AttemptFailed, AttemptWatch, Watched
+
+
+@dataclass(frozen=True)
+class Poll:
+    log: str  # the log's file name: worker-0.log, worker-1.log
+    status: bool  # whether it asked if the task's group lives
+    at: float  # time.time() as it was sent
+    got: LogPoll
+
+
+class CountingLauncher(ProcessLauncher):
+    """The process launcher, noting every poll of the watch loop."""
+
+    def __init__(self) -> None:
+        self.polls: list[Poll] = []
+
+    def poll_log(self, runner: Runner, handle: TaskHandle, offset: int, *,
+                 status: bool = True) -> LogPoll:
+        at = time.time()
+        got = super().poll_log(runner, handle, offset, status=status)
+        self.polls.append(Poll(Path(handle.log_path).name, status, at, got))
+        return got
+
+    def of(self, log: str) -> list[Poll]:
+        return [p for p in self.polls if p.log == log]
+
+
+# worker:1 prints a line every 50 ms for 3 s, then ends as the case says; worker:0 prints
+# nothing of its own and waits to be stopped.
+CHATTY = """
+import os, pathlib, signal, sys, time
+if os.environ["ORCHESTRATE_TASK"] != "worker:1":
+    time.sleep(60)
+for i in range(60):
+    print("line", i, flush=True)
+    time.sleep(0.05)
+ended = pathlib.Path(os.environ["ENDED"])
+{end}
+"""
+EXIT = "ended.touch(); sys.exit(3)"
+KILLED = "ended.touch(); os.killpg(os.getpgid(0), signal.SIGKILL)"
+# A process that left the group (its own session) keeps writing the log after the group is
+# killed: the log never goes quiet. It writes its pid once out, and ends by itself after 30 s.
+ESCAPED = """
+writer = pathlib.Path(os.environ["WRITER"])
+if os.fork() == 0:
+    os.setsid()
+    writer.write_text(str(os.getpid()))
+    for _ in range(600):
+        print("outside the group", flush=True)
+        time.sleep(0.05)
+    os._exit(0)
+while not writer.exists():
+    time.sleep(0.01)
+""" + KILLED
+
+
+def run_attempt(tmp_path: Path, end: str) -> tuple[CountingLauncher, AttemptRecord, float]:
+    """Run one attempt to its failure; returns the polls, its record and when the job ended."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(CHATTY).replace("{end}", end))
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "name: polls\nworkers: 2\nports: {start: 24400, end: 24420}\n"
+        "job:\n  command: python job.py\nretry: {max_restarts: 0}\n"
+        "timeouts: {startup_s: 60, stop_grace_s: 0.5}\n"
+        "env: " + json.dumps({"ENDED": str(tmp_path / "ended"),
+                              "WRITER": str(tmp_path / "writer")}) + "\n")
+    s = spec.load(path)
+    store = Store()
+    sup = Supervisor(s, LocalProvider(s, path), store, workdir=path.parent,
+                     backoff_sleep=lambda _: None, poll_s=0.05)
+    launcher = sup.launcher = CountingLauncher()
+    run_id = store.new_run(s.name)
+    with pytest.raises(RunFailed):
+        sup.run(run_id)
+    (attempt,) = store.attempts(run_id)
+    return launcher, attempt, (tmp_path / "ended").stat().st_mtime
+
+
+@pytest.fixture
+def escaped_writer(tmp_path: Path) -> Iterator[None]:
+    """Kills the process that ESCAPED leaves writing, by the pid it wrote."""
+    yield
+    pid_file = tmp_path / "writer"
+    if pid_file.exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("end", "every_s", "detail", "exit_code", "within_s", "full_s"), [
+    # the exit code its wrapper wrote: seen by the next poll, log-only or not
+    pytest.param(EXIT, watch.STATUS_EVERY_S, "exited 3", 3, 1.5, 0.0, id="exit"),
+    # no exit code: seen by the first full poll once the log is quiet (POLL_QUIET_S)
+    pytest.param(KILLED, watch.STATUS_EVERY_S, "vanished", None, watch.POLL_QUIET_S + 1.5,
+                 watch.POLL_QUIET_S - 0.1, id="group-killed"),
+    # the log never goes quiet: seen by the periodic full poll (STATUS_EVERY_S, 1 s here)
+    pytest.param(ESCAPED, 1.0, "vanished", None, 1.0 + 1.5, 0.0,
+                 id="group-killed-log-still-written"),
+])
+def test_polls_skip_the_status_while_output_comes_and_still_see_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, escaped_writer: None, end: str,
+    every_s: float, detail: str, exit_code: int | None, within_s: float, full_s: float,
+) -> None:
+    monkeypatch.setattr(watch, "STATUS_EVERY_S", every_s)
+    launcher, attempt, ended = run_attempt(tmp_path, end)
+
+    assert (attempt.cause, attempt.failed_task, attempt.exit_code) == (
+        "crashed", "worker:1", exit_code)
+    assert detail in attempt.detail
+    assert attempt.detected_at is not None
+    assert full_s <= attempt.detected_at - ended < within_s
+    if end is ESCAPED:  # the log never went quiet: every poll until the full one brought bytes
+        polls = launcher.of("worker-1.log")
+        lost = next(p.at for p in polls if p.got.status and p.got.status.state is TaskState.LOST)
+        assert all(b"outside the group" in p.got.data for p in polls if ended < p.at < lost)
+
+    chatty = launcher.of("worker-1.log")
+    first = next(i for i, p in enumerate(chatty) if p.got.data)
+    talking = [p for p in chatty[first + 1:] if p.at < ended]  # while its lines came
+    assert len(talking) >= 10
+    full = [p for p in talking if p.status]
+    # one full poll every STATUS_EVERY_S at most; the others read the log alone
+    span = talking[-1].at - talking[0].at
+    assert len(full) <= span / every_s + 1, [round(p.at - talking[0].at, 2) for p in full]
+
+    # worker:0 printed its start and then nothing: once quiet, every poll of it is a full one
+    quiet = launcher.of("worker-0.log")
+    spoke = max(p.at for p in quiet if p.got.data)
+    since = [p for p in quiet if spoke + watch.POLL_QUIET_S + 0.2 < p.at < ended]
+    assert len(since) >= 5 and all(p.status for p in since)
+
+
+
+# -- over SSH: the watch loop alone, on a lab host ----------------------------------------------
+def attempt_watch(tmp_path: Path, runner: Runner, host: LabHost, scripts: list[str],
+                  launcher: CountingLauncher) -> AttemptWatch:
+    """The watch of one attempt whose tasks (``sh -c SCRIPT`` each) run on ``host``."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"name: polls\nworkers: {len(scripts)}\njob:\n  command: sh\n"
+                    "timeouts: {startup_s: 600}\n")
+    s = spec.load(path)
+    view = RunView(run_id="polls", cluster="polls")
+    watched = []
+    for i, script in enumerate(scripts):
+        base = f"{host.home}/polls/{uuid.uuid4().hex}/worker-{i}"
+        task = TaskPlan("worker", i, Host(host.name, host.address, host.home), 24400 + i, {},
+                        {}, ("sh", "-c", script), host.home, f"{base}.log", f"{base}.rc")
+        watched.append(Watched(task, launcher.start(runner, task), runner))
+        view.tasks[task.key] = TaskView(task.key, host.name, task.endpoint)
+    return AttemptWatch(s, watched, view, lambda view, event: None, launcher=launcher,
+                        on_tick=lambda: None, on_event=lambda w, e: None,
+                        python_for=lambda w: sys.executable, interval_s=0.05)
+
+
+@pytest.mark.ssh
+def test_over_ssh_a_poll_is_one_command_and_an_exit_counts_once_the_log_is_read_to_it(
+        tmp_path: Path, hostlab: HostLab) -> None:
+    """3 MB printed at once, then a last line and exit 3, all before the first poll: the polls
+    that say it exited but stopped at the cap (1 MiB) leave the exit for later, so the
+    failure's evidence is the task's last lines. Every poll of either task is one command on
+    the control connection."""
+    (host,) = hostlab.hosts(1)
+    launcher = CountingLauncher()
+    with CountingRunner(host) as runner:
+        watch_ = attempt_watch(tmp_path, runner, host, [
+            "sleep 60",
+            "yes 'a line of output, as a verbose task writes them' | head -c 3000000; "
+            "echo; echo 'the last line'; exit 3",
+        ], launcher)
+        rc = Path(watch_.watched[1].handle.rc_path)  # the lab's hosts share this file system
+        deadline = time.monotonic() + 30
+        while not rc.exists():  # ended before the first poll: every poll of it sees the exit
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        runner.channels.clear()
+        try:
+            with pytest.raises(AttemptFailed) as failed:
+                watch_.run()
+            polls, channels = list(launcher.polls), list(runner.channels)
+        finally:
+            watch_.close()
+            for w in watch_.watched:
+                launcher.stop(runner, w.handle, 0)
+    failure = failed.value
+    assert (failure.cause, failure.task, failure.exit_code) == (Cause.CRASHED, "worker:1", 3)
+    assert failure.evidence.splitlines()[-1] == "the last line"
+    burst = [p for p in polls if p.log == "worker-1.log" and p.got.capped]
+    assert len(burst) >= 2 and all(len(p.got.data) == POLL_LOG_MAX for p in burst)
+    assert all(p.got.status is not None and p.got.status.exit_code == 3 for p in burst)
+    assert channels == ["control"] * len(polls)  # one command a poll, no SFTP session
