@@ -377,6 +377,7 @@ class Cluster:
             self.store.finish_run(run.id, status="stopped", message="stopped by down")
             running += [(run.id, task) for attempt in run.attempts for task in attempt.tasks
                         if task.host in hosts]
+            running += [(run.id, task) for task in run.warm if task.host in hosts]
 
         def stop(item: tuple[str, TaskRecord]) -> str | None:
             run_id, task = item

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.view import RunResult, RunView, human_bytes
+from orchestrator.view import RunResult, RunView, describe_phases, human_bytes
 
 if TYPE_CHECKING:
     from orchestrator.api import Scaling
@@ -471,6 +471,8 @@ def attempt_figures(a: dict[str, Any]) -> str:
         parts.append(f"detected in {a['detect_s']:.1f}s")
     if a["recovery_s"] is not None:
         parts.append(f"back to training {a['recovery_s']:.1f}s after the failure")
+    if a.get("phases"):
+        parts.append("of which " + describe_phases(a["phases"]))
     if a["steps_lost"] is not None:
         parts.append(f"{a['steps_lost']} step(s) redone")
     return "; " + "; ".join(parts)

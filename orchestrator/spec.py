@@ -448,6 +448,9 @@ class Checkpoint(Model):
         return None if value is None else check_storage_path(value, relative_ok=False)
 
 
+WARM_AFTER_S = 30.0  # retry.warm_tasks: auto starts them after this much training
+
+
 class Retry(Model):
     max_restarts: int = Field(default=3, ge=0, description="Group restarts before giving up.")
     per_cause: dict[str, int] = Field(
@@ -457,6 +460,14 @@ class Retry(Model):
     )
     backoff_initial_s: float = Field(default=1.0, ge=0)
     backoff_max_s: float = Field(default=30.0, ge=0)
+    warm_tasks: bool | Literal["auto"] = Field(
+        default="auto",
+        description="Keep the next attempt's tasks started on every host, TensorFlow and the "
+        "job's module imported, waiting: a relaunch then skips the cold start (managed jobs). "
+        "Each is an idle Python process with TensorFlow loaded (about 0.5 GiB resident, no "
+        f"CPU while it waits). auto starts them once an attempt has trained {WARM_AFTER_S:.0f}s "
+        "(short runs do not pay for them); true at its first step; false never.",
+    )
 
     @field_validator("per_cause")
     @classmethod

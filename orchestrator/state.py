@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,7 +38,8 @@ CREATE TABLE IF NOT EXISTS runs (
     model_path TEXT NOT NULL DEFAULT '',
     message TEXT NOT NULL DEFAULT '',
     controller_pid INTEGER,
-    heartbeat_at REAL
+    heartbeat_at REAL,
+    warm_json TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS runs_by_cluster ON runs (cluster, started_at);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -59,6 +61,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     detected_at REAL,
     recovery_s REAL,
     steps_lost INTEGER,
+    phases_json TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (run_id, number)
 );
 """
@@ -66,11 +69,13 @@ CREATE TABLE IF NOT EXISTS attempts (
 # Columns added after the first release: (table, column, declaration). Older stores get them.
 MIGRATIONS = (
     ("runs", "heartbeat_at", "REAL"),
+    ("runs", "warm_json", "TEXT NOT NULL DEFAULT '[]'"),
     ("attempts", "evidence", "TEXT NOT NULL DEFAULT ''"),
     ("attempts", "failed_at", "REAL"),
     ("attempts", "detected_at", "REAL"),
     ("attempts", "recovery_s", "REAL"),
     ("attempts", "steps_lost", "INTEGER"),
+    ("attempts", "phases_json", "TEXT NOT NULL DEFAULT '{}'"),
 )
 
 
@@ -133,6 +138,9 @@ class AttemptRecord:
     detected_at: float | None = None
     recovery_s: float | None = None
     steps_lost: int | None = None
+    # Where the recovery from this attempt's failure went, in seconds per phase (see
+    # ``supervisor.RECOVERY_PHASES``); they add up to ``recovery_s``.
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def detect_s(self) -> float | None:
@@ -155,6 +163,8 @@ class RunRecord:
     controller_pid: int | None
     attempts: list[AttemptRecord] = field(default_factory=list)
     heartbeat_at: float | None = None
+    # The next attempt's warm tasks (started, waiting for a go), for 'down' and '--attach'.
+    warm: list[TaskRecord] = field(default_factory=list)
 
 
 class Store:
@@ -162,6 +172,7 @@ class Store:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or state_db()
+        self._lock = threading.RLock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
@@ -187,13 +198,16 @@ class Store:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        # One connection serves the supervisor's threads (the watch loop, the warm tasks'
+        # starter): one transaction at a time.
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     # -- clusters ----------------------------------------------------------------
     def put_cluster(
@@ -212,11 +226,11 @@ class Store:
             )
 
     def get_cluster(self, name: str) -> ClusterRecord | None:
-        row = self._db.execute("SELECT * FROM clusters WHERE name = ?", (name,)).fetchone()
+        row = self._one("SELECT * FROM clusters WHERE name = ?", (name,))
         return _cluster(row) if row else None
 
     def clusters(self) -> list[ClusterRecord]:
-        rows = self._db.execute("SELECT * FROM clusters ORDER BY name").fetchall()
+        rows = self._all("SELECT * FROM clusters ORDER BY name", ())
         return [_cluster(r) for r in rows]
 
     def delete_cluster(self, name: str) -> None:
@@ -258,12 +272,17 @@ class Store:
             db.execute("UPDATE runs SET heartbeat_at = ?, controller_pid = ? WHERE id = ?",
                        (time.time(), os.getpid(), run_id))
 
+    def set_warm(self, run_id: str, tasks: list[TaskRecord]) -> None:
+        """The run's warm tasks now (none once they were told to go or stopped)."""
+        with self._tx() as db:
+            db.execute("UPDATE runs SET warm_json = ? WHERE id = ?", (_tasks_json(tasks), run_id))
+
     def run_status(self, run_id: str) -> str:
-        row = self._db.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
+        row = self._one("SELECT status FROM runs WHERE id = ?", (run_id,))
         return str(row["status"]) if row else "unknown"
 
     def get_run(self, run_id: str) -> RunRecord:
-        row = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        row = self._one("SELECT * FROM runs WHERE id = ?", (run_id,))
         if row is None:
             raise StateError(f"no run {run_id!r} in {self.path}",
                              fix="list runs with 'orchestrate status'")
@@ -273,7 +292,7 @@ class Store:
         sql = "SELECT * FROM runs" + (" WHERE cluster = ?" if cluster else "")
         sql += " ORDER BY started_at DESC LIMIT ?"
         args: tuple[Any, ...] = (cluster, limit) if cluster else (limit,)
-        return [_run(r, self.attempts(r["id"])) for r in self._db.execute(sql, args).fetchall()]
+        return [_run(r, self.attempts(r["id"])) for r in self._all(sql, args)]
 
     # -- attempts ----------------------------------------------------------------
     def start_attempt(self, run_id: str, number: int, tasks: list[TaskRecord]) -> None:
@@ -287,12 +306,14 @@ class Store:
     def update_attempt(self, run_id: str, number: int, **fields: Any) -> None:
         allowed = {"status", "ended_at", "cause", "detail", "failed_task", "exit_code",
                    "resumed_from_step", "last_step", "first_step_at", "tasks", "evidence",
-                   "failed_at", "detected_at", "recovery_s", "steps_lost"}
+                   "failed_at", "detected_at", "recovery_s", "steps_lost", "phases"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown attempt fields {sorted(unknown)}")
         if "tasks" in fields:
             fields["tasks_json"] = _tasks_json(fields.pop("tasks"))
+        if "phases" in fields:
+            fields["phases_json"] = json.dumps(fields.pop("phases"))
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self._tx() as db:
             db.execute(
@@ -301,10 +322,17 @@ class Store:
             )
 
     def attempts(self, run_id: str) -> list[AttemptRecord]:
-        rows = self._db.execute(
-            "SELECT * FROM attempts WHERE run_id = ? ORDER BY number", (run_id,)
-        ).fetchall()
+        rows = self._all("SELECT * FROM attempts WHERE run_id = ? ORDER BY number", (run_id,))
         return [_attempt(r) for r in rows]
+
+    def _one(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Row | None:
+        with self._lock:
+            row: sqlite3.Row | None = self._db.execute(sql, args).fetchone()
+            return row
+
+    def _all(self, sql: str, args: tuple[Any, ...]) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
 
 
 def _cluster(row: sqlite3.Row) -> ClusterRecord:
@@ -322,6 +350,7 @@ def _run(row: sqlite3.Row, attempts: list[AttemptRecord]) -> RunRecord:
         metrics=json.loads(row["metrics_json"]), model_path=row["model_path"],
         message=row["message"], controller_pid=row["controller_pid"], attempts=attempts,
         heartbeat_at=row["heartbeat_at"],
+        warm=[TaskRecord.from_json(t) for t in json.loads(row["warm_json"] or "[]")],
     )
 
 
@@ -335,6 +364,7 @@ def _attempt(row: sqlite3.Row) -> AttemptRecord:
         tasks=[TaskRecord.from_json(t) for t in json.loads(row["tasks_json"])],
         evidence=row["evidence"], failed_at=row["failed_at"], detected_at=row["detected_at"],
         recovery_s=row["recovery_s"], steps_lost=row["steps_lost"],
+        phases=json.loads(row["phases_json"] or "{}"),
     )
 
 

@@ -6,6 +6,7 @@ failure stops ALL tasks and relaunches ALL of them from the chief's latest good 
 
 from __future__ import annotations
 
+import posixpath
 import random
 import threading
 import time
@@ -13,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from tenacity import (
     RetryCallState,
@@ -20,7 +22,7 @@ from tenacity import (
     retry_if_exception,
 )
 
-from orchestrator import paths
+from orchestrator import paths, warm
 from orchestrator import plan as planning
 from orchestrator.causes import IMMEDIATE, PLANNED, RETRYABLE, Cause
 from orchestrator.checkpoints import (
@@ -38,9 +40,17 @@ from orchestrator.launchers import launcher_for, launcher_named
 from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
 from orchestrator.remote.base import TaskHandle, TaskState
-from orchestrator.spec import ClusterSpec
+from orchestrator.spec import WARM_AFTER_S, ClusterSpec
 from orchestrator.state import AttemptRecord, Store
-from orchestrator.view import Listener, RunResult, RunView, TaskView, human_bytes
+from orchestrator.view import (
+    Listener,
+    RunResult,
+    RunView,
+    TaskView,
+    describe_phases,
+    human_bytes,
+)
+from orchestrator.warm import WarmTasks
 from orchestrator.watch import AttemptFailed, AttemptWatch, Watched
 
 HEARTBEAT_S = 2.0
@@ -84,6 +94,11 @@ class Supervisor:
         self._resumed_at = 0  # the first attempt of a 'train --resume'; 0 when not resumed
         self.launcher = launcher_for(spec)
         self._notify_lock = threading.RLock()  # the mirror thread notifies the listener too
+        # Per attempt, when each step of its start ended (time.time()): began, repaired,
+        # checkpoint_ready, started, connected (the chief's strategy); see recovery_phases.
+        self._marks: dict[int, dict[str, float]] = {}
+        self._warm: WarmTasks | None = None  # the next attempt's tasks, waiting (retry.warm_tasks)
+        self._current: dict[str, TaskHandle] = {}  # the running attempt's tasks, by key
 
     # -- the run ---------------------------------------------------------------------------
     def run(self, run_id: str, *, attach: bool = False, resume: bool = False) -> RunResult:
@@ -101,6 +116,11 @@ class Supervisor:
             mode=self.spec.checkpoint.mirror, on_mirrored=self._mirrored,
             on_pulling=self._pulling, on_off=self._say)
         previous = self.store.attempts(run_id) if attach or resume else []
+        if warm.wanted(self.spec):
+            self._warm = WarmTasks(self.store, run_id, self.launcher,
+                                   lambda name: self.provider.runner(self._host(name)), self._say)
+            if attach and previous:  # the warm tasks the dead controller started
+                self._warm.adopt(self.store.get_run(run_id).warm, previous[-1].number + 1)
         if attach:
             self._causes.update(Cause(a.cause) for a in previous
                                 if a.cause in Cause._value2member_map_)
@@ -138,6 +158,8 @@ class Supervisor:
             self.store.finish_run(run_id, status="failed", message=message)
             raise RunFailed(message, run_id=run_id, fix=exc.fix) from exc
         finally:
+            if self._warm is not None:
+                self._warm.stop()
             mirror.close()
         return self._succeed(run_id, finished, started)
 
@@ -180,12 +202,16 @@ class Supervisor:
 
     # -- one attempt -----------------------------------------------------------------------
     def _attempt(self, run_id: str, number: int) -> dict[str, Event]:
+        marks = self._marks[number] = {"began": time.time()}
         self._check_stopped(run_id)
         self._repair_hosts()
+        marks["repaired"] = time.time()
         plan = self._plan(run_id, number)
         if number > 1 or plan.checkpoints.named_by == "job.checkpoint_dir":
             self._restore_checkpoint(plan)  # a script's own directory may hold a checkpoint
+        marks["checkpoint_ready"] = time.time()
         watched = self._launch(plan)
+        marks["started"] = time.time()
         self.store.start_attempt(run_id, number, [w.record(self.launcher) for w in watched])
         return self._supervise(run_id, number, plan, watched)
 
@@ -194,7 +220,11 @@ class Supervisor:
         plan = self._plan(run_id, attempt.number, busy=False)
         records = {t.task: t for t in attempt.tasks}
         if attempt.tasks:  # found again the way they were started
-            self.launcher = launcher_named(attempt.tasks[0].launcher)
+            found = launcher_named(attempt.tasks[0].launcher)
+            if found.kind != self.launcher.kind:
+                self.launcher = found
+                if self._warm is not None:
+                    self._warm.launcher = found
         watched = [Watched(task, self.launcher.find(records[task.key]),
                            self.provider.runner(task.host)) for task in plan.tasks]
         self._say(f"attached to attempt {attempt.number} of run {run_id}")
@@ -216,6 +246,7 @@ class Supervisor:
 
     def _supervise(self, run_id: str, number: int, plan: ClusterPlan,
                    watched: list[Watched]) -> dict[str, Event]:
+        self._current = {w.key: w.handle for w in watched}
         watch = AttemptWatch(
             self.spec, watched, self.view, self._notify, launcher=self.launcher,
             on_tick=lambda: self._tick(run_id),
@@ -249,14 +280,40 @@ class Supervisor:
         return finished
 
     def _launch(self, plan: ClusterPlan) -> list[Watched]:
+        went = self._warm.go(plan) if self._warm is not None else {}
+
         def start(task: TaskPlan) -> Watched:
             runner = self.provider.runner(task.host)
-            return Watched(task, self.launcher.start(runner, task), runner)
+            handle = went.get(task.key)
+            return Watched(task, handle or self.launcher.start(runner, task), runner)
 
         with ThreadPoolExecutor(max_workers=min(32, len(plan.tasks))) as pool:
             watched = list(pool.map(start, plan.tasks))
-        self._say(f"attempt {plan.attempt}: started {len(watched)} tasks")
+        how = f" ({len(went)} warm: told to go)" if went else ""
+        self._say(f"attempt {plan.attempt}: started {len(watched)} tasks{how}")
         return watched
+
+    def _maybe_warm(self, run_id: str, number: int, chief: Watched) -> None:
+        """Start the next attempt's warm tasks once this attempt trains (``retry.warm_tasks``:
+        at its first step, or after ``WARM_AFTER_S`` of training for ``auto``), while a restart
+        is left in the budget."""
+        warm = self._warm
+        if warm is None or warm.off or warm.attempt > number or chief.first_progress_at is None:
+            return
+        if sum(self._causes.values()) >= self.spec.retry.max_restarts:
+            return
+        if self.spec.retry.warm_tasks == "auto" and \
+                time.time() - chief.first_progress_at < WARM_AFTER_S:
+            return
+        hosts = self.provider.hosts()
+        try:
+            following = planning.build(
+                self.spec, hosts, run_id=run_id, attempt=number + 1,
+                python=self.provider.python(hosts[0]), local_workdir=str(self.workdir))
+        except OrchestratorError as exc:
+            warm.off = f"the next attempt cannot be planned yet: {exc.message}"
+            return
+        warm.start(following, dict(self._current))
 
     def _tick(self, run_id: str) -> None:
         self._check_stopped(run_id)
@@ -273,6 +330,13 @@ class Supervisor:
         if event.kind == "checkpoint" and w.key == plan.chief_key and self._mirror is not None \
                 and plan.machines > 1 and plan.checkpoints.mirror != "never":
             self._mirror.request(plan, int(event.get("step", 0)))
+        if event.kind == "connected" and w.key == plan.chief_key:
+            # The strategy is created on every task at once: the group is connected.
+            self._marks.setdefault(number, {}).setdefault("connected", event.time)
+        if event.kind == "progress" and w.key == plan.chief_key:
+            self._maybe_warm(run_id, number, w)
+        if event.kind == "warm_unusable" and self._warm is not None:
+            self._warm.unusable(str(event.get("reason", ""))[:300])
         if event.kind == "progress" and number > 1 and w.key == plan.chief_key and \
                 number not in self._recovered:
             self._recovered.add(number)
@@ -410,7 +474,7 @@ class Supervisor:
             self._say("no checkpoint yet: the group starts from step 0")
             self._share(plan)  # clears copies the other hosts may still have
             return
-        report = verify_on(runner, worker, directory)
+        report = self._verified_already(plan) or verify_on(runner, worker, directory)
         for bad in report["rejected"]:
             self._say(f"checkpoint {bad['path']} does not restore ({bad['problem']}): "
                       "falling back to the one before")
@@ -420,6 +484,19 @@ class Supervisor:
             self._say("no checkpoint yet: the group starts from step 0")
         if not layout.shared:
             self._share(plan)
+
+    def _verified_already(self, plan: ClusterPlan) -> dict[str, Any] | None:
+        """The chief's newest checkpoint, when its warm task has verified it (as the chief
+        wrote it, or at once now): then nothing imports TensorFlow to check it again."""
+        if self._warm is None:
+            return None
+        found = self._warm.verified(plan, self.provider.python(plan.chief.host))
+        if not found or found.get("verified") is not True or not found.get("checkpoint"):
+            return None
+        path = str(found["checkpoint"])
+        self._say(f"checkpoint {path} was verified by the chief's warm task "
+                  f"({float(found.get('seconds') or 0):.2f}s to read it back): nothing to check now")
+        return {"ok": True, "dir": posixpath.dirname(path), "path": path, "rejected": []}
 
     def _chief_has_checkpoint(self, plan: ClusterPlan) -> bool:
         """Whether the chief's disk has a checkpoint, pushing this machine's copy there first
@@ -519,9 +596,14 @@ class Supervisor:
             return
         if previous.failed_at is None or chief.first_progress_at is None:
             return
+        marks = self._marks.get(number, {})
+        phases = recovery_phases([previous.failed_at, previous.detected_at, previous.ended_at,
+                                  *(marks.get(m) for m in MARKS), chief.first_progress_at])
         recovery = chief.first_progress_at - previous.failed_at
-        self.store.update_attempt(run_id, number - 1, recovery_s=recovery, steps_lost=lost)
-        self._say(f"recovered in {recovery:.1f}s from {previous.cause}; {lost} step(s) redone")
+        self.store.update_attempt(run_id, number - 1, recovery_s=recovery, steps_lost=lost,
+                                  phases=phases)
+        self._say(f"recovered in {recovery:.1f}s from {previous.cause} ({describe_phases(phases)}"
+                  f"); {lost} step(s) redone")
 
     def report(self, run_id: str) -> str:
         attempts = self.store.attempts(run_id)
@@ -583,6 +665,37 @@ def _advice(failure: AttemptFailed) -> str:
         return "look for a stuck task in 'orchestrate logs', or raise timeouts.hang_s"
     return ("read the task logs with 'orchestrate logs', then raise retry.max_restarts "
             "if the cause was transient")
+
+
+# Where a recovery's time goes, from the failure to the first step of the next attempt: each
+# phase ends where the next begins. detect: until the controller saw it; stop: every task
+# stopped (and the failure classified); backoff: the wait before the next attempt; repair: lost
+# hosts back; checkpoint: the chief's checkpoint verified and copied to every host; launch:
+# every task started (or a warm one told to go); connect: the tasks' strategy connected (the
+# chief's ``connected`` event); first_step: the model built, restored, and a step trained.
+RECOVERY_PHASES = ("detect", "stop", "backoff", "repair", "checkpoint", "launch", "connect",
+                   "first_step")
+MARKS = ("began", "repaired", "checkpoint_ready", "started", "connected")
+
+
+def recovery_phases(bounds: list[float | None]) -> dict[str, float]:
+    """Seconds per phase from its boundaries: the failure, its detection, the tasks stopped,
+    then ``MARKS`` of the next attempt, then its first step (``len(RECOVERY_PHASES) + 1``).
+
+    A missing boundary ends its phase where it began (0 s). The boundaries come from more
+    than one clock (the hosts' event times, this machine's), so each is held between the one
+    before and the last: the phases are never negative and add up to last minus first.
+    """
+    if len(bounds) != len(RECOVERY_PHASES) + 1 or bounds[0] is None or bounds[-1] is None:
+        raise ValueError(f"recovery_phases needs {len(RECOVERY_PHASES) + 1} boundaries, the "
+                         "first and last known")
+    first, last = bounds[0], max(bounds[0], bounds[-1])
+    held, previous = [], first
+    for bound in bounds[1:-1]:
+        previous = min(last, max(previous, previous if bound is None else bound))
+        held.append(previous)
+    edges = [first, *held, last]
+    return {name: edges[i + 1] - edges[i] for i, name in enumerate(RECOVERY_PHASES)}
 
 
 JITTER = 0.2  # the backoff is drawn from delay x (1 +- JITTER)

@@ -70,3 +70,9 @@ def human_bytes(count: float) -> str:
     while count >= 1024 and power < len(units) - 1:
         count, power = count / 1024, power + 1
     return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"
+
+
+def describe_phases(phases: dict[str, float]) -> str:
+    """A recovery's phases for people: "detect 0.5s, stop 0.1s, ..."."""
+    return ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}s" for name, seconds in
+                     phases.items())

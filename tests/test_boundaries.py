@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("api",),
     ("console",),
     ("supervisor", "doctor"),
-    ("watch", "checkpoints"),
+    ("watch", "checkpoints", "warm"),
     ("launchers",),
     ("containers",),
     ("providers",),

@@ -13,7 +13,7 @@ from snapshot import assert_matches, normalise
 
 REPO = Path(__file__).resolve().parent.parent
 VOLATILE = {"started_at", "ended_at", "updated_at", "seconds", "controller_pid", "first_step_at",
-            "failed_at", "detected_at", "detect_s", "recovery_s", "endpoint", "evidence"}
+            "failed_at", "detected_at", "detect_s", "recovery_s", "endpoint", "evidence", "phases"}
 FLAKY_SCRIPT = """\
 import os, sys, time
 task, attempt = os.environ["ORCHESTRATE_TASK"], os.environ["ORCHESTRATE_ATTEMPT"]

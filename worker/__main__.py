@@ -12,6 +12,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("ORCHESTRATE_WARM"):  # a warm task: prepare, wait for the go, then run
+        from worker import warm
+
+        return warm.main(list(sys.argv[1:] if argv is None else argv), main)
     parser = argparse.ArgumentParser(prog="python -m worker")
     sub = parser.add_subparsers(dest="mode", required=True)
     for runtime in RUNTIMES.values():

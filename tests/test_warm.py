@@ -1,0 +1,267 @@
+"""Warm tasks: the next attempt's processes wait imported, so a relaunch imports no TensorFlow
+after the failure; the chief's warm task verifies checkpoints as they are written; a recovery's
+phases add up to its total. Real TensorFlow, real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import events_in, write_spec
+from hostlab import HostLab
+
+from orchestrator import paths
+from orchestrator.api import Cluster
+from orchestrator.errors import RunFailed
+from orchestrator.events import Event, parse_line
+from orchestrator.state import Store
+from orchestrator.supervisor import RECOVERY_PHASES, recovery_phases
+from orchestrator.view import RunView
+
+REPO = Path(__file__).resolve().parent.parent
+
+WARM = """\
+name: {name}
+workers: 2
+ports: {{start: {port}, end: {end}}}
+job: {{module: {module}, epochs: {epochs}, steps_per_epoch: 40, progress_every_steps: 1}}
+checkpoint: {{every_steps: 10}}
+retry: {{max_restarts: 2, backoff_initial_s: 0.2, warm_tasks: {warm}}}
+timeouts: {{stop_grace_s: 1, startup_s: 180}}
+"""
+
+
+def spec_file(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(f"workdir: {REPO}\n" + textwrap.dedent(body))
+    return path
+
+
+def events_of(log: Path) -> list[Event]:
+    if not log.is_file():
+        return []
+    return [e for e in (parse_line(line) for line in log.read_text(errors="replace").splitlines())
+            if e is not None]
+
+
+def task_log(cluster: str, run_id: str, attempt: int, task: str) -> Path:
+    run = paths.RunPaths.of(str(paths.cluster_home(cluster)), run_id)
+    role, index = task.split(":")
+    return Path(run.task_stem(attempt, role, int(index)) + ".log")
+
+
+class KillWhenWarm:
+    """A listener: once attempt 2's warm tasks say ``ready`` (or ``warm_unusable``), SIGKILL
+    worker:1 of attempt 1, then release the paced run."""
+
+    def __init__(self, wait_for: str = "ready") -> None:
+        self.pids: dict[tuple[int, str], int] = {}
+        self.killed_at: float | None = None
+        self.wait_for = wait_for
+        self.messages: list[str] = []
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, view: RunView, event: Event | None) -> None:
+        self.messages[:] = view.messages
+        if event is None:
+            return
+        if event.kind == "started":
+            self.pids[(event.attempt, event.task)] = int(event.get("pid"))
+        if event.kind == "progress" and event.attempt == 1 and self._thread is None:
+            self._thread = threading.Thread(target=self._kill, args=(view.cluster, view.run_id),
+                                            daemon=True)
+            self._thread.start()
+
+    def _kill(self, cluster: str, run_id: str) -> None:
+        logs = [task_log(cluster, run_id, 2, t) for t in ("worker:0", "worker:1")]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if all(any(e.kind == self.wait_for for e in events_of(log)) for log in logs):
+                break
+            time.sleep(0.1)
+        self.killed_at = time.time()
+        os.kill(self.pids[(1, "worker:1")], signal.SIGKILL)
+        run_dir = Path(paths.RunPaths.of(str(paths.cluster_home(cluster)), run_id).run_dir)
+        (run_dir / "release").touch()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
+def test_recovery_phases_add_up_to_the_total() -> None:
+    cases = [  # boundaries: failed, detected, stopped, began, repaired, ckpt, started, connected, first step
+        [10.0, 10.5, 10.6, 10.6, 10.6, 10.7, 10.9, 11.5, 12.0],
+        [10.0, 10.5, None, 10.6, None, 10.7, 10.9, None, 12.0],  # missing boundaries: 0 s phases
+        [10.0, 10.5, 10.6, 10.6, 10.6, 10.7, 10.9, 9.0, 12.0],  # a host clock behind this one
+        [10.0, 10.5, 10.6, 10.6, 10.6, 10.7, 10.9, 13.0, 12.0],  # ... and one ahead
+    ]
+    for bounds in cases:
+        phases = recovery_phases(bounds)
+        assert list(phases) == list(RECOVERY_PHASES)
+        assert all(seconds >= 0 for seconds in phases.values()), (bounds, phases)
+        assert sum(phases.values()) == pytest.approx(2.0), (bounds, phases)
+    assert recovery_phases(cases[0])["connect"] == pytest.approx(0.6)
+    assert recovery_phases(cases[1])["stop"] == 0.0 and recovery_phases(cases[1])["backoff"] == \
+        pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        recovery_phases([1.0, 2.0])
+
+
+@pytest.mark.tf
+def test_a_relaunch_with_warm_tasks_imports_no_tensorflow_after_the_failure(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    path = spec_file(tmp_path, WARM.format(name="warm-local", port=24600, end=24640,
+                                           module="tests.workloads.paced_digits", warm="true",
+                                           epochs=3))
+    killer = KillWhenWarm()
+    result = Cluster.from_spec(path).train(listener=killer).wait()
+    killer.join()
+    assert result.status == "succeeded" and len(result.attempts) == 2
+    first = result.attempts[0]
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    assert len(set(result.digests.values())) == 1
+    assert first.failed_at is not None and killer.killed_at is not None
+    for task in ("worker:0", "worker:1"):
+        events = {e.kind: e for e in events_of(task_log("warm-local", result.run_id, 2, task))}
+        # The process that trained attempt 2 is the one that was waiting before the kill:
+        # started and done importing TensorFlow and the module before the failure.
+        assert {"warming", "ready", "go", "started", "finished"} <= set(events), sorted(events)
+        assert events["warming"].get("pid") == events["started"].get("pid")
+        assert events["go"].get("since") < events["ready"].time < first.failed_at
+        assert events["ready"].time <= killer.killed_at
+        assert events["go"].time >= first.failed_at
+        assert events["ready"].get("rss_mib") > 0
+    assert any("started 2 tasks (2 warm: told to go)" in m for m in killer.messages), \
+        killer.messages
+    # The chief's warm task had checked the newest checkpoint: nothing imports TF to do it.
+    assert any("was verified by the chief's warm task" in m for m in killer.messages), \
+        killer.messages
+    # Its phases are recorded, add up to its total, and status --json shows them.
+    assert list(first.phases) == list(RECOVERY_PHASES)
+    assert first.recovery_s is not None
+    assert sum(first.phases.values()) == pytest.approx(first.recovery_s, abs=1e-6)
+    assert all(seconds >= 0 for seconds in first.phases.values())
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "warm-local",
+                             "--json"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home)})
+    assert status.returncode == 0, status.stderr
+    shown = json.loads(status.stdout)
+    attempts = shown["clusters"][0]["runs"][0]["attempts"]
+    assert attempts[0]["phases"] == pytest.approx(first.phases)
+    # No warm task outlives the run: attempt 3's were stopped, and the record lists none.
+    assert Store().get_run(result.run_id).warm == []
+    leftovers = [e.get("pid") for t in ("worker:0", "worker:1")
+                 for e in events_of(task_log("warm-local", result.run_id, 3, t))
+                 if e.kind == "warming"]
+    for pid in leftovers:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+
+
+@pytest.mark.tf
+@pytest.mark.ssh
+def test_warm_tasks_on_ssh_hosts_as_an_unprivileged_user_and_down_stops_them(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """Two sshd hosts in their own network namespaces, logged into as a plain user: a killed
+    worker's relaunch goes warm on both hosts; then, while attempt 3's warm tasks wait,
+    ``down`` stops them along with the run."""
+    hosts = hostlab.hosts(2)
+    user = hostlab.plain_user()
+    path = write_spec(tmp_path, hostlab, hosts, WARM.format(
+        name="warm-ssh", port=24650, end=24690, module="tests.workloads.paced_digits",
+        warm="true", epochs=8).replace("workers: 2\n", ""), user=user)
+    cluster = Cluster.from_spec(path)
+    roots = [paths.host_root(h.plain_home, "warm-ssh") for h in hosts]
+
+    def logs(run_id: str, attempt: int) -> list[list[Event]]:
+        return [events_in(h, paths.RunPaths.of(root, run_id).task_stem(attempt, "worker", i)
+                          + ".log") for i, (h, root) in enumerate(zip(hosts, roots, strict=True))]
+
+    def wait_for(run_id: str, attempt: int, kind: str) -> list[list[Event]]:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            found = logs(run_id, attempt)
+            if all(any(e.kind == kind for e in events) for events in found):
+                return found
+            time.sleep(0.2)
+        raise AssertionError(f"no {kind} event in every attempt-{attempt} log: "
+                             f"{[[e.kind for e in events] for events in logs(run_id, attempt)]}; "
+                             f"said: {said}")
+
+    pids: dict[tuple[int, str], int] = {}
+    state: dict[str, float] = {}
+    said: list[str] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        said[:] = view.messages
+        if event is not None and event.kind == "started":
+            pids[(event.attempt, event.task)] = int(event.get("pid"))
+
+    run = cluster.train(listener=listener, wait=False)
+    try:
+        run_id = run.id
+        wait_for(run_id, 2, "ready")
+        state["killed_at"] = time.time()
+        hosts[1].run(["kill", "-KILL", str(pids[(1, "worker:1")])])
+        again = wait_for(run_id, 3, "ready")  # attempt 2 trains, paced; attempt 3's wait
+        second = logs(run_id, 2)  # read now: down removes the cluster's files from the hosts
+        warm_pids = [next(int(e.get("pid")) for e in events if e.kind == "warming")
+                     for events in again]
+    finally:
+        report = cluster.down()
+        with contextlib.suppress(RunFailed):
+            run.wait(timeout=120)
+    record = Store().get_run(run_id)
+    assert record.status == "stopped" and record.warm == []
+    first = record.attempts[0]
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    assert first.failed_at is not None and first.failed_at >= state["killed_at"] - 1
+    for events in second:
+        kinds = {e.kind: e for e in events}
+        assert {"warming", "ready", "go", "started"} <= set(kinds), sorted(kinds)
+        assert kinds["warming"].get("pid") == kinds["started"].get("pid")
+        # (failed_at comes from the rc file's mtime, whole seconds over SSH: the kill's time)
+        assert kinds["ready"].time <= state["killed_at"] <= kinds["go"].time
+    assert sum(first.phases.values()) == pytest.approx(first.recovery_s or -1, abs=1e-6)
+    # down stopped the waiting warm tasks too: no process of theirs is left on either host.
+    for h, pid in zip(hosts, warm_pids, strict=True):
+        assert h.run(["sh", "-c", f"kill -0 {pid} 2>/dev/null && echo alive || echo gone"]
+                     ).stdout.strip() == "gone"
+    # ... and says so: attempt 2's two tasks and attempt 3's two warm ones.
+    assert sorted(line for line in report.stopped if line.startswith(run_id)) == \
+        [f"{run_id} worker:0", f"{run_id} worker:0", f"{run_id} worker:1", f"{run_id} worker:1"]
+
+
+@pytest.mark.tf
+def test_a_module_that_runs_ops_at_import_turns_warm_tasks_off_and_starts_cold(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    path = spec_file(tmp_path, WARM.format(name="warm-eager", port=24700, end=24740,
+                                           module="tests.workloads.eager_digits", warm="true",
+                                           epochs=3))
+    killer = KillWhenWarm(wait_for="warm_unusable")
+    result = Cluster.from_spec(path).train(listener=killer).wait()
+    killer.join()
+    assert result.status == "succeeded" and len(result.attempts) == 2
+    assert len(set(result.digests.values())) == 1
+    assert any(m.startswith("warm tasks are off for this run: importing "
+                            "tests.workloads.eager_digits runs TensorFlow ops")
+               for m in killer.messages), killer.messages
+    for task in ("worker:0", "worker:1"):
+        events = events_of(task_log("warm-eager", result.run_id, 2, task))
+        kinds = [e.kind for e in events]
+        # it waited unfit, and at the go started the task afresh in its place
+        assert "ready" not in kinds and kinds.index("warm_unusable") < kinds.index("go") < \
+            kinds.index("started") < kinds.index("finished"), kinds
+        assert next(e for e in events if e.kind == "go").get("cold") is True
+        # no warm task was started for an attempt 3
+        assert not task_log("warm-eager", result.run_id, 3, task).exists()
