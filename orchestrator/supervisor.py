@@ -377,6 +377,8 @@ class Supervisor:
         own 'stopped' event may never be read (its sshd is the first to go).
         """
         if failure.cause is Cause.HOST_LOST and failure.host:
+            if not self.provider.reclaims_hosts:
+                return  # a machine nobody takes back: lost, not preempted (no need to ask)
             suspects = [failure.host]
         elif failure.saved_step is not None:
             quiet = [w.plan.host.name for w in watched if w.stopped is None]
@@ -415,9 +417,11 @@ class Supervisor:
             failure.detail = f"host {failure.host} stopped answering as its task vanished"
         if failure.cause is Cause.HOST_LOST and failure.host:
             host = self._host(failure.host)
-            health = self.provider.host_health(host)
             self._broken_hosts.add(host.name)
-            if health is HostHealth.PREEMPTED:
+            # Asking a host that stopped answering waits for the connect timeout: only worth
+            # it where the answer may be 'preempted'.
+            if self.provider.reclaims_hosts and \
+                    self.provider.host_health(host) is HostHealth.PREEMPTED:
                 failure.cause = Cause.PREEMPTED
                 failure.detail = f"{host.name} was preempted (spot VM reclaimed); " + failure.detail
         if failure.before_first_step and failure.cause is Cause.CRASHED:

@@ -41,7 +41,9 @@ GO_ENV = "ORCHESTRATE_WARM"
 VERIFY_ENV = "ORCHESTRATE_WARM_VERIFY"  # "DIR:RESULT_FILE:REQUEST_FILE" (JSON list)
 PEER_ENV = "ORCHESTRATE_WARM_PEER"
 ORPHAN_S = 600.0
-POLL_S = 0.02
+EXPIRED_EXIT = 76
+POLL_S = 0.05  # how often a waiting task looks for its go file (0.8% of a core at 0.02 s)
+PEER_EVERY_S = 1.0
 VERIFY_SHARE = 0.05  # of the time, at most, spent checking checkpoints in the background
 
 
@@ -60,14 +62,19 @@ def main(argv: list[str], run: Callable[[list[str]], int]) -> int:
     verifier = _verifier()  # reading a checkpoint back needs no runtime: unfit or not
     peer = int(os.environ.get(PEER_ENV, "0") or 0)
     peer_gone: float | None = None
+    peer_checked = 0.0
     while not os.path.exists(go_path):
         if verifier is not None:
             verifier.tick()
-        if peer and not verified.group_alive(peer):
-            peer_gone = peer_gone or time.monotonic()
-            if time.monotonic() - peer_gone > ORPHAN_S:
+        if peer and time.monotonic() - peer_checked >= PEER_EVERY_S:
+            peer_checked = time.monotonic()
+            alive = verified.group_alive(peer)
+            peer_gone = None if alive else peer_gone or time.monotonic()
+            if peer_gone is not None and time.monotonic() - peer_gone > ORPHAN_S and \
+                    not os.path.exists(go_path):
+                # Not 0: a go written as this exits must fail the attempt, not pass for its end.
                 emit("warm_expired", reason=f"no go within {ORPHAN_S:.0f}s of the attempt's end")
-                return 0
+                return EXPIRED_EXIT
         time.sleep(POLL_S)
     with open(go_path, encoding="utf-8") as f:
         go: dict[str, Any] = json.load(f)

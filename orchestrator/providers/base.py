@@ -54,6 +54,9 @@ class Provider(ABC):
     """
 
     kind: str
+    # Whether the provider takes machines back on its own (spot VMs): only then can a lost
+    # host be preempted, and is its health worth asking while the group waits to restart.
+    reclaims_hosts: bool = False
 
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
         self.spec = spec

@@ -42,6 +42,7 @@ class GcpProvider(SSHHostsProvider):
     """
 
     kind = "gcp"
+    reclaims_hosts = True  # spot VMs
     config: specs.GcpProvider
     host_noun = "VM"
     ssh_fix = ("check that a firewall rule lets this machine reach port 22 of the VMs "
