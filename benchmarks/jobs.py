@@ -53,6 +53,10 @@ class Target:
 
 
 LOCAL = Target("local")
+# examples.digits paced: each batch takes >= DIGITS_PACE_S (0.2 s) until a file named
+# ``release`` exists in the run's directory on the task's host (tests/workloads/pace.py).
+PACED = "tests.workloads.paced_digits"
+PACED_FILES = ("__init__.py", "pace.py", "paced_digits.py")
 
 
 @contextlib.contextmanager
@@ -79,11 +83,13 @@ def namespace_lab(size: int) -> Iterator[tuple[HostLab | None, str]]:
 
 
 def digits_spec(name: str, workers: int, target: Target, *, epochs: int, steps_per_epoch: int,
-                checkpoint_every: int, **sections: Any) -> dict[str, Any]:
-    """The examples.digits job (one progress event per step) as a spec for ``target``."""
+                checkpoint_every: int, module: str = "examples.digits",
+                **sections: Any) -> dict[str, Any]:
+    """The examples.digits job (one progress event per step) as a spec for ``target``; or
+    ``module`` ``PACED`` (the same job, paced until the run's ``release`` file exists)."""
     spec: dict[str, Any] = {
         "name": name, "workers": workers,
-        "job": {"module": "examples.digits", "epochs": epochs, "steps_per_epoch": steps_per_epoch,
+        "job": {"module": module, "epochs": epochs, "steps_per_epoch": steps_per_epoch,
                 "progress_every_steps": 1},
         "checkpoint": {"every_steps": checkpoint_every}, "ports": PORTS,
         **sections,
@@ -102,19 +108,26 @@ def static_provider(lab: HostLab, hosts: tuple[LabHost, ...] | list[LabHost]) ->
     }
 
 
-def write_spec(directory: Path, spec: dict[str, Any]) -> Path:
-    """The spec as a file (JSON is YAML), validated the way the CLI validates it.
+def write_spec(directory: Path, spec: dict[str, Any], stem: str | None = None) -> Path:
+    """The spec as a file ``STEM.yaml`` (JSON is YAML; the spec's name by default), validated
+    the way the CLI validates it.
 
-    Without a ``workdir``, the job's project is a copy of ``examples/`` under ``directory``:
-    a small user project. (This repository's own tree, caches included, would make every
-    ``up`` pack and hash tens of MB.)
+    Without a ``workdir``, the job's project is a copy of ``examples/`` under ``directory``
+    (and of the paced workload, for a ``PACED`` job): a small user project. (This repository's
+    own tree, caches included, would make every ``up`` pack and hash tens of MB.)
     """
     project = directory / "project"
-    if "workdir" not in spec and not project.exists():
-        shutil.copytree(REPO / "examples", project / "examples",
-                        ignore=shutil.ignore_patterns("__pycache__"))
+    if "workdir" not in spec:
+        if not (project / "examples").exists():
+            shutil.copytree(REPO / "examples", project / "examples",
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        workloads = project / "tests" / "workloads"
+        if spec.get("job", {}).get("module") == PACED and not workloads.exists():
+            workloads.mkdir(parents=True)
+            for file in PACED_FILES:
+                shutil.copy2(REPO / "tests" / "workloads" / file, workloads / file)
     spec = {"workdir": str(project), **spec}
-    path = directory / f"{spec['name']}.yaml"
+    path = directory / f"{stem or spec['name']}.yaml"
     path.write_text(json.dumps(spec, indent=1))
     specs.load(path)
     return path

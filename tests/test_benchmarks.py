@@ -111,16 +111,24 @@ def check_keras3(record: dict[str, Any]) -> None:
     assert all(loss is not None and loss > 0 for loss in result["final_loss"].values())
 
 
+def check_warm_cost(record: dict[str, Any]) -> None:
+    for figure in ("cold_first_step_s", "warm_ready_s", "idle_cpu_share", "rss_mib",
+                   "go_to_first_step_s"):
+        assert measured(record[figure]), figure
+    assert record["rss_mib"]["median"] > 0 and record["go_over_cold"] > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "launch": check_launch, "steady": check_steady, "recovery": check_recovery,
     "peer": check_peer, "provision": check_provision, "controller": check_controller,
     "control_path": check_control_path, "checkpoints": check_checkpoints,
-    "keras3": check_keras3,
+    "keras3": check_keras3, "warm_cost": check_warm_cost,
 }
 
 
 MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
-         "peer": [pytest.mark.tf], "keras3": [pytest.mark.tf], "controller": [pytest.mark.ssh],
+         "peer": [pytest.mark.tf], "keras3": [pytest.mark.tf], "warm_cost": [pytest.mark.tf],
+         "controller": [pytest.mark.ssh],
          "control_path": [pytest.mark.ssh], "checkpoints": [pytest.mark.ssh, pytest.mark.tf]}
 
 
