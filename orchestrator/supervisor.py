@@ -696,7 +696,7 @@ def recovery_phases(bounds: list[float | None]) -> dict[str, float]:
     first, last = bounds[0], max(bounds[0], bounds[-1])
     held, previous = [], first
     for bound in bounds[1:-1]:
-        previous = min(last, max(previous, previous if bound is None else bound))
+        previous = previous if bound is None else min(last, max(previous, bound))
         held.append(previous)
     edges = [first, *held, last]
     return {name: edges[i + 1] - edges[i] for i, name in enumerate(RECOVERY_PHASES)}

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import shlex
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.launchers import Launcher, ProcessLauncher
 from orchestrator.plan import ClusterPlan, TaskPlan
-from orchestrator.remote.base import Runner, TaskHandle, _ours
+from orchestrator.remote.base import Runner, TaskHandle, _ours, module_source
 from orchestrator.spec import ClusterSpec, CommandJob, is_url
 from orchestrator.state import Store, TaskRecord
 from worker import verified as verified_module
@@ -54,11 +52,6 @@ def verify_files(plan: ClusterPlan) -> tuple[str, str]:
     return f"{run_dir}/verified.json", f"{run_dir}/verify-now"
 
 
-@functools.cache
-def _verified_source() -> str:
-    return Path(verified_module.__file__).read_text()
-
-
 class WarmTasks:
     """The warm tasks of one run: started in the background, told to go, or stopped."""
 
@@ -72,7 +65,6 @@ class WarmTasks:
         self.off = ""  # why this run keeps no warm tasks any more
         self._lock = threading.Lock()
         self._tasks: dict[str, Started] = {}  # by task key, for attempt self._attempt
-        self._records: list[TaskRecord] = []
         self._attempt = 0  # the attempt the warm tasks are (being) started for
         self._verifier: TaskHandle | None = None  # the chief's, when it checks checkpoints
         self._thread: threading.Thread | None = None
@@ -120,19 +112,18 @@ class WarmTasks:
             current = self._attempt == plan.attempt
             if current:
                 self._tasks = {task.key: (task.host.name, handle) for task, handle in started}
-                self._records = [self.launcher.record(task, handle) for task, handle in started]
                 self._verifier = next((h for t, h in started if t.key == plan.chief_key
                                        and verify is not None), None)
         if not current:  # the attempt started (or the run ended) while these were starting
             self._stop([(task.host.name, handle) for task, handle in started])
             return
-        self.store.set_warm(self.run_id, self._records)
+        self.store.set_warm(self.run_id,
+                            [self.launcher.record(task, handle) for task, handle in started])
 
     def adopt(self, records: list[TaskRecord], attempt: int) -> None:
         """Take over the warm tasks a controller that died started for ``attempt``."""
         with self._lock:
             self._attempt = attempt
-            self._records = list(records)
             self._tasks = {r.task: (r.host, self.launcher.find(r)) for r in records}
 
     # -- use -------------------------------------------------------------------------------
@@ -146,7 +137,7 @@ class WarmTasks:
         if is_url(directory):
             return None
         result, request = verify_files(plan)
-        argv = [python, "-S", "-c", _verified_source(), "check", directory, result]
+        argv = [python, "-S", "-c", module_source(verified_module), "check", directory, result]
         if verifier is not None:
             argv += ["--request", request, "--wait", str(VERIFY_WAIT_S),
                      "--pgid", str(verifier.pgid)]
@@ -165,7 +156,7 @@ class WarmTasks:
         self._wait_started()
         with self._lock:
             tasks = self._tasks if self._attempt == plan.attempt else {}
-            self._tasks, self._records, self._verifier = {}, [], None
+            self._tasks, self._verifier = {}, None
             if self._attempt <= plan.attempt:
                 self._attempt = plan.attempt  # a late starter of this attempt stops its tasks
         if not tasks:
@@ -206,9 +197,9 @@ class WarmTasks:
         """Stop every warm task (the run ended)."""
         with self._lock:
             self._attempt = max(self._attempt, 1 << 30)  # a starter still running stops its own
-            records, self._tasks, self._records = self._records, {}, []
-        if records:
-            self._stop([(r.host, self.launcher.find(r)) for r in records])
+            tasks, self._tasks = self._tasks, {}
+        if tasks:
+            self._stop(list(tasks.values()))
             self.store.set_warm(self.run_id, [])
 
     # -- helpers ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from orchestrator.errors import CommandError, RemoteError
 from worker import probes
@@ -101,14 +102,15 @@ class LogPoll:
 
 
 @functools.cache
-def _probes_source() -> str:
-    return Path(probes.__file__).read_text()
+def module_source(module: ModuleType) -> str:
+    """The source of a stdlib-only ``worker`` module, to run on a host with ``python -c``."""
+    return Path(str(module.__file__)).read_text()
 
 
 def probe_argv(python: str, *args: str) -> list[str]:
     """The command line that runs ``worker/probes.py`` (stdlib only) with ``args`` on a host;
     this machine imports the same functions directly."""
-    return [python, "-c", _probes_source(), *args]
+    return [python, "-c", module_source(probes), *args]
 
 
 def quote_argv(argv: Sequence[str]) -> str:
