@@ -113,6 +113,8 @@ class Watched:
     drops_alive: int = -1
     pending: Future[Polled] | None = None
     pending_since: float = 0.0
+    # When the newest poll that came back was sent: the host answered about the task after it.
+    answered_at: float = field(default_factory=time.time)
     data_at: float = float("-inf")  # (monotonic) when a poll last brought log bytes
     status_at: float = float("-inf")  # (monotonic) when the last poll with a status was sent
     last_event: Event | None = None
@@ -268,6 +270,7 @@ class AttemptWatch:
             if w.pending.done():
                 try:
                     self._take(w, w.pending.result())
+                    w.answered_at = w.pending_since
                 except RemoteError as exc:
                     w.unreachable = str(exc).splitlines()[0]
                 w.pending = None
@@ -354,7 +357,21 @@ class AttemptWatch:
             return self._saved_stop(saved[0])
         if now - self._first_failure_seen < SETTLE_S and running:
             return None  # peers fail within seconds of the real failure: let it show first
+        if self._unanswered(running, now):
+            return None
         return self._stuck_failure(running, failures[0]) or failures[0]
+
+    def _unanswered(self, running: list[Watched], now: float) -> bool:
+        """Whether a running task's host has not answered a poll sent since the peers' failure
+        was seen. Its poll may be reconnecting to a machine that went away: the answer (the
+        group vanished over a dropped connection, or none within ``poll_s``, so unreachable)
+        names the primary failure. Probing now could land after the machine is back, find
+        nothing stuck, and blame the peer."""
+        assert self._first_failure_seen is not None
+        if now - self._first_failure_seen >= SETTLE_S + self.spec.timeouts.poll_s:
+            return False
+        return any(w.answered_at < self._first_failure_seen for w in running
+                   if w.unreachable is None)
 
     def _stuck_failure(self, running: list[Watched], peer: AttemptFailed) -> AttemptFailed | None:
         """Peers failed (e.g. TF's heartbeat timeout) because a task still 'running' is stuck."""

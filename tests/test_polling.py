@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from orchestrator.launchers import ProcessLauncher
 from orchestrator.plan import TaskPlan
 from orchestrator.providers.local import LocalProvider
 from orchestrator.remote.base import POLL_LOG_MAX, LogPoll, Runner, TaskHandle, TaskState
+from orchestrator.remote.local import LocalRunner
 from orchestrator.state import AttemptRecord, Store
 from orchestrator.supervisor import Supervisor
 from orchestrator.view import RunView, TaskView
@@ -227,3 +229,82 @@ def test_over_ssh_a_poll_is_one_command_and_an_exit_counts_once_the_log_is_read_
     assert len(burst) >= 2 and all(len(p.got.data) == POLL_LOG_MAX for p in burst)
     assert all(p.got.status is not None and p.got.status.exit_code == 3 for p in burst)
     assert channels == ["control"] * len(polls)  # one command a poll, no SFTP session
+
+
+# -- the primary failure behind a poll that does not come back -----------------------------------
+class HeldLauncher(ProcessLauncher):
+    """The process launcher, where worker:0's machine 'goes away' at its first poll after
+    ``go``: its process group is killed and that poll hangs (as SSH does, reconnecting to a
+    machine that is down) until ``back``, when the machine answers again and the poll goes
+    through. A controller cannot make a real poll hang this long at will, so this is faked."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.back = threading.Event()
+        self.killed_at: float | None = None
+
+    def poll_log(self, runner: Runner, handle: TaskHandle, offset: int, *,
+                 status: bool = True) -> LogPoll:
+        if Path(handle.log_path).name == "worker-0.log" and self.go.is_set() \
+                and self.killed_at is None:
+            os.killpg(handle.pgid, signal.SIGKILL)
+            self.killed_at = time.time()
+            self.back.wait(60)
+        return super().poll_log(runner, handle, offset, status=status)
+
+
+def test_a_peers_error_is_not_blamed_while_a_hosts_poll_is_still_out(tmp_path: Path) -> None:
+    """worker:0's machine goes away (its tasks killed, its poll hanging) and worker:1 fails
+    with a peer's error a moment later: a secondary failure, which waits SETTLE_S for the
+    primary. The machine is back only after that: probing then finds its host answering and
+    nothing stuck. The watch must wait for worker:0's poll, which finds its group vanished,
+    and blame worker:0, not the peer's error (a race the fault matrix once lost)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: held\nworkers: 2\njob:\n  command: sh\n")
+    s = spec.load(path)
+    view = RunView(run_id="held", cluster="held")
+    launcher, runner = HeldLauncher(), LocalRunner()
+    scripts = ["sleep 60", "sleep 60"]
+    watched = []
+    for i, script in enumerate(scripts):
+        base = tmp_path / f"worker-{i}"
+        task = TaskPlan("worker", i, Host("localhost", "127.0.0.1", str(tmp_path)), 24400 + i,
+                        {}, {}, ("sh", "-c", script), str(tmp_path), f"{base}.log",
+                        f"{base}.rc")
+        watched.append(Watched(task, launcher.start(runner, task), runner))
+        view.tasks[task.key] = TaskView(task.key, "localhost", task.endpoint)
+    attempt = AttemptWatch(s, watched, view, lambda view, event: None, launcher=launcher,
+                           on_tick=lambda: None, on_event=lambda w, e: None,
+                           python_for=lambda w: sys.executable, interval_s=0.05)
+    peer = watched[1]
+
+    def fault() -> None:
+        launcher.go.set()
+        while launcher.killed_at is None:
+            time.sleep(0.01)
+        # worker:1 fails of the peer's error, as TensorFlow's tasks do when one goes away
+        with open(peer.handle.log_path, "a") as log:
+            log.write("UnavailableError: Connection reset by peer\n")
+        os.killpg(peer.handle.pgid, signal.SIGKILL)
+        Path(peer.handle.rc_path).write_text("1\n")
+        while attempt._first_failure_seen is None:
+            time.sleep(0.01)
+        # past the settle window, the machine comes back
+        time.sleep(watch.SETTLE_S + 1.0)
+        launcher.back.set()
+
+    thread = threading.Thread(target=fault, daemon=True)
+    try:
+        thread.start()
+        with pytest.raises(AttemptFailed) as failed:
+            attempt.run()
+    finally:
+        launcher.back.set()
+        attempt.close()
+        thread.join(30)
+        for w in watched:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.handle.pgid, signal.SIGKILL)
+    failure = failed.value
+    assert (failure.cause, failure.task, failure.vanished) == (Cause.CRASHED, "worker:0", True)
+    assert "vanished" in failure.detail
