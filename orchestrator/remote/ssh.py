@@ -11,6 +11,7 @@ import posixpath
 import select
 import shlex
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -20,6 +21,7 @@ from types import TracebackType
 from typing import Literal
 
 import paramiko
+from paramiko.pkey import UnknownKeyType
 from tenacity import (
     Retrying,
     retry_if_exception,
@@ -57,6 +59,8 @@ Link = Literal["control", "bulk"]
 SESSION_WAIT_S = 5.0
 READ_LOG_MAX = 8 << 20
 _KNOWN_HOSTS_LOCK = threading.Lock()
+KEY_FILE_MAX = 64 << 10  # an RSA-16384 private key in PEM is about 13 KiB
+KNOWN_HOSTS_MAX = 16 << 20
 
 
 class SSHRunner(Runner):
@@ -230,14 +234,15 @@ class SSHRunner(Runner):
                     "(the host's /etc/ssh/ssh_host_ed25519_key.pub)",
                 )
             keys.add(name, entry.key.get_name(), entry.key)
-        if not ep.host_keys and ep.known_hosts and os.path.exists(ep.known_hosts):
+        if not ep.host_keys and ep.known_hosts and os.path.lexists(ep.known_hosts):
             try:
-                keys.load(ep.known_hosts)
-            except (OSError, paramiko.hostkeys.InvalidHostKey) as exc:
+                _load_known_hosts(keys, ep.known_hosts)
+            except (OSError, ValueError, paramiko.hostkeys.InvalidHostKey) as exc:
                 raise HostKeyError(
                     f"cannot read known_hosts file {ep.known_hosts}: {_describe(exc)}",
                     host=self.host_name,
-                    fix="make the file readable, or list the host key in the spec's host_key",
+                    fix="point known_hosts at an OpenSSH known_hosts file (UTF-8, one "
+                    "'HOST TYPE KEY' per line), or list the host key in the spec's host_key",
                 ) from None
 
     def _unknown_key(self, key: paramiko.PKey) -> HostKeyError:
@@ -279,7 +284,7 @@ class SSHRunner(Runner):
             )
         try:
             recorded = _record_host_key(ep.known_hosts, hostname, key)
-        except (OSError, paramiko.hostkeys.InvalidHostKey) as exc:
+        except (OSError, ValueError, paramiko.hostkeys.InvalidHostKey) as exc:
             raise HostKeyError(
                 f"cannot record the host key of {ep.address}:{ep.port} in {ep.known_hosts}: {_describe(exc)}",
                 host=self.host_name,
@@ -556,18 +561,72 @@ def _read_private_key(runner: SSHRunner) -> paramiko.PKey:
             fix="set key_file to a private key authorised on the host (agents and ~/.ssh keys are not used)",
         )
     try:
-        return paramiko.PKey.from_path(path)
+        data = read_small_file(path, KEY_FILE_MAX)
+        if data.lstrip().startswith((b"ssh-", b"ecdsa-", b"sk-")):
+            problem = "is a public key (one 'TYPE AAAA...' line)"
+            fix = f"set key_file to the private key: {path.removesuffix('.pub')}" \
+                if path.endswith(".pub") else "set key_file to the private key of that pair"
+        else:
+            return paramiko.PKey.from_path(path)
+    except SmallFileError as exc:
+        problem, fix = str(exc), "set key_file to the private key file of a key authorised on the host"
     except FileNotFoundError:
         problem, fix = "does not exist", "check the key_file path"
     except OSError as exc:
-        problem, fix = f"cannot be read ({exc.strerror})", "make it readable by this user"
+        problem, fix = f"cannot be read ({exc.strerror or exc})", "make it readable by this user"
     except (TypeError, paramiko.PasswordRequiredException):
         problem = "is protected by a passphrase"
         fix = f"use a key without a passphrase, e.g. ssh-keygen -p -N '' -f {path}"
-    except (ValueError, paramiko.SSHException) as exc:
-        problem = f"is not a private key paramiko can load ({type(exc).__name__})"
+    except UnknownKeyType as exc:
+        kind = getattr(exc, "key_type", None)
+        problem = f"is a key type paramiko does not use ({getattr(kind, '__name__', kind)})"
+        fix = "use an ed25519, ECDSA or RSA key (ssh-keygen -t ed25519); DSA and Ed448 are not supported"
+    except Exception as exc:  # cryptography's loaders: ValueError, UnsupportedAlgorithm, ...
+        problem = f"is not a private key paramiko can load ({type(exc).__name__}: {str(exc)[:100]})"
         fix = "use an OpenSSH or PEM ed25519, ECDSA or RSA private key"
     raise AuthError(f"SSH key file {path} for {runner.target} {problem}", host=runner.host_name, fix=fix)
+
+
+class SmallFileError(OSError):
+    """A file that is not a regular file of a sane size (a FIFO, a device, a directory, huge)."""
+
+
+def read_small_file(path: str, limit: int) -> bytes:
+    """Read ``path`` if it is a regular file of at most ``limit`` bytes. Opening does not block
+    (a FIFO) and reading stops at the limit (``/dev/zero``), so neither hangs nor fills memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise SmallFileError("is a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise SmallFileError("is not a regular file (a FIFO, socket or device)")
+        if st.st_size > limit:
+            raise SmallFileError(f"is {st.st_size} bytes, larger than any such file "
+                                 f"({limit} bytes at most)")
+        chunks, total = [], 0
+        while chunk := os.read(fd, 65536):
+            total += len(chunk)
+            if total > limit:
+                raise SmallFileError(f"grew past {limit} bytes while being read")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _load_known_hosts(keys: paramiko.HostKeys, path: str) -> str:
+    """``keys.load(path)`` once the file is known to be a regular UTF-8 file of a sane size;
+    returns its text. Malformed lines raise ``InvalidHostKey`` naming the line."""
+    text = read_small_file(path, KNOWN_HOSTS_MAX).decode("utf-8")
+    try:
+        keys.load(path)
+    except (OSError, paramiko.hostkeys.InvalidHostKey):
+        raise
+    except Exception as exc:  # key data paramiko's parser chokes on in other ways
+        raise paramiko.hostkeys.InvalidHostKey(f"a malformed line ({type(exc).__name__})",
+                                               exc) from exc
+    return text
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -594,10 +653,8 @@ def _record_host_key(path: str, hostname: str, key: paramiko.PKey) -> paramiko.P
     with _KNOWN_HOSTS_LOCK, _locked_dir(directory):
         keys = paramiko.HostKeys()
         existing = ""
-        if os.path.exists(path):
-            keys.load(path)
-            with open(path, encoding="utf-8") as f:
-                existing = f.read()
+        if os.path.lexists(path):
+            existing = _load_known_hosts(keys, path)
         known = keys.lookup(hostname)
         if known is not None and len(known):
             same_type = known.get(key.get_name())
