@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
 import shlex
+import socket
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -24,12 +27,14 @@ from orchestrator.remote.fanout import FanOutResult, fan_out
 from orchestrator.runtimes import MatchingPackage, resolve_collectives, runtime_for
 from orchestrator.spec import ClusterSpec, Container, is_url
 from orchestrator.view import human_bytes
+from worker.preflight import OUTSIDER, Probe
 
 PREFLIGHT = Path(worker_package.__file__).parent / "preflight.py"
 MIN_FREE_BYTES = 1 << 30  # below this, the first checkpoint may not fit: blocking
 LOW_FREE_BYTES = 10 << 30  # below this, a long run may fill the disk: a warning
 WINDOW_S = 3.0  # how long each host keeps trying to reach every other host's task port
 LINGER_S = 1.0  # how long each host's ports keep listening after that, for a late peer
+OUTSIDE_SLACK_S = 3.0  # this machine's probes also wait out the hosts' SSH command start
 STORAGE_CHECK_ENV = "ORCHESTRATE_STORAGE_CHECK_S"  # seconds a host's checkpoint write may take
 STORAGE_CHECK_S = 20.0
 MARKER_PREFIX = ".orchestrate-doctor-"
@@ -265,8 +270,11 @@ def examine(
     storage = StorageCheck.of(spec, plan, machines)
     if spec.container is not None:  # TensorFlow is the image's, not the host's
         tensorflow = "never"
-    answers = fan_out(live, lambda m: _preflight(m, live, runner(m.host), tensorflow, storage),
+    outside = Outside.of(live)
+    answers = fan_out(live, lambda m: _preflight(m, live, runner(m.host), tensorflow, storage,
+                                                 outside.probing),
                       name_of=lambda m: m.name)
+    exposed = outside.problems(spec)
     engines, engine_problems = (({}, []) if spec.container is None else
                                 _engines(spec.container, live, runner))
     checks = [_host_check(m, errors.get(m.name), answers) for m in machines]
@@ -275,7 +283,7 @@ def examine(
     if storage is not None and storage.marker is not None:
         checks = _look_for_marker(storage, machines, checks, runner)
     links = _links(machines, checks)
-    problems = sorted([*found, *diagnose(spec, plan, checks, links), *engine_problems],
+    problems = sorted([*found, *diagnose(spec, plan, checks, links), *engine_problems, *exposed],
                       key=lambda p: not p.blocking)
     return DoctorReport(spec.name, provider, tuple(checks), tuple(links), tuple(problems),
                         time.monotonic() - started)
@@ -296,7 +304,8 @@ def _engines(container: Container, live: Sequence[Machine], runner: Callable[[Ho
 
 
 def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner,
-               tensorflow: TensorFlowImport, storage: StorageCheck | None) -> dict[str, Any]:
+               tensorflow: TensorFlowImport, storage: StorageCheck | None,
+               outsider: bool = False) -> dict[str, Any]:
     peers = [t.endpoint for m in live if m is not machine for t in m.tasks]
     argv = [machine.python, "-c", PREFLIGHT.read_text(), "--name", machine.name,
             "--dir", machine.host.root or "~", "--expect", str(len(live) - 1),
@@ -306,12 +315,95 @@ def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner,
         argv += ["--port", str(task.port)]
     for endpoint in peers:
         argv += ["--peer", endpoint]
+    if outsider:
+        argv.append("--outsider")
     if storage is not None:
         argv += [f"--write-check={storage.dirs[machine.name]}",  # one word, even as "-x"
                  "--storage-timeout", f"{storage.timeout_s:g}"]
         if storage.marker is not None and machine.name == storage.chief:
             argv += ["--marker", storage.marker, "--marker-content", storage.content]
     return _facts(runner.run(argv, timeout_s=180 + (storage.timeout_s if storage else 0)))
+
+
+class Outside:
+    """This machine's own probes of every task port, at every address it knows for the host,
+    while the hosts' preflights listen there: TensorFlow's gRPC server binds every interface
+    and has no authentication, so a task port this machine reaches while it is none of the
+    cluster's hosts is open beyond the cluster. When this machine is one of the hosts (the
+    local provider, or a static cluster that includes it), its reach is the cluster's own and
+    nothing is probed."""
+
+    def __init__(self, probes: Sequence[tuple[Machine, Probe]]) -> None:
+        self.probes = list(probes)
+        self._threads = [threading.Thread(target=p.run, daemon=True) for _, p in self.probes]
+        for thread in self._threads:
+            thread.start()
+
+    @classmethod
+    def of(cls, live: Sequence[Machine]) -> Outside:
+        if not live or any(is_this_machine(m.host) for m in live):
+            return cls([])
+        deadline = time.monotonic() + WINDOW_S + LINGER_S + OUTSIDE_SLACK_S
+        return cls([(m, Probe(_endpoint(address, task.port), OUTSIDER, deadline))
+                    for m in live for task in m.tasks for address in _addresses(m.host)])
+
+    @property
+    def probing(self) -> bool:
+        return bool(self.probes)
+
+    def problems(self, spec: ClusterSpec) -> list[Problem]:
+        for thread in self._threads:
+            thread.join()
+        reached: dict[str, list[str]] = {}
+        for machine, probe in self.probes:
+            if probe.ok:
+                reached.setdefault(machine.name, []).append(probe.endpoint)
+        if not reached:
+            return []
+        ports = sorted({t.port for m, _ in self.probes for t in m.tasks})
+        span = f"{ports[0]}:{ports[-1]}" if len(ports) > 1 else str(ports[0])
+        cluster = sorted({m.host.address for m, _ in self.probes})
+        where = "; ".join(f"{name} at {', '.join(ends)}" for name, ends in reached.items())
+        return [Problem(
+            "exposure", f"task ports are reachable from this machine, which is not one of the "
+            f"cluster's hosts: {where}. TensorFlow's gRPC server listens on every interface "
+            "with no authentication: whoever reaches these ports can read or disturb the "
+            "training",
+            f"allow TCP ports {span} only from the cluster's hosts, e.g. on each host: "
+            + "; ".join([*(f"sudo iptables -A INPUT -p tcp --dport {span} -s {a} -j ACCEPT"
+                           for a in cluster),
+                         f"sudo iptables -A INPUT -p tcp --dport {span} -j DROP"])
+            + " (or a security group or cloud firewall rule that does the same)",
+            blocking=False, hosts=tuple(reached))]
+
+
+def is_this_machine(host: Host) -> bool:
+    """Whether ``host`` is this machine: local, a loopback address, or an address this machine
+    would send from to reach it (a UDP socket's route lookup; no packet is sent)."""
+    if host.is_local:
+        return True
+    try:
+        infos = socket.getaddrinfo(host.address, 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        address = str(sockaddr[0])
+        if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+            return True
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(sockaddr)
+            if sock.getsockname()[0] == address:
+                return True
+    return False
+
+
+def _addresses(host: Host) -> list[str]:
+    """Every address this machine knows for ``host``: the tasks' and the SSH one."""
+    return list(dict.fromkeys([host.address, *([host.ssh.address] if host.ssh else [])]))
+
+
+def _endpoint(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def _facts(result: ExecResult) -> dict[str, Any]:

@@ -69,12 +69,33 @@ def test_a_taken_local_port_is_a_warning_since_train_picks_another(
     assert "ss -ltnp" in port_problem["fix"]
 
 
-@pytest.mark.ssh
-def test_healthy_hosts_reach_each_others_task_ports(hostlab: HostLab, tmp_path: Path,
-                                                     orchestrate_home: Path) -> None:
+@pytest.mark.netns
+def test_healthy_hosts_reach_each_others_task_ports_and_ports_open_beyond_them_are_named(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """This machine is none of the lab's hosts and reaches their task ports: TensorFlow's
+    unauthenticated gRPC would be open to it, which is a warning with the firewall rules that
+    close it. Applied as written on every host, the rules keep the cluster's own connections
+    open and this machine out: no warning is left."""
     hosts = hostlab.hosts(3)
     path = lab_spec(tmp_path, hostlab, hosts, "doc-ok")
-    proc = cli("doctor", str(path), home=orchestrate_home)
+    proc = cli("doctor", str(path), "--json", home=orchestrate_home)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    (exposure,) = report["problems"]
+    assert exposure["check"] == "exposure" and exposure["blocking"] is False
+    assert exposure["hosts"] == [f"doc-ok-{i}" for i in range(3)]
+    assert all(f"{h.address}:24110" in exposure["message"] for h in hosts)
+    rules = exposure["fix"].split("e.g. on each host: ")[1].split(" (or ")[0].split("; ")
+    assert len(rules) == 4 and all(r.startswith("sudo iptables -A INPUT") for r in rules)
+    try:
+        for h in hosts:
+            for rule in rules:
+                done = h.run(rule.removeprefix("sudo ").split())
+                assert done.returncode == 0, done.stderr
+        proc = cli("doctor", str(path), home=orchestrate_home)
+    finally:
+        for h in hosts:
+            h.run(["iptables", "-F", "INPUT"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "network: 6 of 6 connections open" in proc.stdout
     for i, h in enumerate(hosts):
@@ -179,4 +200,5 @@ def test_another_tensorflow_on_one_host_is_blocking(hostlab: HostLab, tmp_path: 
     assert versions.hosts == ("doc-tf-2",)
     assert versions.fix.startswith("install TensorFlow 2.21.0 on doc-tf-2")
     assert f"({python} -m pip install 'tensorflow==2.21.0')" in versions.fix
-    assert [p.check for p in report.problems] == ["tensorflow"]  # its tf_keras follows from it
+    # its tf_keras follows from it; the lab's task ports are open to this machine (see above)
+    assert [p.check for p in report.problems] == ["tensorflow", "exposure"]

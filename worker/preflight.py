@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 BANNER = b"orchestrate-doctor\n"
+# The name the controller's own probe sends: it is no peer (a listener does not count it), and
+# a listener told it comes waits for it too, so a port closes only once its reach is known.
+OUTSIDER = "orchestrate-controller"
 SMI_QUERY = "--query-gpu=name,memory.total,driver_version"
 MARKER_PREFIX = ".orchestrate-doctor-"
 STORAGE_CHECK_ENV = "ORCHESTRATE_STORAGE_CHECK_S"
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         storage = StorageCheck(args.write_check, args.storage_timeout, args.marker,
                                args.marker_content)
         threading.Thread(target=storage.run, daemon=True).start()
-    listeners = [Listener(port, args.expect) for port in args.port]
+    listeners = [Listener(port, args.expect, args.outsider) for port in args.port]
     deadline = time.monotonic() + args.window
     probes = [Probe(endpoint, args.name, deadline) for endpoint in args.peer]
     jobs: list[Listener | Probe] = [*listeners, *probes]
@@ -98,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="ADDRESS:PORT of another host's task to connect to")
     parser.add_argument("--expect", type=int, default=0,
                         help="how many peers will connect to each of our ports")
+    parser.add_argument("--outsider", action="store_true",
+                        help=f"the controller probes our ports too (as {OUTSIDER!r}): wait for "
+                        "it as well")
     parser.add_argument("--window", type=float, default=5.0,
                         help="seconds to keep trying each peer")
     parser.add_argument("--linger", type=float, default=2.0,
@@ -393,9 +399,10 @@ def _first_line(exc: BaseException) -> str:
 class Listener:
     """Holds one task port while peers connect to it; says whether it was free."""
 
-    def __init__(self, port: int, expect: int) -> None:
+    def __init__(self, port: int, expect: int, outsider: bool = False) -> None:
         self.port = port
         self.expect = expect
+        self.outsider = outsider
         self.heard: list[str] = []
         self.error: str | None = None
         self._until = float("inf")
@@ -416,13 +423,17 @@ class Listener:
         if self.error is not None:
             return
         with self._sock:
-            while time.monotonic() < self._until and len(set(self.heard)) < self.expect:
+            while time.monotonic() < self._until and self._waiting():
                 try:
                     conn, _ = self._sock.accept()
                 except TimeoutError:
                     continue
                 with conn:
                     self._greet(conn)
+
+    def _waiting(self) -> bool:
+        heard = set(self.heard)
+        return len(heard - {OUTSIDER}) < self.expect or (self.outsider and OUTSIDER not in heard)
 
     def _greet(self, conn: socket.socket) -> None:
         """Banner out, the peer's name in; then wait for the peer to close first, so that
@@ -441,7 +452,7 @@ class Listener:
 
     def result(self) -> dict[str, Any]:
         return {"port": self.port, "free": self.error is None, "error": self.error,
-                "heard_from": sorted(set(self.heard))}
+                "heard_from": sorted(set(self.heard) - {OUTSIDER})}
 
 
 class Probe:
