@@ -91,6 +91,7 @@ PERMISSIONS = {
     "instances.getGuestAttributes": "compute.instances.getGuestAttributes",
     "zoneOperations.get": "compute.zoneOperations.get",
     "zoneOperations.wait": "compute.zoneOperations.get",
+    "firewalls.list": "compute.firewalls.list",
     "firewalls.insert": "compute.firewalls.create",
     "firewalls.get": "compute.firewalls.get",
     "firewalls.delete": "compute.firewalls.delete",
@@ -477,7 +478,7 @@ class FakeCompute:
         elif parts[0] == "zones" and len(parts) >= 3:
             table = self._zonal_routes(project, parts[1], parts[2:], query, body)
         elif parts[:2] == ["global", "firewalls"]:
-            table = self._firewall_routes(project, parts[2:], body)
+            table = self._firewall_routes(project, parts[2:], query, body)
         elif parts[:2] == ["global", "operations"] and len(parts) >= 3:
             table = self._op_routes("globalOperations", project, "global", parts[2:])
         elif parts[:2] == ["global", "images"] and len(parts) in (3, 4):
@@ -516,10 +517,11 @@ class FakeCompute:
         }
         return verbs.get(tuple(parts[2:]), [])
 
-    def _firewall_routes(self, project: str, parts: list[str],
+    def _firewall_routes(self, project: str, parts: list[str], query: dict[str, str],
                          body: Json) -> list[tuple[str, str, Callable[[], Json]]]:
         if not parts:
-            return [("POST", "firewalls.insert", lambda: self._insert_firewall(project, body))]
+            return [("POST", "firewalls.insert", lambda: self._insert_firewall(project, body)),
+                    ("GET", "firewalls.list", lambda: self._list_firewalls(project, query))]
         name = parts[0]
         return [("GET", "firewalls.get", lambda: self._get_firewall(project, name)),
                 ("DELETE", "firewalls.delete", lambda: self._delete_firewall(project, name))]
@@ -900,6 +902,52 @@ class FakeCompute:
                 self._firewalls[(project, name)] = rule
 
         return self._launch(project, "global", "insert", link, _Steps(finish=finish))
+
+    def _list_firewalls(self, project: str, query: dict[str, str]) -> Json:
+        """A page of the project's rules by name, ``maxResults`` (at most 500, the default) a
+        page; ``nextPageToken`` while more follow (the token: the next name, opaque to
+        clients). Filters are not modelled: a request with one is refused."""
+        if query.get("filter"):
+            raise ApiError(400, "the fake does not model firewall list filters", "invalid")
+        size = min(int(query.get("maxResults") or 500), 500)
+        with self._cv:
+            rules = sorted((dict(r) for (p, _), r in self._firewalls.items() if p == project),
+                           key=lambda r: r["name"])
+        start = next((i for i, r in enumerate(rules) if r["name"] >= query.get("pageToken", "")),
+                     len(rules))
+        page = rules[start:start + size]
+        link = f"{API}/projects/{project}/global/firewalls"
+        answer: Json = {"kind": "compute#firewallList", "id": f"projects/{project}/global/firewalls",
+                        "items": page, "selfLink": link}
+        if start + size < len(rules):
+            answer["nextPageToken"] = rules[start + size]["name"]
+        return answer
+
+    def add_firewall(self, project: str, rule: Json) -> None:
+        """A rule that is already there (made by someone else), as the API would show it."""
+        name = rule["name"]
+        with self._cv:
+            self._firewalls[(project, name)] = {
+                "kind": "compute#firewall", "id": str(uuid.uuid4().int % 10**18),
+                "creationTimestamp": _now(), "priority": 1000, "direction": "INGRESS",
+                "disabled": False, "logConfig": {"enable": False}, **rule,
+                "selfLink": f"{API}/projects/{project}/global/firewalls/{name}",
+                "network": _network_url(project, rule.get("network", "default"))}
+
+    def add_default_network_rules(self, project: str) -> None:
+        """The four rules a new project's ``default`` network comes with."""
+        every = [{"IPProtocol": "tcp", "ports": ["0-65535"]},
+                 {"IPProtocol": "udp", "ports": ["0-65535"]}, {"IPProtocol": "icmp"}]
+        for name, allowed, ranges in [
+                ("default-allow-internal", every, ["10.128.0.0/9"]),
+                ("default-allow-ssh", [{"IPProtocol": "tcp", "ports": ["22"]}], ["0.0.0.0/0"]),
+                ("default-allow-rdp", [{"IPProtocol": "tcp", "ports": ["3389"]}], ["0.0.0.0/0"]),
+                ("default-allow-icmp", [{"IPProtocol": "icmp"}], ["0.0.0.0/0"])]:
+            self.add_firewall(project, {
+                "name": name, "description": f"Allow {name.rsplit('-', 1)[1]} from anywhere"
+                if name != "default-allow-internal" else
+                "Allow internal traffic on the default network", "priority": 65534,
+                "sourceRanges": ranges, "allowed": allowed})
 
     def _get_firewall(self, project: str, name: str) -> Json:
         with self._cv:

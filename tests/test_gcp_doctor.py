@@ -19,6 +19,7 @@ from orchestrator.api import Cluster
 from orchestrator.doctor import DoctorReport
 from orchestrator.hosts import Host
 from orchestrator.problems import Problem
+from orchestrator.providers.gcp import exposure
 from orchestrator.providers.gcp.catalog import CHECK
 from orchestrator.providers.gcp.compute import ENDPOINT_ENV
 from orchestrator.providers.gcp.provider import GcpProvider
@@ -184,3 +185,96 @@ def test_the_doctor_checks_only_the_machines_that_exist(fake: FakeCompute, tmp_p
     assert [m.name for m in doctoring.existing(plan, machines, {"gcp-test-1"})] == [
         "gcp-test-0", "gcp-test-2"]
     assert doctoring.existing(plan, machines, {"gcp-test-0"}) == []  # the chief's is missing
+
+
+# -- firewall rules wider than the cluster's own -------------------------------------------------
+TAG = "orchestrate-gcp-test"
+PORTS = f"{specs.PortRange().start}-{specs.PortRange().end}"  # the spec's default range
+
+
+def firewall_problems(report: DoctorReport) -> list[Problem]:
+    return [p for p in report.problems if p.check == exposure.CHECK]
+
+
+def rule(name: str, **fields: object) -> dict[str, object]:
+    return {"name": name, "allowed": [{"IPProtocol": "tcp", "ports": [PORTS]}], **fields}
+
+
+@pytest.mark.parametrize(("rules", "named", "sources"), [
+    pytest.param([rule("open-all", sourceRanges=["0.0.0.0/0"])], "open-all", "0.0.0.0/0",
+                 id="every-instance-from-anywhere"),
+    pytest.param([rule("to-us", sourceRanges=["192.168.0.0/16"], targetTags=[TAG])], "to-us",
+                 "192.168.0.0/16", id="the-cluster-tag-from-a-range"),
+    pytest.param([rule("peers", sourceTags=["web"], targetTags=[TAG])], "peers", "tag web",
+                 id="from-another-tag"),
+    pytest.param([rule("one-port", sourceRanges=["10.0.0.0/8"],
+                       allowed=[{"IPProtocol": "all"}])], "one-port", "10.0.0.0/8",
+                 id="all-protocols"),
+    pytest.param([rule("other-vms", sourceRanges=["0.0.0.0/0"], targetTags=["web"])], None, "",
+                 id="other-targets"),
+    pytest.param([rule("elsewhere", sourceRanges=["0.0.0.0/0"], network="other")], None, "",
+                 id="another-network"),
+    pytest.param([rule("off", sourceRanges=["0.0.0.0/0"], disabled=True)], None, "",
+                 id="disabled"),
+    pytest.param([rule("ssh", sourceRanges=["0.0.0.0/0"],
+                       allowed=[{"IPProtocol": "tcp", "ports": ["22", "8080-8090"]}])], None, "",
+                 id="other-ports"),
+    pytest.param([rule("cluster-only", sourceTags=[TAG], targetTags=[TAG])], None, "",
+                 id="the-cluster-to-itself"),
+    pytest.param([rule("open", sourceRanges=["0.0.0.0/0"], priority=2000),
+                  {"name": "closed", "priority": 1500, "sourceRanges": ["0.0.0.0/0"],
+                   "denied": [{"IPProtocol": "tcp"}]}], None, "", id="denied-above-it"),
+    pytest.param([rule("open", sourceRanges=["0.0.0.0/0"], priority=1000),
+                  {"name": "too-low", "priority": 1500, "sourceRanges": ["0.0.0.0/0"],
+                   "denied": [{"IPProtocol": "tcp"}]}], "open", "0.0.0.0/0",
+                 id="denied-below-it"),
+    # the list comes in pages of 500: a rule on the third page still counts
+    pytest.param([*(rule(f"a-{i:04}", sourceTags=[TAG], targetTags=[TAG]) for i in range(1100)),
+                  rule("z-wide", sourceRanges=["0.0.0.0/0"])], "z-wide", "0.0.0.0/0",
+                 id="third-page"),
+])
+def test_a_rule_that_opens_the_task_ports_beyond_the_cluster_is_a_warning(
+        fake: FakeCompute, tmp_path: Path, rules: list[dict[str, object]], named: str | None,
+        sources: str) -> None:
+    for r in rules:
+        fake.add_firewall(PROJECT, r)
+    found = firewall_problems(doctor(write_spec(tmp_path)))
+    if named is None:
+        assert found == []
+        return
+    (problem,) = found
+    assert not problem.blocking
+    assert problem.message.startswith(f"firewall rule {named} (network default, ")
+    assert f"to {sources}: TensorFlow's gRPC server" in problem.message
+    assert f"--target-tags {TAG} --priority 1100" in problem.fix
+    assert fake.calls["firewalls.list"] == (3 if len(rules) > 1000 else 1)
+
+
+def test_the_default_networks_internal_rule_is_named_until_the_fixs_deny_rule_exists(
+        fake: FakeCompute, tmp_path: Path, orchestrate_home: Path) -> None:
+    """A new project's default network lets all of 10.128.0.0/9 reach every port. The doctor
+    says so through the CLI, with a gcloud command; the rule that command makes (created here
+    through the same client) closes it and the warning goes."""
+    fake.add_default_network_rules(PROJECT)
+    path = write_spec(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "doctor", str(path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home),
+                               ENDPOINT_ENV: fake.url})
+    out = done.stdout + done.stderr
+    assert "Traceback" not in out
+    assert "firewall rule default-allow-internal (network default, priority 65534) also opens " \
+           f"TCP {PORTS} of the cluster's VMs to 10.128.0.0/9" in out, out
+    assert "default-allow-ssh" not in out and "default-allow-rdp" not in out
+    (problem,) = firewall_problems(doctor(path))
+    command = problem.fix.split(" (the cluster's")[0].split()
+    assert command[:4] == ["gcloud", "compute", "firewall-rules", "create"]
+    flags = dict(zip(command[5::2], command[6::2], strict=True))
+    assert flags["--action"] == "DENY" and flags["--project"] == PROJECT
+    protocol, ports = flags["--rules"].split(":")
+    fake.add_firewall(PROJECT, {
+        "name": command[4], "network": flags["--network"], "direction": flags["--direction"],
+        "priority": int(flags["--priority"]), "sourceRanges": [flags["--source-ranges"]],
+        "targetTags": [flags["--target-tags"]],
+        "denied": [{"IPProtocol": protocol, "ports": [ports]}]})
+    assert firewall_problems(doctor(path)) == []

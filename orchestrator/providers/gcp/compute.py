@@ -265,6 +265,12 @@ class Compute:
         return self._found(f"look up firewall rule {name}", lambda: self.firewalls.get(
             project=self.project, firewall=name, retry=None))
 
+    def list_firewalls(self) -> list[compute_v1.Firewall]:
+        """Every firewall rule of the project, all pages."""
+        request = compute_v1.ListFirewallsRequest(project=self.project)
+        return self.call("list the firewall rules", lambda: list(
+            self.firewalls.list(request=request, retry=None)))
+
     def insert_firewall(self, rule: compute_v1.Firewall) -> OpRef:
         request = compute_v1.InsertFirewallRequest(project=self.project, firewall_resource=rule,
                                                    request_id=str(uuid.uuid4()))

@@ -17,6 +17,7 @@ from orchestrator import paths
 from orchestrator import spec as specs
 from orchestrator.errors import ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
+from orchestrator.problems import Problem
 from orchestrator.providers.base import CloudCheck, DownReport, HostHealth
 from orchestrator.providers.gcp import names
 from orchestrator.providers.keys import KeyPair
@@ -271,9 +272,20 @@ class GcpProvider(SSHHostsProvider):
     def cloud_check(self) -> CloudCheck:
         """The doctor's first look, through the API only: the image, the machine type and the
         GPUs in each zone against Compute Engine's catalog, and the VMs no ``up`` has reached
-        (their names are only planned: SSH to them could only fail)."""
-        from orchestrator.providers.gcp import catalog
+        (their names are only planned: SSH to them could only fail); and the firewall rules
+        that open the task ports wider than the cluster's own rule."""
+        from orchestrator.providers.gcp import catalog, exposure
 
-        return catalog.check(self.config, lambda: self.compute, cluster=self.spec.name,
-                             vm_names=self.vm_names, reached=list(self.remembered()),
-                             spec_path=self.spec_path)
+        check = catalog.check(self.config, lambda: self.compute, cluster=self.spec.name,
+                              vm_names=self.vm_names, reached=list(self.remembered()),
+                              spec_path=self.spec_path)
+        if any(p.check == catalog.CHECK and p.message.startswith("cannot check")
+               for p in check.problems):
+            return check  # the API does not answer: that is the one problem to show
+        try:
+            found = exposure.problems(self.config, self.compute, self.spec.name, self.spec.ports)
+        except ProviderError as exc:
+            found = [Problem(exposure.CHECK, f"cannot list the firewall rules: {exc.message}",
+                             exc.fix or "grant compute.firewalls.list to check them",
+                             blocking=False)]
+        return replace(check, problems=(*check.problems, *found))
