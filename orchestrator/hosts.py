@@ -51,9 +51,19 @@ class Host:
     @property
     def machine(self) -> str:
         """Identifies the physical machine: hosts that share it share this string."""
-        if self.ssh is None or is_loopback(self.ssh.address):
-            return "this-machine"
-        return f"{self.ssh.address}:{self.ssh.port}"
+        return machine_id(self.ssh.address, self.ssh.port) if self.ssh else machine_id(None)
+
+
+def machine_id(ssh_address: str | None, ssh_port: int = 22) -> str:
+    """The machine SSH reaches at ``ssh_address`` (None: this one), as :attr:`Host.machine`."""
+    if ssh_address is None or is_loopback(ssh_address):
+        return "this-machine"
+    return host_port(ssh_address, ssh_port)
+
+
+def host_port(address: str, port: int) -> str:
+    """``address:port``, with an IPv6 address in brackets: ``[fd00::2]:23456``."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def is_loopback(address: str) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orchestrator.errors import PlanError
-from orchestrator.hosts import Host, is_loopback
+from orchestrator.hosts import Host, host_port, is_loopback
 from orchestrator.paths import RunPaths, code_dir, lib_dir
 from orchestrator.runtimes import BatchScaling, runtime_for
 from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, ClusterSpec, CommandJob, is_url
@@ -100,10 +100,6 @@ class ClusterPlan:
             if task.key == key:
                 return task
         raise KeyError(key)
-
-
-def host_port(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 @dataclass(frozen=True)

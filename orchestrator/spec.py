@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import difflib
+import errno
+import ipaddress
+import os
 import re
 import shlex
+import stat
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, NoReturn, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -17,19 +22,121 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from orchestrator.causes import BUDGETED
 from orchestrator.errors import SpecError
+from orchestrator.hosts import is_loopback, machine_id
 
+# Patterns are matched whole: by pydantic's `pattern=` (Rust regex, where `$` is the end of the
+# text) and here with re.fullmatch (re.match's `$` would accept a trailing newline).
 NAME_RE = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
 ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
 MODULE_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+USER_RE = r"^[a-z_][a-z0-9_.-]*[$]?$"
 RESERVED_ENV = ("TF_CONFIG", "ORCHESTRATE_")
+# What the plan puts in every task's environment over the spec's env (plan.py, runtimes/):
+# the spec's value would be silently lost. tests/test_plan.py keeps this list complete.
+PLAN_ENV = {
+    "PYTHONPATH": "the task's path is the code dir (workdir) and the worker package: put your "
+                  "modules under workdir",
+    "PYTHONUNBUFFERED": "the orchestrator reads the tasks' output as it is written",
+    "TF_USE_LEGACY_KERAS": "set job.keras instead",
+}
+
+# Bounds that every real job fits, and that keep later arithmetic, sleeps and launches sane
+# (an .inf grace makes 'down' wait forever; a huge backoff overflows the sleep).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_BACKOFF_S = 24 * 3600.0
+MAX_STEPS = 10**9
+MAX_EPOCHS = 10**6
+MAX_BATCH = 1 << 20
+MAX_LEARNING_RATE = 100.0
+MAX_RESTARTS = 1000  # the backoff doubles per restart: 2.0 ** 1024 overflows a float
+MAX_SEED = 2**32 - 1  # numpy's seed, which keras.utils.set_random_seed sets, is a uint32
+# A launch fails with "Argument list too long" past the kernel's limits (128 KiB a string).
+MAX_ENV_VALUE_BYTES = 32 << 10
+MAX_ENV_BYTES = 128 << 10
+MAX_PATH_BYTES = 4096  # PATH_MAX
+MAX_NAME_BYTES = 255  # NAME_MAX: one path component
+
+
+class Invalid(ValueError):
+    """A validator's refusal with its fix, which the loader puts on the SpecError."""
+
+    def __init__(self, message: str, *, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict_scalars(cls, data: Any) -> Any:
+        """Pydantic's lax mode reads true as 1, and 1 or "yes" as true: a typo that changes the
+        job. A NUL character would fail the launch much later, far from the spec."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                problem = field and _scalar_problem(field.annotation, value, (name,))
+                if problem:
+                    message, fix, loc, received = problem
+                    raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(
+                        type=PydanticCustomError("scalar_type", message, {"fix": fix}),
+                        loc=loc, input=received)])
+        return data
+
+
+def _scalar_problem(annotation: Any, value: Any, loc: tuple[str | int, ...]
+                    ) -> tuple[str, str, tuple[str | int, ...], Any] | None:
+    """(message, fix, location, value) of the first scalar in ``value`` of the wrong kind for
+    ``annotation``: a boolean for a number, a number or a word for a boolean, a NUL character."""
+    if isinstance(value, str) and "\0" in value:
+        return "contains a NUL character", "remove it", loc, value
+    origin = get_origin(annotation)
+    if origin is dict and isinstance(value, dict):
+        for key, item in value.items():
+            problem = (_scalar_problem(str, key, loc)
+                       or _scalar_problem(get_args(annotation)[1], item, (*loc, key)))
+            if problem:
+                return problem
+        return None
+    if origin is tuple and isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            problem = _scalar_problem(get_args(annotation)[0], item, (*loc, i))
+            if problem:
+                return problem
+        return None
+    kinds, literals = _scalar_kinds(annotation)
+    if isinstance(value, bool):
+        if bool not in kinds and kinds & {int, float}:
+            return ("expected a number, not a boolean",
+                    "write a number (true and false are not numbers)", loc, value)
+    elif (bool in kinds and not kinds & {int, float} and isinstance(value, int | float | str)
+          and value not in literals):
+        return "expected true or false", "write true or false", loc, value
+    return None
+
+
+def _scalar_kinds(annotation: Any) -> tuple[set[type], set[Any]]:
+    """The scalar types an annotation accepts, and its Literal values."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        values = set(get_args(annotation))
+        return {type(v) for v in values}, values
+    if origin is Annotated:
+        return _scalar_kinds(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        kinds: set[type] = set()
+        literals: set[Any] = set()
+        for arg in get_args(annotation):
+            more, values = _scalar_kinds(arg)
+            kinds |= more
+            literals |= values
+        return kinds, literals
+    return ({annotation} if annotation in (int, float, bool, str) else set()), set()
 
 
 class LocalProvider(Model):
@@ -42,15 +149,55 @@ class LocalProvider(Model):
     )
 
 
+_HOSTNAME_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+
+
+def check_address(value: str) -> str:
+    """An IP address or a DNS host name, as the tasks and SSH use it: an IPv6 address is
+    stored bare (``::1``, also written ``[::1]``); endpoints put the brackets back."""
+    bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if bare != value and ip.version != 6:
+            raise Invalid(f"{value!r}: only an IPv6 address is written in brackets",
+                          fix=f"write {bare}")
+        return bare
+    fix = "write an IP address (10.0.0.2, fd00::2 or [fd00::2]) or a host name (node-1.example.com)"
+    if "@" in value:
+        fix = "write only the host here, and the user in 'user:'"
+    elif re.fullmatch(r"[^:]+:[0-9]+", value):
+        fix = "write only the host here, and the port in 'ssh_port:' (or 'task_port:')"
+    labels = value[:-1].split(".") if value.endswith(".") else value.split(".")
+    if (len(value) > 253 or not all(re.fullmatch(_HOSTNAME_LABEL, label) for label in labels)
+            or labels[-1].isdigit()):
+        raise Invalid(f"{value!r} is neither an IP address nor a valid host name", fix=fix)
+    return value
+
+
+def check_local_path(value: str) -> str:
+    """A path on this machine: refuses what the OS would refuse with an error far from here."""
+    if any(c in value for c in "\0\n\r"):
+        raise Invalid("the path contains a control character", fix="remove it")
+    if len(value.encode()) > MAX_PATH_BYTES or any(
+            len(part.encode()) > MAX_NAME_BYTES for part in value.split("/")):
+        raise Invalid(f"the path is longer than the file system allows ({MAX_PATH_BYTES} bytes, "
+                      f"{MAX_NAME_BYTES} per name)", fix="give a shorter path")
+    return value
+
+
 class StaticHost(Model):
     """A machine you already have, reached over SSH."""
 
-    address: str = Field(min_length=1, description="Where the other tasks reach this host (internal IP).")
+    address: str = Field(min_length=1, description="Where the other tasks reach this host (internal "
+                         "IP or host name; IPv6 as fd00::2 or [fd00::2]).")
     ssh_address: str | None = Field(
         default=None, description="Where the controller connects over SSH; default: address."
     )
     ssh_port: int = Field(default=22, ge=1, le=65535)
-    user: str = Field(pattern=r"^[a-z_][a-z0-9_.-]*[$]?$", max_length=32)
+    user: str = Field(pattern=USER_RE, max_length=32)
     key_file: str = Field(min_length=1, description="Private key for this user (no agent is used).")
     host_key: str | None = Field(
         default=None, description="The host's public key line, e.g. 'ssh-ed25519 AAAA...'."
@@ -58,13 +205,23 @@ class StaticHost(Model):
     task_port: int | None = Field(default=None, ge=1024, le=65535)
     name: str | None = Field(default=None, pattern=NAME_RE)
 
+    @field_validator("address", "ssh_address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        return None if value is None else check_address(value)
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_file(cls, value: str) -> str:
+        return check_local_path(value)
+
     @field_validator("host_key")
     @classmethod
     def _key_line(cls, value: str | None) -> str | None:
         if value is not None and len(value.split()) < 2:
-            raise ValueError(
-                "expected an OpenSSH public key line such as 'ssh-ed25519 AAAA...' "
-                "(from 'ssh-keyscan HOST' or /etc/ssh/ssh_host_ed25519_key.pub on the host)"
+            raise Invalid(
+                "expected an OpenSSH public key line such as 'ssh-ed25519 AAAA...'",
+                fix="copy it from 'ssh-keyscan HOST' or /etc/ssh/ssh_host_ed25519_key.pub on the host",
             )
         return value
 
@@ -85,13 +242,14 @@ class SSHHosts(Model):
         default=(".git", "__pycache__", "*.pyc", ".venv", "outputs"),
         description="Glob patterns left out when uploading workdir.",
     )
-    connect_timeout_s: float = Field(default=10.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0, le=MAX_TIMEOUT_S)
 
     @field_validator("root")
     @classmethod
     def _absolute(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith("/"):
-            raise ValueError(f"must be an absolute path, received {value!r}")
+            raise Invalid(f"must be an absolute path, received {value!r}",
+                          fix="write a path that starts with /, or leave root out")
         return value
 
 
@@ -107,16 +265,25 @@ class StaticProvider(SSHHosts):
         default=False, description="Accept and record unknown host keys (in known_hosts). Unsafe."
     )
     wait_for_host_s: float = Field(
-        default=60.0, ge=0, description="How long 'up' retries a host that does not answer."
+        default=60.0, ge=0, le=MAX_TIMEOUT_S,
+        description="How long 'up' retries a host that does not answer.",
     )
+
+    @field_validator("known_hosts")
+    @classmethod
+    def _known_hosts(cls, value: str | None) -> str | None:
+        return None if value is None else check_local_path(value)
 
 
 GCP_PROJECT_RE = r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$"
-GCP_ZONE_RE = r"^[a-z]+-[a-z]+[0-9]+-[a-z]$"
+GCP_ZONE_RE = r"^[a-z]+-[a-z]+[0-9]+-[a-z]$"  # REGION-LOCATIONDIGIT-LETTER: us-central1-a
 GCP_NAME_RE = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
 GCP_LABEL_KEY_RE = r"^[a-z][-_a-z0-9]{0,62}$"
 GCP_LABEL_VALUE_RE = r"^[-_a-z0-9]{0,63}$"
-GCP_RESERVED_METADATA = ("ssh-keys", "enable-guest-attributes", "enable-oslogin")
+GCP_METADATA_KEY_RE = r"^[A-Za-z0-9_-]{1,128}$"
+GCP_RESERVED_METADATA = ("ssh-keys", "enable-guest-attributes")
+# OS Login replaces metadata SSH keys: the orchestrator's own key (in ssh-keys) would be refused.
+GCP_OS_LOGIN_METADATA = "enable-oslogin"
 GCP_RESERVED_LABEL = "orchestrate-cluster"
 DLVM_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu128-ubuntu-2204-nvidia-570"
 
@@ -152,7 +319,7 @@ class GcpProvider(SSHHosts):
         default="internal",
         description="Connect over SSH to the internal IP (controller in the VPC) or the external one.",
     )
-    ssh_user: str = Field(default="orchestrate", pattern=r"^[a-z_][a-z0-9_.-]*[$]?$", max_length=32)
+    ssh_user: str = Field(default="orchestrate", pattern=USER_RE, max_length=32)
     service_account: str = Field(default="default", description="Email of the VMs' service account.")
     scopes: tuple[str, ...] = Field(
         default=(
@@ -165,10 +332,11 @@ class GcpProvider(SSHHosts):
     labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every resource.")
     tags: tuple[str, ...] = Field(default=(), description="Extra network tags.")
     boot_timeout_s: float = Field(
-        default=600.0, gt=0, description="How long 'up' waits for a VM to run and answer SSH."
+        default=600.0, gt=0, le=MAX_TIMEOUT_S,
+        description="How long 'up' waits for a VM to run and answer SSH.",
     )
     api_timeout_s: float = Field(
-        default=600.0, gt=0,
+        default=600.0, gt=0, le=MAX_TIMEOUT_S,
         description="How long one Compute Engine call or operation may take, retries included.",
     )
 
@@ -176,18 +344,32 @@ class GcpProvider(SSHHosts):
     @classmethod
     def _zones(cls, zones: tuple[str, ...]) -> tuple[str, ...]:
         for zone in zones:
-            if not re.match(GCP_ZONE_RE, zone):
-                raise ValueError(f"{zone!r} is not a zone name such as 'us-central1-a'")
+            if not re.fullmatch(GCP_ZONE_RE, zone):
+                raise Invalid(f"{zone!r} is not a zone name",
+                              fix="write REGION-LETTER, e.g. us-central1-a ('gcloud compute zones "
+                                  "list' shows them)")
         if len(set(zones)) != len(zones):
-            raise ValueError(f"a zone is listed twice (received {list(zones)})")
+            raise Invalid(f"a zone is listed twice (received {list(zones)})",
+                          fix="list each zone once")
         return zones
 
-    @field_validator("metadata")
+    @field_validator("metadata", mode="before")
     @classmethod
-    def _metadata(cls, items: dict[str, str]) -> dict[str, str]:
-        for key in items:
-            if key in GCP_RESERVED_METADATA:
-                raise ValueError(f"{key!r} is set by the orchestrator and cannot be given here")
+    def _metadata(cls, items: Any) -> Any:
+        """Keys first, whatever their values: ``enable-oslogin: TRUE`` is refused for why."""
+        for key in items if isinstance(items, dict) else ():
+            if not isinstance(key, str) or not re.fullmatch(GCP_METADATA_KEY_RE, key):
+                raise Invalid(f"{key!r} is not a metadata key",
+                              fix="use 1-128 letters, digits, '-' and '_'")
+            if key.lower().startswith(GCP_OS_LOGIN_METADATA):
+                raise Invalid(
+                    f"{key!r} cannot be given here: OS Login replaces metadata SSH keys, and the "
+                    "orchestrator reaches the VMs with its own key in the 'ssh-keys' metadata "
+                    "(it sets enable-oslogin to FALSE on its VMs)",
+                    fix=f"remove {key!r}")
+            if key.lower() in GCP_RESERVED_METADATA:
+                raise Invalid(f"{key!r} is set by the orchestrator and cannot be given here",
+                              fix=f"remove {key!r}")
         return items
 
     @field_validator("labels")
@@ -195,11 +377,13 @@ class GcpProvider(SSHHosts):
     def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
         for key, value in labels.items():
             if key == GCP_RESERVED_LABEL:
-                raise ValueError(f"{key!r} is set by the orchestrator and cannot be given here")
-            if not re.match(GCP_LABEL_KEY_RE, key) or not re.match(GCP_LABEL_VALUE_RE, value):
-                raise ValueError(
-                    f"label {key}={value!r} is not a valid GCP label: lower-case letters, digits, "
-                    "'-' and '_', a key starting with a letter, at most 63 characters each"
+                raise Invalid(f"{key!r} is set by the orchestrator and cannot be given here",
+                              fix=f"remove {key!r}")
+            if not re.fullmatch(GCP_LABEL_KEY_RE, key) or not re.fullmatch(GCP_LABEL_VALUE_RE, value):
+                raise Invalid(
+                    f"label {key}={value!r} is not a valid GCP label",
+                    fix="use lower-case letters, digits, '-' and '_', a key starting with a "
+                        "letter, at most 63 characters each",
                 )
         return labels
 
@@ -207,14 +391,16 @@ class GcpProvider(SSHHosts):
     @classmethod
     def _tags(cls, tags: tuple[str, ...]) -> tuple[str, ...]:
         for tag in tags:
-            if not re.match(GCP_NAME_RE, tag):
-                raise ValueError(f"{tag!r} is not a valid network tag (lower-case, digits, '-')")
+            if not re.fullmatch(GCP_NAME_RE, tag):
+                raise Invalid(f"{tag!r} is not a valid network tag",
+                              fix="use lower-case letters, digits and '-', starting with a letter")
         return tags
 
     @model_validator(mode="after")
     def _ssh_path(self) -> GcpProvider:
         if self.ssh_via == "external" and not self.external_ip:
-            raise ValueError("ssh_via: external needs external_ip: true (the VMs have no public IP)")
+            raise Invalid("ssh_via: external needs external_ip: true (the VMs have no public IP)",
+                          fix="set external_ip: true, or ssh_via: internal")
         return self
 
 
@@ -271,10 +457,11 @@ class Container(Model):
     @field_validator("image")
     @classmethod
     def _image(cls, image: str) -> str:
-        if not re.match(IMAGE_RE, image):
-            raise ValueError(
-                f"{image!r} is not an image reference: write [REGISTRY/]PATH[:TAG][@sha256:DIGEST] "
-                "in lower case, e.g. us-docker.pkg.dev/PROJECT/REPO/orchestrate-worker:2.21")
+        if not re.fullmatch(IMAGE_RE, image):
+            raise Invalid(
+                f"{image!r} is not an image reference",
+                fix="write [REGISTRY/]PATH[:TAG][@sha256:DIGEST] in lower case, e.g. "
+                    "us-docker.pkg.dev/PROJECT/REPO/orchestrate-worker:2.21")
         return image
 
     @field_validator("options")
@@ -282,28 +469,31 @@ class Container(Model):
     def _options(cls, options: tuple[str, ...]) -> tuple[str, ...]:
         for option in options:
             if any(c in option for c in "\0\n\r"):
-                raise ValueError(f"option {option!r} contains a control character")
+                raise Invalid(f"option {option!r} contains a control character", fix="remove it")
             name = option.split("=", 1)[0]
             if name in RESERVED_RUN_OPTIONS:
-                raise ValueError(f"option {option!r} is set by the orchestrator (tasks use the "
-                                 "host network and their own name, user and labels): remove it")
+                raise Invalid(f"option {option!r} is set by the orchestrator (tasks use the "
+                              "host network and their own name, user and labels)",
+                              fix=f"remove {option!r}")
         return options
 
 
 def check_storage_path(value: str, *, relative_ok: bool) -> str:
     """A checkpoint location: a ``gs://bucket/...`` URL or a path (absolute unless ``relative_ok``)."""
     if any(c in value for c in "\0\n\r"):
-        raise ValueError("the path contains a control character")
+        raise Invalid("the path contains a control character", fix="remove it")
     if "://" in value:
         bucket = value[len("gs://"):].split("/", 1)[0] if value.startswith("gs://") else ""
         if not re.fullmatch(r"[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9]", bucket):
-            raise ValueError(
-                f"{value!r} is not a gs://BUCKET/PATH URL: TensorFlow reads and writes gs:// "
-                "natively; other storage must be mounted and named by its absolute path")
+            raise Invalid(
+                f"{value!r} is not a gs://BUCKET/PATH URL",
+                fix="TensorFlow reads and writes gs:// natively; mount other storage and name "
+                    "it by its absolute path")
         return value.rstrip("/")
     if not value.startswith("/") and not relative_ok:
-        raise ValueError(f"{value!r} is relative: give the absolute path that every host "
-                         "mounts (NFS, Filestore, gcsfuse) or a gs:// URL")
+        raise Invalid(f"{value!r} is relative",
+                      fix="give the absolute path that every host mounts (NFS, Filestore, "
+                          "gcsfuse) or a gs:// URL")
     return value.rstrip("/") or "/"
 
 
@@ -362,21 +552,21 @@ class ManagedJob(GpuJob):
     )
     model_fn: str = Field(default="build_model", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     dataset_fn: str = Field(default="make_dataset", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    epochs: int = Field(default=5, ge=1)
-    steps_per_epoch: int = Field(default=50, ge=1)
-    per_replica_batch_size: int = Field(default=32, ge=1)
+    epochs: int = Field(default=5, ge=1, le=MAX_EPOCHS)
+    steps_per_epoch: int = Field(default=50, ge=1, le=MAX_STEPS)
+    per_replica_batch_size: int = Field(default=32, ge=1, le=MAX_BATCH)
     optimizer: Literal["adam", "sgd", "rmsprop", "adamw"] = "adam"
-    learning_rate: float = Field(default=1e-3, gt=0)
+    learning_rate: float = Field(default=1e-3, gt=0, le=MAX_LEARNING_RATE)
     scale_learning_rate: bool = Field(
         default=True, description="Multiply learning_rate by the number of replicas in sync."
     )
     loss: str = "sparse_categorical_crossentropy"
     metrics: tuple[str, ...] = ("accuracy",)
-    seed: int | None = 1234
+    seed: int | None = Field(default=1234, ge=0, le=MAX_SEED)
     deterministic: bool = Field(
         default=False, description="Op determinism + seeds: a resumed run matches an unbroken one."
     )
-    progress_every_steps: int = Field(default=1, ge=1)
+    progress_every_steps: int = Field(default=1, ge=1, le=MAX_STEPS)
 
     _keras = field_validator("keras", mode="before")(_keras_major)
 
@@ -414,7 +604,8 @@ class CommandJob(GpuJob):
             try:
                 return tuple(shlex.split(value))
             except ValueError as exc:
-                raise ValueError(f"cannot split into words ({exc})") from exc
+                raise Invalid(f"cannot split into words ({exc})",
+                              fix="close the quote, or write the command as a list of words") from exc
         return value
 
 
@@ -425,7 +616,7 @@ class Checkpoint(Model):
     """Where the run's checkpoints live, and whether this machine keeps its own copy."""
 
     every_steps: int = Field(
-        default=20, ge=1, description="The chief writes a backup every this many steps."
+        default=20, ge=1, le=MAX_STEPS, description="The chief writes a backup every this many steps."
     )
     dir: str | None = Field(
         default=None,
@@ -452,14 +643,15 @@ WARM_AFTER_S = 30.0  # retry.warm_tasks: auto starts them after this much traini
 
 
 class Retry(Model):
-    max_restarts: int = Field(default=3, ge=0, description="Group restarts before giving up.")
+    max_restarts: int = Field(default=3, ge=0, le=MAX_RESTARTS,
+                              description="Group restarts before giving up.")
     per_cause: dict[str, int] = Field(
         default_factory=dict,
         description="Restarts allowed for each failure cause, within max_restarts, e.g. "
         "{hung: 1, preempted: 10}; a cause not listed may use all of max_restarts.",
     )
-    backoff_initial_s: float = Field(default=1.0, ge=0)
-    backoff_max_s: float = Field(default=30.0, ge=0)
+    backoff_initial_s: float = Field(default=1.0, ge=0, le=MAX_BACKOFF_S)
+    backoff_max_s: float = Field(default=30.0, ge=0, le=MAX_BACKOFF_S)
     warm_tasks: bool | Literal["auto"] = Field(
         default="auto",
         description="Keep the next attempt's tasks started on every host, TensorFlow and the "
@@ -476,35 +668,40 @@ class Retry(Model):
             if cause not in BUDGETED:
                 close = difflib.get_close_matches(cause, BUDGETED, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
-                raise ValueError(f"unknown cause {cause!r}: {hint}causes are {', '.join(BUDGETED)}")
-            if count < 0:
-                raise ValueError(f"{cause}: a budget cannot be negative (received {count})")
+                raise Invalid(f"unknown cause {cause!r}",
+                              fix=f"{hint}causes are {', '.join(BUDGETED)}")
+            if not 0 <= count <= MAX_RESTARTS:
+                raise Invalid(f"{cause}: a budget is 0 to {MAX_RESTARTS} (received {count})",
+                              fix=f"give {cause} a budget from 0 to {MAX_RESTARTS}")
         return budgets
 
 
 class Timeouts(Model):
     startup_s: float = Field(
-        default=300.0, gt=0, description="Every task must report its first step within this."
+        default=300.0, gt=0, le=MAX_TIMEOUT_S,
+        description="Every task must report its first step within this.",
     )
     stop_grace_s: float = Field(
-        default=60.0, ge=0,
+        default=60.0, ge=0, le=MAX_TIMEOUT_S,
         description="A planned stop ('down', Ctrl-C, a preemption or maintenance notice) sends "
         "SIGTERM: every task saves a checkpoint at the same step and exits; SIGKILL after this "
         "long. The survivors of a crash are killed at once (the group is broken).",
     )
     hang_s: float = Field(
-        default=600.0, gt=0,
+        default=600.0, gt=0, le=MAX_TIMEOUT_S,
         description="Progress watchdog: no task reports anything for this long -> hung.",
     )
     collective_s: float | None = Field(
-        default=None, gt=0,
+        default=None, gt=0, le=MAX_TIMEOUT_S,
         description="TF collective timeout: a collective waiting longer fails its task.",
     )
     repair_s: float = Field(
-        default=600.0, ge=0, description="How long a lost host may take to come back."
+        default=600.0, ge=0, le=MAX_TIMEOUT_S,
+        description="How long a lost host may take to come back.",
     )
     poll_s: float = Field(
-        default=15.0, gt=0, description="A host that does not answer a status poll this fast is lost."
+        default=15.0, gt=0, le=MAX_TIMEOUT_S,
+        description="A host that does not answer a status poll this fast is lost.",
     )
 
 
@@ -541,26 +738,57 @@ class ClusterSpec(Model):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        if not re.match(NAME_RE, name):
-            raise ValueError(
-                f"{name!r} is not a valid name: use 1-40 lower-case letters, digits and '-', "
-                "starting with a letter (it names files, VMs and labels)"
+        if not re.fullmatch(NAME_RE, name):
+            raise Invalid(
+                f"{name!r} is not a valid name",
+                fix="use 1-40 lower-case letters, digits and '-', starting with a letter "
+                    "(it names files, VMs and labels)",
             )
         return name
 
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, value: str) -> str:
+        return check_local_path(value)
+
     @field_validator("env")
     @classmethod
-    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+    def _env(cls, env: dict[str, str]) -> dict[str, str]:
         for key in env:
-            if not re.match(ENV_NAME_RE, key):
-                raise ValueError(f"{key!r} is not a valid environment variable name")
-            if key.startswith(RESERVED_ENV):
-                raise ValueError(f"{key!r} is set by the orchestrator and cannot be overridden")
+            if not re.fullmatch(ENV_NAME_RE, key):
+                raise Invalid(f"{key!r} is not a valid environment variable name",
+                              fix="use letters, digits and '_', not starting with a digit")
+        overridden = [key for key in env if is_reserved_env(key)]
+        if overridden:
+            raise Invalid(
+                f"{', '.join(overridden)}: set by the orchestrator in every task, so this value "
+                f"would be lost ({'; '.join(_why_reserved(key) for key in overridden)})",
+                fix="remove " + ", ".join(overridden) + "; the orchestrator sets "
+                    + ", ".join([*PLAN_ENV, "TF_CONFIG", "ORCHESTRATE_*"]))
+        for key, value in env.items():
+            if len(value.encode()) > MAX_ENV_VALUE_BYTES:
+                raise Invalid(f"{key}: the value is {len(value.encode())} bytes (at most "
+                              f"{MAX_ENV_VALUE_BYTES // 1024} KiB)",
+                              fix="pass large data in a file under workdir, and its path here")
+        total = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+        if total > MAX_ENV_BYTES:
+            raise Invalid(f"the variables take {total} bytes, over the {MAX_ENV_BYTES // 1024} KiB "
+                          "allowed (the launch would fail with 'Argument list too long')",
+                          fix="pass large data in a file under workdir, and its path here")
         return env
 
     @property
     def num_tasks(self) -> int:
         return self.workers + (1 if self.separate_chief else 0)
+
+
+def is_reserved_env(key: str) -> bool:
+    """True for an env key the orchestrator sets in every task over the spec's value."""
+    return key.startswith(RESERVED_ENV) or key in PLAN_ENV
+
+
+def _why_reserved(key: str) -> str:
+    return f"{key}: {PLAN_ENV[key]}" if key in PLAN_ENV else f"{key}: the orchestrator's own"
 
 
 UNION_MEMBERS: dict[str, type[BaseModel]] = {**_members(Provider, "kind"), **_members(Job, "mode")}
@@ -569,27 +797,45 @@ UNION_FIELDS = ("provider", "job")
 
 # -- loading --------------------------------------------------------------------------------
 
+# What a spec file may be. A real one is a few KiB, a few levels deep, a few hundred values
+# (1024 static hosts are about 15 000): the bounds refuse what would take the loader's memory
+# or time (an alias of an alias ... of a list: a "billion laughs"), or its stack (10 000 '[').
+MAX_SPEC_BYTES = 1 << 20
+MAX_DEPTH = 64
+MAX_NODES = 100_000
+
 FIXES: dict[str, str] = {
     "missing": "add the field",
     "int_parsing": "write a whole number",
     "int_type": "write a whole number",
     "int_from_float": "write a whole number",
+    "int_parsing_size": "write a smaller whole number",
     "float_parsing": "write a number",
     "float_type": "write a number",
+    "finite_number": "write a finite number (.inf and .nan are not allowed)",
     "bool_parsing": "write true or false",
     "bool_type": "write true or false",
     "string_type": "write a string (quote it if YAML reads it as something else)",
     "greater_than_equal": "use a larger value",
     "greater_than": "use a larger value",
     "less_than_equal": "use a smaller value",
+    "less_than": "use a smaller value",
     "string_pattern_mismatch": "fix the spelling to match the pattern",
+    "string_too_short": "give a non-empty value",
+    "string_too_long": "shorten it",
     "literal_error": "use one of the allowed values",
     "union_tag_invalid": "use one of the allowed values",
     "union_tag_not_found": "add the discriminating field",
     "too_short": "give at least one item",
+    "too_long": "give fewer items",
     "dict_type": "write a mapping (key: value lines)",
     "model_type": "write a mapping (key: value lines)",
+    "model_attributes_type": "write a mapping (key: value lines)",
+    "tuple_type": "write a list ([a, b] or '- item' lines)",
+    "list_type": "write a list ([a, b] or '- item' lines)",
 }
+# Any other error: what the field accepts is in its JSON Schema.
+GENERIC_FIX = "see 'orchestrate schema' for what this field accepts"
 
 
 def load(path: str | Path) -> ClusterSpec:
@@ -599,28 +845,95 @@ def load(path: str | Path) -> ClusterSpec:
         SpecError: naming the file, the line, the field path, what was received and the fix.
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError("no such file", file=str(path), fix="check the path") from None
-    except OSError as exc:
-        raise SpecError(f"cannot read: {exc.strerror}", file=str(path)) from None
+    text = _read(path)
     return parse(text, file=str(path), base_dir=path.resolve().parent)
+
+
+def _read(path: Path) -> str:
+    """The text of a regular file of at most MAX_SPEC_BYTES in UTF-8. The file is opened
+    without blocking (a FIFO with no writer would wait forever) and checked by its descriptor,
+    so a FIFO, a device such as /dev/zero, a socket or a directory is refused, never read."""
+    file = str(path).replace("\0", "\\0")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except ValueError:  # an embedded NUL
+        raise SpecError("the path contains a NUL character", file=file,
+                        fix="give the path of the spec file") from None
+    except OSError as exc:
+        raise _unreadable(exc, file) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SpecError(f"not a regular file: it is {_file_kind(mode)}", file=file,
+                            fix="give the path of a YAML spec file")
+        with open(fd, "rb", closefd=False) as stream:
+            data = stream.read(MAX_SPEC_BYTES + 1)
+    except OSError as exc:
+        raise _unreadable(exc, file) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SPEC_BYTES:
+        raise _too_large(file)
+    return _decode(data, file)
+
+
+def _unreadable(exc: OSError, file: str) -> SpecError:
+    problem, fix = {
+        errno.ENOENT: ("no such file", "check the path"),
+        errno.ENOTDIR: ("a directory in the path is a file", "check the path"),
+        errno.EACCES: ("permission denied", "make the file readable to you (chmod u+r FILE)"),
+        errno.EPERM: ("permission denied", "make the file readable to you (chmod u+r FILE)"),
+        errno.ELOOP: ("the path is a loop of symbolic links", "point the links at the file"),
+        errno.ENAMETOOLONG: ("the path is longer than the file system allows",
+                             "give a shorter path"),
+        errno.ENXIO: ("not a regular file: it is a socket or a device",
+                      "give the path of a YAML spec file"),
+    }.get(exc.errno or 0, (f"cannot read: {exc.strerror}", "check the path and the file"))
+    return SpecError(problem, file=file, fix=fix)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def _too_large(file: str) -> SpecError:
+    return SpecError(f"the file is larger than {MAX_SPEC_BYTES >> 20} MiB", file=file,
+                     fix="a cluster spec is a few KiB: check that this is the spec file")
+
+
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+         (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
+
+
+def _decode(data: bytes, file: str) -> str:
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            raise SpecError(f"the file is {encoding} (it starts with a {encoding} byte-order mark), "
+                            "not UTF-8", file=file, line=1, fix="save it as UTF-8")
+    data = data.removeprefix(b"\xef\xbb\xbf")  # UTF-8's own mark, which some editors write
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SpecError(f"not UTF-8 at line {line}, byte {column} (0x{data[exc.start]:02x}; "
+                        "Latin-1 or another legacy encoding?)", file=file, line=line,
+                        fix="save it as UTF-8") from None
 
 
 def parse(text: str, *, file: str = "<spec>", base_dir: Path | None = None) -> ClusterSpec:
     """Validate spec text; with ``base_dir``, also check that what it names exists there."""
-    try:
-        data = yaml.safe_load(text)
-        lines = _line_index(yaml.compose(text))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(f"not valid YAML: {problem}", file=file, line=line) from None
+    if len(text) > MAX_SPEC_BYTES:
+        raise _too_large(file)
+    data, lines = _compose(text, file)
     if not isinstance(data, dict):
         raise SpecError(
-            f"expected a mapping at the top level, received {type(data).__name__}",
+            f"expected a mapping at the top level, received {_yaml_kind(data)}",
             file=file,
             fix="start the file with 'name: my-cluster' and a 'job:' section",
         )
@@ -629,9 +942,201 @@ def parse(text: str, *, file: str = "<spec>", base_dir: Path | None = None) -> C
     except ValidationError as exc:
         raise _spec_error(exc.errors()[0], lines, file, len(exc.errors())) from None
     _check_host_count(spec, file, lines)
+    _check_machines(spec, file, lines)
     if base_dir is not None:
         _check_paths(spec, base_dir, file, lines)
     return spec
+
+
+def _compose(text: str, file: str) -> tuple[Any, dict[str, int]]:
+    """Parse once: the node tree, then the data and the line of every field path from it."""
+    bad = yaml.reader.Reader.NON_PRINTABLE.search(text)
+    if bad is not None:
+        raise SpecError(f"character U+{ord(bad.group()):04X} is not allowed in YAML",
+                        file=file, line=text.count("\n", 0, bad.start()) + 1,
+                        fix="remove it (inside double quotes, write it as an escape: \\x00)")
+    loader = _Loader(text, file)
+    try:
+        node = loader.get_single_node()
+    except yaml.MarkedYAMLError as exc:
+        mark, context = exc.problem_mark, exc.context_mark
+        problem = exc.problem or str(exc)
+        if exc.context:
+            problem += f" ({exc.context}" + (f" at line {context.line + 1})" if context else ")")
+        raise SpecError(f"not valid YAML: {problem}", file=file,
+                        line=mark.line + 1 if mark is not None else None,
+                        fix=_yaml_fix(problem)) from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"not valid YAML: {exc}", file=file, fix=_yaml_fix(str(exc))) from None
+    finally:
+        loader.dispose()
+    if node is None:
+        raise SpecError("the file is empty (or only comments)", file=file,
+                        fix="start the file with 'name: my-cluster' and a 'job:' section")
+    tree = _Tree(loader, file)
+    return tree.build(node, ()), tree.lines
+
+
+def _yaml_fix(problem: str) -> str:
+    for says, fix in ((r"'\t'", "indent with spaces, not tabs"), ("tab", "indent with spaces, not tabs"),
+                      ("another document", "keep one document: remove the second '---'"),
+                      ("undefined alias", "define the anchor (&NAME) before its alias (*NAME)"),
+                      ("anchor", "give each anchor (&NAME) its own name")):
+        if says in problem:
+            return fix
+    return "fix the YAML at that line: indentation, quotes, brackets, ':' after each key"
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, whose composer (which recurses once per level) refuses more than
+    MAX_DEPTH levels or MAX_NODES nodes before the stack or the memory runs out."""
+
+    def __init__(self, text: str, file: str) -> None:
+        super().__init__(text)
+        self.file = file
+        self.depth = 0
+        self.nodes = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self.depth += 1
+        self.nodes += 1
+        try:
+            if self.depth > MAX_DEPTH or self.nodes > MAX_NODES:
+                line = self.peek_event().start_mark.line + 1  # type: ignore[no-untyped-call]
+                if self.depth > MAX_DEPTH:
+                    raise SpecError(f"nested more than {MAX_DEPTH} levels deep", file=self.file,
+                                    line=line, fix="a spec is a few levels deep: check the "
+                                    "brackets and the indentation")
+                raise SpecError(f"more than {MAX_NODES} values", file=self.file, line=line,
+                                fix="a spec holds a few hundred values: check that this is "
+                                "the spec file")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+YAML_TAG = "tag:yaml.org,2002:"
+SCALAR_TAGS = {YAML_TAG + kind for kind in ("str", "int", "float", "bool", "null")}
+
+
+class _Tree:
+    """Plain data from a node tree, and the line of every field path (a key's line, a list
+    item's first line). An alias is expanded where it is used (each expanded node is visited
+    once), within MAX_NODES and MAX_DEPTH; an alias inside its own anchor is refused. Keys
+    must be strings, each given once; ``<<`` merges mappings, as in PyYAML."""
+
+    def __init__(self, loader: _Loader, file: str) -> None:
+        self.loader = loader
+        self.file = file
+        self.lines: dict[str, int] = {}
+        self.size = 0
+        self.open: set[int] = set()  # the collections being built: an alias to one is a loop
+
+    def build(self, node: yaml.Node, path: tuple[str | int, ...]) -> Any:
+        self.size += 1
+        if self.size > MAX_NODES:
+            self._fail(node, path, f"more than {MAX_NODES} values once its aliases are expanded",
+                       "use fewer aliases (an alias of an alias of ... multiplies), or write "
+                       "the values out")
+        if len(path) >= MAX_DEPTH:
+            self._fail(node, path, f"nested more than {MAX_DEPTH} levels deep once its aliases "
+                       "are expanded", "use fewer aliases inside aliased values")
+        if isinstance(node, yaml.ScalarNode):
+            return self._scalar(node, path)
+        if id(node) in self.open:
+            self._fail(node, path, "an alias inside its own anchor: the value would contain "
+                       "itself", "an alias (*NAME) cannot be used inside the value its anchor "
+                       "(&NAME) names: write the value out")
+        self.open.add(id(node))
+        try:
+            if isinstance(node, yaml.MappingNode) and node.tag == YAML_TAG + "map":
+                return self._mapping(node, path)
+            if isinstance(node, yaml.SequenceNode) and node.tag == YAML_TAG + "seq":
+                items = []
+                for i, item in enumerate(node.value):
+                    self.lines.setdefault(_dotted((*path, i)), item.start_mark.line + 1)
+                    items.append(self.build(item, (*path, i)))
+                return items
+            return self._unsupported(node, path)
+        finally:
+            self.open.discard(id(node))
+
+    def _mapping(self, node: yaml.MappingNode, path: tuple[str | int, ...]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        lines: dict[str, int] = {}
+        merges: list[yaml.Node] = []
+        for key_node, value_node in node.value:
+            if key_node.tag == YAML_TAG + "merge":
+                merges.append(value_node)
+                continue
+            key, line = self._key(key_node, path), key_node.start_mark.line + 1
+            if key in lines:
+                where = (f"on line {line}" if lines[key] == line
+                         else f"at lines {lines[key]} and {line}")
+                self._fail(key_node, (*path, key), f"{key!r} is given twice, {where}",
+                           "keep one of them (the second would silently replace the first)")
+            lines[key] = line
+            self.lines.setdefault(_dotted((*path, key)), line)
+            out[key] = self.build(value_node, (*path, key))
+        for merge in merges:  # explicit keys win, then the first mapping merged
+            sources = merge.value if isinstance(merge, yaml.SequenceNode) else [merge]
+            for source in sources:
+                if not isinstance(source, yaml.MappingNode):
+                    self._fail(source, path, "'<<' merges a mapping or a list of mappings",
+                               "write '<<: *NAME' where &NAME names a mapping")
+                for key, value in self.build(source, path).items():
+                    out.setdefault(key, value)
+        return out
+
+    def _key(self, node: yaml.Node, path: tuple[str | int, ...]) -> str:
+        if not isinstance(node, yaml.ScalarNode):
+            self._fail(node, path, f"a key must be a string, received {_node_kind(node)}",
+                       "write 'key: value' lines ('?' starts a complex key)")
+        key = self._scalar(node, path)
+        if not isinstance(key, str):
+            self._fail(node, path, f"the key {node.value!r} is {_yaml_kind(key)}, not a string",
+                       f"quote it: '{node.value}':")
+        return key
+
+    def _scalar(self, node: yaml.ScalarNode, path: tuple[str | int, ...]) -> Any:
+        if node.tag == YAML_TAG + "timestamp":
+            return node.value  # every field a date could be given to is text
+        if node.tag not in SCALAR_TAGS:
+            return self._unsupported(node, path)
+        try:
+            return self.loader.construct_object(node)
+        except ValueError:  # more digits than int() converts
+            self._fail(node, path, f"a number of {len(node.value)} digits",
+                       "write a smaller number")
+
+    def _unsupported(self, node: yaml.Node, path: tuple[str | int, ...]) -> NoReturn:
+        self._fail(node, path, f"the YAML tag {node.tag!r} is not supported here",
+                   "remove the tag: a spec holds mappings, lists, strings, numbers and booleans")
+
+    def _fail(self, node: yaml.Node, path: tuple[str | int, ...], message: str,
+              fix: str) -> NoReturn:
+        raise SpecError(message, file=self.file, field=_dotted(path) or "(top level)",
+                        line=node.start_mark.line + 1, fix=fix)
+
+
+def _dotted(path: tuple[str | int, ...] | list[Any]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _node_kind(node: yaml.Node) -> str:
+    return "a mapping" if isinstance(node, yaml.MappingNode) else "a list"
+
+
+def _yaml_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "a list"
+    return "a string" if isinstance(value, str) else "a mapping"
 
 
 def _check_host_count(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
@@ -646,13 +1151,63 @@ def _check_host_count(spec: ClusterSpec, file: str, lines: dict[str, int]) -> No
         )
 
 
+def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
+    """What plan.build refuses that the spec alone decides, so that 'validate' refuses it too:
+    loopback addresses across machines, two tasks pinning one port of a machine, and a port
+    range too small for the tasks that share a machine (TF's gRPC binds every address)."""
+    if isinstance(spec.provider, GcpProvider):
+        return  # a VM per task: one port each
+    if isinstance(spec.provider, LocalProvider):
+        _check_port_range(spec, spec.num_tasks, 0, file, lines)
+        return
+    hosts = spec.provider.hosts
+    machines: dict[str, list[int]] = {}
+    for i, host in enumerate(hosts):
+        machines.setdefault(machine_id(host.ssh_address or host.address, host.ssh_port), []).append(i)
+    for i, host in enumerate(hosts):
+        if len(machines) > 1 and is_loopback(host.address):
+            field = f"provider.hosts.{i}.address"
+            raise SpecError(
+                f"the loopback address {host.address}, but the tasks run on {len(machines)} "
+                "machines, which cannot reach each other's loopback", file=file, field=field,
+                line=_nearest_line(lines, field.split(".")),
+                fix="give every host an address the other hosts can reach (its internal IP)")
+    for indices in machines.values():
+        pinned: dict[int, int] = {}
+        for i in indices:
+            port = hosts[i].task_port
+            if port is not None and port in pinned:
+                field = f"provider.hosts.{i}.task_port"
+                raise SpecError(
+                    f"hosts {pinned[port]} and {i} are one machine, and both pin port {port}",
+                    file=file, field=field, line=_nearest_line(lines, field.split(".")),
+                    fix="give each task on the same machine its own port")
+            if port is not None:
+                pinned[port] = i
+        in_range = sum(1 for p in pinned if spec.ports.start <= p <= spec.ports.end)
+        _check_port_range(spec, len(indices) - len(pinned), in_range, file, lines)
+
+
+def _check_port_range(spec: ClusterSpec, tasks: int, taken: int, file: str,
+                      lines: dict[str, int]) -> None:
+    """``tasks`` on one machine take a port each from the range, where ``taken`` are pinned."""
+    start, end = spec.ports.start, spec.ports.end
+    if tasks > end - start + 1 - taken:
+        raise SpecError(
+            f"the range {start}-{end} has {end - start + 1} port(s)"
+            + (f", {taken} of them pinned by task_port," if taken else "")
+            + f" for {tasks} task(s) on one machine",
+            file=file, field="ports", line=lines.get("ports"),
+            fix=f"widen it: ports.end: {start + tasks + taken - 1} or more")
+
+
 def workdir_of(spec: ClusterSpec, spec_path: str | Path) -> Path:
     return (Path(spec_path).resolve().parent / spec.workdir).resolve()
 
 
 def _check_paths(spec: ClusterSpec, base_dir: Path, file: str, lines: dict[str, int]) -> None:
-    workdir = (base_dir / spec.workdir).resolve()
-    if not workdir.is_dir():
+    workdir = _local_path(base_dir, spec.workdir, "workdir", file, lines, expand_user=False)
+    if not _probe(workdir.is_dir, "workdir", file, lines):
         raise SpecError(
             f"directory {workdir} does not exist (received {spec.workdir!r})",
             file=file,
@@ -663,7 +1218,7 @@ def _check_paths(spec: ClusterSpec, base_dir: Path, file: str, lines: dict[str, 
     if isinstance(spec.job, ManagedJob):
         rel = spec.job.module.replace(".", "/")
         candidates = [workdir / f"{rel}.py", workdir / rel / "__init__.py"]
-        if not any(c.is_file() for c in candidates):
+        if not any(_probe(c.is_file, "job.module", file, lines) for c in candidates):
             raise SpecError(
                 f"module {spec.job.module!r} not found under {workdir} "
                 f"(looked for {rel}.py and {rel}/__init__.py)",
@@ -672,17 +1227,56 @@ def _check_paths(spec: ClusterSpec, base_dir: Path, file: str, lines: dict[str, 
                 line=lines.get("job.module"),
                 fix="name a module of your project as a dotted path relative to workdir",
             )
+    if isinstance(spec.provider, StaticProvider):  # as the static provider resolves them
+        for i, host in enumerate(spec.provider.hosts):
+            _local_path(base_dir, host.key_file, f"provider.hosts.{i}.key_file", file, lines)
+        if spec.provider.known_hosts is not None:
+            _local_path(base_dir, spec.provider.known_hosts, "provider.known_hosts", file, lines)
+
+
+def _local_path(base_dir: Path, value: str, field: str, file: str, lines: dict[str, int],
+                *, expand_user: bool = True) -> Path:
+    """``value`` made absolute from the spec's directory, or a SpecError that names the field:
+    a loop of symbolic links, an unknown ~user, a name the file system refuses."""
+    try:
+        return (base_dir / (Path(value).expanduser() if expand_user else Path(value))).resolve()
+    except RuntimeError as exc:  # Python 3.11: a symlink loop, or ~user with no home
+        problem = ("a loop of symbolic links" if "loop" in str(exc).lower()
+                   else "'~USER' names no user of this machine")
+        raise _path_error(value, problem, field, file, lines) from None
+    except (OSError, ValueError) as exc:
+        raise _path_error(value, getattr(exc, "strerror", None) or str(exc), field, file,
+                          lines) from None
+
+
+def _probe(check: Any, field: str, file: str, lines: dict[str, int]) -> bool:
+    """``check()`` (Path.is_dir or is_file), with what the OS refuses as a SpecError."""
+    try:
+        return bool(check())
+    except (OSError, ValueError) as exc:
+        path = str(getattr(check, "__self__", ""))
+        raise _path_error(path, getattr(exc, "strerror", None) or str(exc), field, file,
+                          lines) from None
+
+
+def _path_error(value: str, problem: str, field: str, file: str,
+                lines: dict[str, int]) -> SpecError:
+    return SpecError(f"cannot use the path {_show(value)}: {problem}", file=file, field=field,
+                     line=_nearest_line(lines, field.split(".")),
+                     fix="give a path that exists on this machine, relative to the spec file "
+                         "or absolute")
 
 
 def _spec_error(err: ErrorDetails, lines: dict[str, int], file: str, count: int) -> SpecError:
     loc = _without_union_tag(list(err["loc"]))
-    field = ".".join(str(p) for p in loc) or "(top level)"
+    field = _dotted(loc) or "(top level)"
     line = _nearest_line(lines, loc)
     kind = err["type"]
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
-    fix = FIXES.get(kind)
+    ctx = err.get("ctx", {})
+    fix = ctx.get("fix") or getattr(ctx.get("error"), "fix", None) or FIXES.get(kind, GENERIC_FIX)
     if kind == "extra_forbidden":
         allowed = _allowed_keys(list(err["loc"][:-1]))
         msg = f"unknown key {loc[-1]!r}"
@@ -691,7 +1285,6 @@ def _spec_error(err: ErrorDetails, lines: dict[str, int], file: str, count: int)
             "allowed keys here: " + ", ".join(allowed)
         )
     elif kind == "union_tag_invalid":
-        ctx = err.get("ctx", {})
         field = f"{field}.{ctx.get('discriminator', 'kind')}".replace("'", "")
         msg = f"unknown value {ctx.get('tag')!r}"
         fix = f"use one of: {ctx.get('expected_tags')}"
@@ -740,25 +1333,9 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [m for arg in get_args(annotation) for m in _models_in(arg)]
 
 
-def _line_index(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
-    """Map dotted field paths to 1-based line numbers in the YAML source."""
-    out: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            path = f"{prefix}.{key.value}" if prefix else str(key.value)
-            out[path] = key.start_mark.line + 1
-            out.update(_line_index(value, path))
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            path = f"{prefix}.{i}"
-            out[path] = item.start_mark.line + 1
-            out.update(_line_index(item, path))
-    return out
-
-
 def _nearest_line(lines: dict[str, int], loc: list[Any]) -> int | None:
     for end in range(len(loc), 0, -1):
-        key = ".".join(str(p) for p in loc[:end])
+        key = _dotted(loc[:end])
         if key in lines:
             return lines[key]
     return None

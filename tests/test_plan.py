@@ -7,7 +7,7 @@ import json
 import pytest
 
 from orchestrator import plan, spec
-from orchestrator.errors import PlanError
+from orchestrator.errors import PlanError, SpecError
 from orchestrator.hosts import Host, SSHEndpoint
 
 SPEC = "name: demo\nworkers: {workers}\nseparate_chief: {chief}\njob: {{module: m}}\n"
@@ -85,6 +85,23 @@ def test_env_carries_run_identity_paths_and_user_env() -> None:
     )
     assert p.tasks[0].log_path.endswith("/runs/r1/logs/attempt-1/worker-0.log")
     assert p.tasks[0].cwd == "/proj"
+
+
+@pytest.mark.parametrize("job", [
+    "{module: m}", "{module: m, keras: '3'}", "{command: python train.py}",
+    "{command: python train.py, keras: '3', gpu_memory_growth: false}",
+])
+def test_no_spec_env_value_is_silently_lost(job: str) -> None:
+    """Every key of a task's environment is either refused in the spec's env (the plan sets
+    it over the spec's value) or, given there, keeps the spec's value."""
+    base = f"name: demo\njob: {job}\n"
+    for key in build(spec.parse(base), local_hosts(2)).tasks[0].env:
+        text = base + f"env: {{{key}: from-spec}}\n"
+        if spec.is_reserved_env(key):
+            with pytest.raises(SpecError, match=f"{key}: set by the orchestrator"):
+                spec.parse(text)
+        else:
+            assert build(spec.parse(text), local_hosts(2)).tasks[0].env[key] == "from-spec"
 
 
 def test_managed_argv_carries_the_job_as_json() -> None:
