@@ -19,7 +19,7 @@ from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.doctor import DoctorReport, TensorFlowImport
 from orchestrator.errors import OrchestratorError, StateError
-from orchestrator.events import Event, LineBuffer, parse_line
+from orchestrator.events import Event, LineBuffer, read_line
 from orchestrator.hosts import Host, one_per_machine
 from orchestrator.launchers import launcher_named
 from orchestrator.plan import ClusterPlan, TaskPlan
@@ -29,7 +29,7 @@ from orchestrator.runtimes import GpuDescription, resolve_gpus, runtime_for
 from orchestrator.spec import ClusterSpec, Container
 from orchestrator.state import AttemptRecord, ClusterRecord, RunRecord, Store, TaskRecord
 from orchestrator.supervisor import Supervisor
-from orchestrator.view import Listener, RunResult, RunView
+from orchestrator.view import Listener, RunResult, RunView, safe
 
 if TYPE_CHECKING:
     from orchestrator.console import NotebookProgress
@@ -189,12 +189,23 @@ class Cluster:
 
     # -- lifecycle -----------------------------------------------------------------------
     def up(self) -> list[Host]:
-        """Create or attach to the hosts and prepare them; idempotent."""
-        self._record("provisioning")
-        hosts = self.provider.up()
-        if self.spec.container is not None:
-            containers.pull_all(hosts, self.provider.runner, self.spec.container)
-        self._record("up", hosts)
+        """Create or attach to the hosts and prepare them; idempotent.
+
+        The cluster's record says "provisioning" meanwhile; an error or a Ctrl-C leaves it
+        "failed" or "interrupted" with the hosts it knew before ('down' removes what was
+        made), never "provisioning" with no one at work.
+        """
+        before = self.store.get_cluster(self.name)
+        known = before.hosts if before is not None else []
+        self._record("provisioning", known)
+        try:
+            hosts = self.provider.up()
+            if self.spec.container is not None:
+                containers.pull_all(hosts, self.provider.runner, self.spec.container)
+        except BaseException as exc:
+            self._record("failed" if isinstance(exc, Exception) else "interrupted", known)
+            raise
+        self._record("up", [{"name": h.name, "address": h.address} for h in hosts])
         return hosts
 
     def plan(self) -> ClusterPlan:
@@ -236,7 +247,10 @@ class Cluster:
         return Scaling.of(self.plan(), replicas)
 
     def plan_document(self) -> dict[str, Any]:
-        """What ``train`` would launch, as ``orchestrate plan --json`` shows it; touches nothing."""
+        """What ``train`` would launch, as ``orchestrate plan --json`` shows it; touches nothing
+        (the workdir's files are listed, not read, for what ``up`` would upload)."""
+        from orchestrator.remote.sync import upload_of
+
         plan = self.plan()
         job = runtime_for(self.spec.job).describe(self.spec.job)
         return {
@@ -258,6 +272,8 @@ class Cluster:
             "gpus": asdict(GpuDescription.of(self.spec.job)),
             **({"container": _container_entry(self.spec.container)}
                if self.spec.container is not None else {}),
+            **({"upload": upload_of(self.workdir, self.spec.provider).to_dict()}
+               if isinstance(self.spec.provider, specs.SSHHosts) else {}),
         }
 
     def train(self, *, listener: Listener | None = None, wait: bool = True,
@@ -368,16 +384,26 @@ class Cluster:
         another) does not take the stopped tasks for a failure and restart them. Every task
         gets SIGTERM at once, so all of them save a checkpoint at the same step (``train
         --resume`` continues there), and SIGKILL after ``timeouts.stop_grace_s``.
+
+        So are the tasks of an attempt still recorded running in a run that ended (a second
+        Ctrl-C cut its controller's stop short); an attempt whose controller is gone is then
+        recorded stopped.
         """
         hosts = {h.name: h for h in self.provider.hosts()}
         running: list[tuple[str, TaskRecord]] = []
+        left: list[tuple[str, int]] = []  # attempts running with no controller to end them
         for run in self.store.runs(self.name, limit=50):
-            if run.status != "running":
-                continue
-            self.store.finish_run(run.id, status="stopped", message="stopped by down")
-            running += [(run.id, task) for attempt in run.attempts for task in attempt.tasks
-                        if task.host in hosts]
-            running += [(run.id, task) for task in run.warm if task.host in hosts]
+            unended = [a for a in run.attempts if a.status == "running"]
+            if run.status == "running":
+                self.store.finish_run(run.id, status="stopped", message="stopped by down")
+                running += [(run.id, task) for attempt in run.attempts for task in attempt.tasks
+                            if task.host in hosts]
+                running += [(run.id, task) for task in run.warm if task.host in hosts]
+            elif unended:  # its controller ended before it could record the attempt's end
+                running += [(run.id, task) for attempt in unended for task in attempt.tasks
+                            if task.host in hosts]
+            if not _controller_alive(run):
+                left += [(run.id, a.number) for a in unended]
 
         def stop(item: tuple[str, TaskRecord]) -> str | None:
             run_id, task = item
@@ -389,10 +415,13 @@ class Cluster:
             launcher.stop(runner, handle, self.spec.timeouts.stop_grace_s)
             return f"{run_id} {task.task}"
 
-        if not running:
-            return []
-        with ThreadPoolExecutor(max_workers=min(32, len(running))) as pool:
-            return [line for line in pool.map(stop, running) if line is not None]
+        stopped: list[str] = []
+        if running:
+            with ThreadPoolExecutor(max_workers=min(32, len(running))) as pool:
+                stopped = [line for line in pool.map(stop, running) if line is not None]
+        for run_id, number in left:
+            self.store.update_attempt(run_id, number, status="stopped", ended_at=time.time())
+        return stopped
 
     def _remove_containers(self) -> list[str]:
         """Every container this cluster started on its hosts, found by label: those of tasks
@@ -441,6 +470,13 @@ class Cluster:
         attempt from ``attempt`` (default: the last) on, as it is written, until the run ends.
         """
         record = self.run(run_id)
+        if attempt is not None and not 1 <= attempt <= max(len(record.attempts), 1):
+            raise StateError(f"run {record.id} has no attempt {attempt} (it has "
+                             f"{len(record.attempts)})", fix="name one from 'orchestrate status'")
+        if not record.attempts and not follow:
+            raise StateError(f"run {record.id} ({record.status}) has no attempt: none of its "
+                             "tasks was started", fix=f"follow it as it starts with 'orchestrate "
+                             f"logs {self.name} --run {record.id} -f'")
         known = sorted({t.task for a in record.attempts for t in a.tasks})
         if task is not None and known and task not in known:
             raise StateError(f"run {record.id} has no task {task!r} (its tasks: "
@@ -472,17 +508,12 @@ class Cluster:
         data, offset = self.provider.runner(host).read_log(handle, offset)
         readers[key] = (offset, buffer)
         for line in buffer.feed(data):
-            if parse_line(line) is None:
+            if not isinstance(read_line(line), Event):  # output, and lines that are no event
                 yield key[1], line
 
-    def _record(self, status: str, hosts: list[Host] | None = None) -> None:
-        self.store.put_cluster(
-            self.name,
-            provider=self.provider.kind,
-            spec_path=str(self.spec_path),
-            status=status,
-            hosts=[{"name": h.name, "address": h.address} for h in hosts or []],
-        )
+    def _record(self, status: str, hosts: list[dict[str, Any]] | None = None) -> None:
+        self.store.put_cluster(self.name, provider=self.provider.kind,
+                               spec_path=str(self.spec_path), status=status, hosts=hosts or [])
 
     def __enter__(self) -> Cluster:
         return self
@@ -550,12 +581,15 @@ def _notebook_display(listener: Listener | None, progress: bool | None) -> Noteb
 
 
 def _both(first: Listener | None, second: Listener | None) -> Listener | None:
+    """One listener calling both, each guarded: an error of one does not stop the other."""
     if first is None or second is None:
-        return first or second
+        single = first or second
+        return safe(single) if single is not None else None
+    one, other = safe(first), safe(second)
 
     def call(view: RunView, event: Event | None) -> None:
-        first(view, event)
-        second(view, event)
+        one(view, event)
+        other(view, event)
 
     return call
 
@@ -603,7 +637,12 @@ class Run:
                 raise
         finally:
             if self._display is not None:
-                self._display.finish(self.supervisor.view, self._result)
+                safe(self._finish_display)(self.supervisor.view, None)
+
+    def _finish_display(self, view: RunView, event: Event | None) -> None:
+        """The notebook display's last frame (and summary): a listener's call, guarded."""
+        if self._display is not None:
+            self._display.finish(view, self._result)
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="orchestrate-run", daemon=True)

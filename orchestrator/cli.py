@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from orchestrator.errors import OrchestratorError
 
@@ -24,6 +24,12 @@ app = typer.Typer(
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 DEBUG = {"on": False}
+
+def say(text: str) -> None:
+    """A line of plain text: paths, names, addresses and commands are the user's or a host's,
+    so none of it is read as rich markup."""
+    out.print(text, markup=False, highlight=False, soft_wrap=True)
+
 
 SpecArg = Annotated[Path, typer.Argument(help="Cluster spec file (YAML).", show_default=False)]
 
@@ -40,8 +46,8 @@ def validate(spec_file: SpecArg) -> None:
 
     s = specs.load(spec_file)
     job = s.job.module if s.job.mode == "managed" else " ".join(s.job.command)
-    out.print(f"{spec_file}: ok: cluster {s.name!r}, provider {s.provider.kind}, "
-              f"{s.num_tasks} task(s), {s.job.mode} job ({job})")
+    say(f"{spec_file}: ok: cluster {s.name!r}, provider {s.provider.kind}, "
+        f"{s.num_tasks} task(s), {s.job.mode} job ({job})")
 
 
 @app.command()
@@ -88,10 +94,10 @@ def up(spec_file: SpecArg) -> None:
     cluster = Cluster.from_spec(spec_file)
     hosts = cluster.up()
     for note in cluster.provider.notes():
-        out.print(f"  {note}", markup=False)
+        say(f"  {note}")
     for h in hosts:
-        out.print(f"  {h.name}  {h.address}")
-    out.print(f"[green]up[/]: {len(hosts)} host(s)")
+        say(f"  {h.name}  {h.address}")
+    out.print(f"[green]up[/]: {len(hosts)} host(s)", highlight=False)
 
 
 @app.command()
@@ -121,7 +127,7 @@ def train(
     else:
         run = train_with(listener=PlainProgress(out))
     show_summary(out, run.wait())
-    out.print(f"  logs: orchestrate logs {cluster.name} --run {run.id}", highlight=False)
+    say(f"  logs: orchestrate logs {cluster.name} --run {run.id}")
 
 
 @app.command()
@@ -131,12 +137,12 @@ def down(spec_file: SpecArg) -> None:
 
     report = Cluster.from_spec(spec_file).down()
     for line in report.stopped:
-        out.print(f"  stopped {line}")
+        say(f"  stopped {line}")
     for line in report.removed:
-        out.print(f"  removed {line}")
+        say(f"  removed {line}")
     for line in report.notes:
-        out.print(f"  {line}")
-    out.print("[green]down[/]")
+        say(f"  {line}")
+    out.print("[green]down[/]", highlight=False)
 
 
 @app.command()
@@ -187,7 +193,8 @@ def main() -> None:
     except OrchestratorError as exc:
         if DEBUG["on"]:
             raise
-        err.print(f"[red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
+        err.print(Text.assemble(("error:", "red"), " ", exc.message), highlight=False,
+                  soft_wrap=True)
         if exc.fix:
             err.print(f"  fix: {exc.fix}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)

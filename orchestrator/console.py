@@ -12,7 +12,6 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group, RenderableType
-from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
@@ -35,6 +34,12 @@ NOTEBOOK_PRE = ("<pre style=\"white-space:pre;overflow-x:auto;line-height:1.25;"
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def say_parts(console: Console, *parts: str | tuple[str, str]) -> None:
+    """One line from plain text and (text, style) parts: whatever a part holds (a path, a
+    host's name, a task's message) prints as it is, never read as rich markup."""
+    console.print(Text.assemble(*parts), highlight=False, soft_wrap=True)
 
 
 def task_style(key: str) -> str:
@@ -104,16 +109,17 @@ class RunFrame:
         title = f"{view.cluster}  run {view.run_id}  attempt {view.attempt}"
         if view.attempt > 1:
             title += f" ({view.attempt - 1} restart{'s' if view.attempt > 2 else ''})"
-        table = Table(title=title, expand=False, title_justify="left")
+        # Every cell is a Text: a str cell would be read as markup (a task's names, a host's).
+        table = Table(title=Text(title), expand=False, title_justify="left")
         for column in ("task", "host", "state", "step", "loss", "steps/s", "last event"):
             table.add_column(column, justify="right" if column in ("step", "loss", "steps/s")
                              else "left", no_wrap=True)
         total = f"/{view.total_steps}" if view.total_steps else ""
         for t in view.tasks.values():
-            table.add_row(Text(t.key, style=task_style(t.key)), t.host,
+            table.add_row(Text(t.key, style=task_style(t.key)), Text(t.host),
                           Text(t.state, style=STATE_STYLES.get(t.state, "")),
-                          f"{t.step}{total}", _fmt(t.loss, ".4f"), _fmt(t.steps_per_s, ".1f"),
-                          t.last_event)
+                          Text(f"{t.step}{total}"), Text(_fmt(t.loss, ".4f")),
+                          Text(_fmt(t.steps_per_s, ".1f")), Text(t.last_event))
         return table
 
 
@@ -207,17 +213,18 @@ def in_notebook() -> bool:
 def summary(console: Console, result: RunResult) -> None:
     """What a finished run achieved: time, attempts and why each ended, metrics, the model."""
     restarts = len(result.attempts) - 1
-    console.print(f"[bold green]run {result.run_id} succeeded[/] in {duration(result.seconds)}, "
-                  f"{len(result.attempts)} attempt(s), {restarts} restart(s)", highlight=False)
+    say_parts(console, (f"run {result.run_id} succeeded", "bold green"),
+              f" in {duration(result.seconds)}, {len(result.attempts)} attempt(s), "
+              f"{restarts} restart(s)")
     for a in result.attempts:
         if a.cause:
             console.print(f"  attempt {a.number}: {a.cause} in {a.failed_task}: {a.detail}",
                           markup=False, highlight=False)
         else:
             console.print(f"  attempt {a.number}: {a.status}, started at step "
-                          f"{a.resumed_from_step or 0}", highlight=False)
+                          f"{a.resumed_from_step or 0}", markup=False, highlight=False)
     for name, value in result.metrics.items():
-        console.print(f"  final {name}: {value:.4f}", highlight=False)
+        console.print(f"  final {name}: {value:.4f}", markup=False, highlight=False)
     if result.model_path:
         console.print(f"  model saved by the chief: {result.model_path}",
                       markup=False, highlight=False, soft_wrap=True)
@@ -248,9 +255,9 @@ def _chief(view: RunView) -> str:
 def _progress_line(view: RunView, event: Event) -> str:
     metrics = " ".join(f"{k}={v:.4f}" for k, v in (event.get("metrics") or {}).items())
     return (f"[{event.task}] step {event.get('step')}/{view.total_steps} "
-            f"loss={event.get('loss', 0.0):.4f} {metrics} "
-            f"{event.get('steps_per_s', 0.0):.1f} steps/s "
-            f"{event.get('examples_per_s', 0.0):.0f} examples/s").replace("  ", " ")
+            f"loss={_fmt(event.get('loss'), '.4f')} {metrics} "
+            f"{_fmt(event.get('steps_per_s'), '.1f')} steps/s "
+            f"{_fmt(event.get('examples_per_s'), '.0f')} examples/s").replace("  ", " ")
 
 
 def _event_text(event: Event) -> str:
@@ -263,8 +270,8 @@ def _event_text(event: Event) -> str:
 def render_plan(console: Console, document: dict[str, Any]) -> None:
     say = _printer(console)
     tasks, scaling = document["tasks"], document["scaling"]
-    console.print(f"[bold]plan for {escape(document['cluster'])}[/]: {len(tasks)} task(s), "
-                  f"{document['provider']} provider; nothing was touched", highlight=False)
+    say_parts(console, (f"plan for {document['cluster']}", "bold"),
+              f": {len(tasks)} task(s), {document['provider']} provider; nothing was touched")
     say("  hosts      " + _hosts_text(document))
     say("  job        " + document["job_summary"])
     if scaling["per_replica_batch_size"] is not None:
@@ -278,10 +285,20 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
         say("  gpus       " + document["gpus"]["summary"])
     if "container" in document:
         say("  container  " + document["container"]["summary"])
+    if "upload" in document:
+        up = document["upload"]
+        largest = ", ".join(f"{e['path']} {human_bytes(e['bytes'])}" for e in up["largest"])
+        sends = f"{up['files']} file(s), {human_bytes(up['bytes'])} to each host"
+        say(f"  upload     {up['dir']}: " + (f"'up' refuses it: {up['refused']}" if up["refused"]
+                                             else sends) + (f" (largest: {largest})" if largest else ""))
+        if up["secrets_left_out_count"]:
+            more = up["secrets_left_out_count"] - len(up["secrets_left_out"])
+            say("             left out as secrets: " + ", ".join(up["secrets_left_out"])
+                + (f" and {more} more" if more else ""))
     for t in tasks:
         chief = " (chief)" if t["is_chief"] else ""
-        console.print(f"\n[{task_style(t['task'])}]{t['task']}[/]{chief}  {escape(t['host'])}  "
-                      f"{escape(t['endpoint'])}", highlight=False)
+        say_parts(console, "\n", (t["task"], task_style(t["task"])),
+                  f"{chief}  {t['host']}  {t['endpoint']}")
         say(f"  TF_CONFIG  {json.dumps(t['tf_config'])}")
         say(f"  cwd        {t['cwd']}")
         say(f"  command    {t['command']}")
@@ -334,16 +351,16 @@ def _printer(console: Console) -> Any:
 def render_doctor(console: Console, report: DoctorReport, scaling: Scaling | None = None) -> None:
     """The host table, the network matrix in one line, then every problem with its fix."""
     hosts = len(report.hosts)
-    console.print(f"[bold]doctor: {escape(report.cluster)}[/] ({report.provider}), {hosts} "
-                  f"machine(s) checked in {report.seconds:.1f}s", highlight=False)
+    say_parts(console, (f"doctor: {report.cluster}", "bold"),
+              f" ({report.provider}), {hosts} machine(s) checked in {report.seconds:.1f}s")
     for h in report.hosts:
         _render_host(console, h)
     if report.links:
-        console.print(f"network: {_links_text(report)} (every host to every other host's task "
-                      "port)", highlight=False)
+        say_parts(console, f"network: {_links_text(report)} (every host to every other "
+                  "host's task port)")
     if scaling is not None and scaling.replicas_known and scaling.per_replica_batch_size:
-        console.print(f"training: {_batch_text(asdict(scaling))}; learning rate "
-                      f"{_lr_text(asdict(scaling))}", highlight=False, soft_wrap=True)
+        say_parts(console, f"training: {_batch_text(asdict(scaling))}; learning rate "
+                  f"{_lr_text(asdict(scaling))}")
     render_problems(console, report)
 
 
@@ -357,25 +374,24 @@ def _links_text(report: DoctorReport) -> str:
 
 def render_problems(console: Console, report: DoctorReport) -> None:
     for p in report.problems:
-        mark = "[bold red]✗ blocking[/]" if p.blocking else "[yellow]! warning[/]"
-        console.print(f"{mark} {p.check}: {escape(p.message)}", highlight=False, soft_wrap=True)
+        mark = ("✗ blocking", "bold red") if p.blocking else ("! warning", "yellow")
+        say_parts(console, mark, f" {p.check}: {p.message}")
         console.print(f"    fix: {p.fix}", markup=False, highlight=False, soft_wrap=True)
     if report.ok:
         warned = f" ({len(report.warnings)} warning(s))" if report.warnings else ""
-        console.print(f"[bold green]✓ ready to train[/]{warned}", highlight=False)
+        say_parts(console, ("✓ ready to train", "bold green"), warned)
     else:
-        console.print(f"[bold red]{len(report.blocking)} blocking problem(s)[/]: training "
-                      "would fail; fix them first", highlight=False)
+        say_parts(console, (f"{len(report.blocking)} blocking problem(s)", "bold red"),
+                  ": training would fail; fix them first")
 
 
 def doctor_brief(console: Console, report: DoctorReport) -> None:
     """What ``train`` says of its doctor: one line, and any warnings (blocking problems
     are the error that stops it)."""
     if report.ok:
-        console.print(doctor_line(report), highlight=False, soft_wrap=True)
+        console.print(doctor_line(report), markup=False, highlight=False, soft_wrap=True)
     for p in report.warnings:
-        console.print(f"[yellow]! warning[/] {p.check}: {escape(p.message)}", highlight=False,
-                      soft_wrap=True)
+        say_parts(console, ("! warning", "yellow"), f" {p.check}: {p.message}")
         console.print(f"    fix: {p.fix}", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -395,11 +411,10 @@ def doctor_line(report: DoctorReport) -> str:
 
 def _render_host(console: Console, h: HostCheck) -> None:
     say = _printer(console)
-    console.print(f"[bold]{escape(h.name)}[/]  {escape(h.address)}  tasks {', '.join(h.tasks)}",
-                  highlight=False)
+    say_parts(console, (h.name, "bold"), f"  {h.address}  tasks {', '.join(h.tasks)}")
     if not h.checked:
-        console.print(f"  [bold red]{'unreachable' if not h.reachable else 'not checked'}[/]: "
-                      f"{escape(h.error)}", highlight=False, soft_wrap=True)
+        say_parts(console, "  ", ("unreachable" if not h.reachable else "not checked", "bold red"),
+                  f": {h.error}")
         return
     cuda = f" (built for CUDA {h.tf_cuda})" if h.tf_cuda else ""
     if h.fact("container"):  # the tasks run the image's Python and TensorFlow
@@ -433,8 +448,8 @@ def render_status(console: Console, clusters: Sequence[dict[str, Any]]) -> None:
     if not clusters:
         console.print("no clusters yet: start with 'orchestrate train SPEC'", highlight=False)
     for c in clusters:
-        console.print(f"[bold]{escape(c['name'])}[/] ({c['provider']}) {c['status']}, "
-                      f"spec {escape(str(c['spec_path']))}", highlight=False)
+        say_parts(console, (str(c["name"]), "bold"),
+                  f" ({c['provider']}) {c['status']}, spec {c['spec_path']}")
         if c["hosts"]:
             console.print("  hosts: " + ", ".join(f"{h['name']} {h['address']}" for h in c["hosts"]),
                           markup=False, highlight=False, soft_wrap=True)
@@ -451,9 +466,9 @@ def _render_run(console: Console, r: dict[str, Any]) -> None:
         controller = f", controller pid {r['controller_pid']} " + (
             "alive" if r["controller_alive"] else "gone (train --attach takes over)")
     metrics = "  " + " ".join(f"{k} {v:.4f}" for k, v in r["metrics"].items()) if r["metrics"] else ""
-    console.print(f"  run {r['id']} [{style}]{r['status']}[/] {when}, {duration(r['seconds'])}, "
-                  f"{attempts} attempt(s), {r['restarts']} restart(s){controller}{escape(metrics)}",
-                  highlight=False)
+    say_parts(console, f"  run {r['id']} ", (str(r["status"]), style),
+              f" {when}, {duration(r['seconds'])}, {attempts} attempt(s), {r['restarts']} "
+              f"restart(s){controller}{metrics}")
     for a in r["attempts"]:
         console.print(f"    attempt {a['number']}: {a['status']} from step "
                       f"{a['resumed_from_step'] or 0} to {a['last_step'] or 0}"
@@ -466,7 +481,8 @@ def _render_run(console: Console, r: dict[str, Any]) -> None:
 def attempt_figures(a: dict[str, Any]) -> str:
     if not a["cause"]:
         return ""
-    parts = [f"{a['cause']} in {a['failed_task']}: {a['detail'].splitlines()[0][:160]}"]
+    first = (a["detail"].splitlines() or [""])[0]
+    parts = [f"{a['cause']} in {a['failed_task']}: {first[:160]}"]
     if a["detect_s"] is not None:
         parts.append(f"detected in {a['detect_s']:.1f}s")
     if a["recovery_s"] is not None:

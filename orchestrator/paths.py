@@ -4,11 +4,27 @@ machine (state, mirrors, fetched models, provider files) and on the hosts (code,
 from __future__ import annotations
 
 import os
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
 CLUSTERS = "clusters"
 HOME_SUBDIR = ".orchestrate"
+# Written by ``up`` in a host root it creates, holding the cluster's name: ``down`` deletes a
+# root only when this names its cluster, so it never deletes a directory it did not make.
+ROOT_MARKER = ".orchestrate-cluster"
+# Directories a cluster's root must never be: ``down`` deletes the root it made. Any top-level
+# ``lib*`` too, and every ``/home/NAME`` and ``/Users/NAME`` (someone's home).
+SYSTEM_DIRS = frozenset({
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lost+found", "/media", "/mnt", "/nix", "/opt",
+    "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/usr", "/var",
+    "/usr/bin", "/usr/include", "/usr/lib", "/usr/lib64", "/usr/libexec", "/usr/local",
+    "/usr/local/bin", "/usr/local/lib", "/usr/local/share", "/usr/sbin", "/usr/share", "/usr/src",
+    "/var/backups", "/var/cache", "/var/lib", "/var/log", "/var/mail", "/var/opt", "/var/run",
+    "/var/spool", "/var/tmp", "/var/www",
+    "/Applications", "/Library", "/System", "/Users", "/Volumes", "/private",
+})
+HOME_PARENTS = ("/home", "/Users")
 
 
 # -- this machine ------------------------------------------------------------------------------
@@ -56,6 +72,40 @@ def operations_journal(cluster: str, kind: str) -> Path:
 
 
 # -- on a host ---------------------------------------------------------------------------------
+def normalise_root(root: str) -> str:
+    """``root`` without ``.``, ``..``, repeated or trailing slashes: ``/a//b/../c/`` -> ``/a/c``."""
+    if not root.startswith("/"):
+        return root
+    return "/" + posixpath.normpath(root).lstrip("/")
+
+
+def unsafe_root(root: str, home: str | None = None) -> str | None:
+    """Why ``root`` cannot be a cluster's directory on a host, or None when it can.
+
+    ``down`` deletes the root that ``up`` made, so it must be a directory of its own: not ``/``,
+    a system directory, someone's home directory (``/home/NAME``; ``home``, the SSH user's
+    home on the host, when known) or an ancestor of ``home``. Pure: the spec's validator can
+    call it with the root alone, a provider at the point of use with the home it found.
+    """
+    if not root.startswith("/"):
+        return "not an absolute path"
+    norm = normalise_root(root)
+    parent = posixpath.dirname(norm)
+    if norm == "/":
+        return "the file system's root"
+    if norm in SYSTEM_DIRS or (parent == "/" and norm.startswith("/lib")):
+        return f"the system directory {norm}"
+    if parent in HOME_PARENTS:
+        return f"a home directory ({norm})"
+    if home and home.startswith("/"):
+        home = normalise_root(home)
+        if norm == home:
+            return f"the SSH user's home directory ({home})"
+        if home.startswith(norm + "/"):
+            return f"an ancestor of the SSH user's home directory {home}"
+    return None
+
+
 def host_root(home_dir: str, cluster: str) -> str:
     """A host's directory of one cluster, under its SSH user's home directory."""
     return f"{home_dir}/{HOME_SUBDIR}/{CLUSTERS}/{cluster}"

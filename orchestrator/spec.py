@@ -24,6 +24,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
+from orchestrator import paths
 from orchestrator.causes import BUDGETED
 from orchestrator.errors import SpecError
 from orchestrator.hosts import is_loopback, machine_id
@@ -242,15 +243,30 @@ class SSHHosts(Model):
         default=(".git", "__pycache__", "*.pyc", ".venv", "outputs"),
         description="Glob patterns left out when uploading workdir.",
     )
+    sync_secrets: tuple[str, ...] = Field(
+        default=(), description="Secret paths 'up' uploads anyway (glob patterns, as "
+        "sync_excludes): by default keys, credentials and the orchestrator's own state are "
+        "left out of the upload.")
+    allow_home_workdir: bool = Field(
+        default=False, description="Upload a workdir that is /, your home directory or one of "
+        "its ancestors (secrets are still left out).")
     connect_timeout_s: float = Field(default=10.0, gt=0, le=MAX_TIMEOUT_S)
 
     @field_validator("root")
     @classmethod
     def _absolute(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith("/"):
+        if value is None:
+            return value
+        if not value.startswith("/"):
             raise Invalid(f"must be an absolute path, received {value!r}",
                           fix="write a path that starts with /, or leave root out")
-        return value
+        why = paths.unsafe_root(value)
+        if why is not None:
+            raise Invalid(f"{why}: 'down' deletes the cluster's root, so it must be a "
+                          "directory of its own",
+                          fix="name a directory of its own, e.g. /srv/orchestrate/CLUSTER or "
+                          "/data/NAME (created by 'up'), or leave root out")
+        return paths.normalise_root(value)
 
 
 class StaticProvider(SSHHosts):

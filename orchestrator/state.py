@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
@@ -16,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import StateError
-from orchestrator.paths import state_db
+from orchestrator.files import PRIVATE_DIR, private, private_dir, sync_dir_entry
+from orchestrator.paths import CLUSTERS, state_db
+
+SCHEMA_VERSION = 1  # PRAGMA user_version; a store of a higher one is a newer orchestrate's
+BUSY_TIMEOUT_S = 10.0  # how long a command waits for a store another process has locked
+SQLITE_HEADER = b"SQLite format 3\x00"
+UNREADABLE = "unreadable"  # the status of a record whose JSON columns do not decode
+_WRITABLE_FIX = ("make {0} a directory you can write (chmod u+rwx), or set ORCHESTRATE_HOME to "
+                 "one")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS clusters (
@@ -77,6 +87,25 @@ MIGRATIONS = (
     ("attempts", "steps_lost", "INTEGER"),
     ("attempts", "phases_json", "TEXT NOT NULL DEFAULT '{}'"),
 )
+
+
+def _statements(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip()]
+
+
+def _base_columns() -> dict[str, tuple[str, ...]]:
+    """Each table's columns of the first release: a table of that name without them is not ours."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(SCHEMA)
+        added = {(t, c) for t, c, _ in MIGRATIONS}
+        return {t: tuple(r[1] for r in db.execute(f"PRAGMA table_info({t})") if (t, r[1]) not in added)
+                for t in ("clusters", "runs", "attempts")}
+    finally:
+        db.close()
+
+
+BASE_COLUMNS = _base_columns()
 
 
 @dataclass(frozen=True)
@@ -168,44 +197,192 @@ class RunRecord:
 
 
 class Store:
-    """One SQLite file; every write is one transaction, so a crash never leaves half a record."""
+    """One SQLite file; every write is one transaction, so a crash never leaves half a record.
 
-    def __init__(self, path: Path | None = None) -> None:
+    A file that is not this store (another program's database, a newer orchestrate's, a
+    damaged one) is refused before anything is written to it; a store another process keeps
+    locked is waited for ``busy_timeout_s`` at most. Every failure is a StateError naming the
+    file and the fix.
+    """
+
+    def __init__(self, path: Path | None = None, *,
+                 busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self.path = path or state_db()
+        self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+        self._home()
+        with self._translated():
+            self._check_file()
+            self._create_if_missing()
+            self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
                                        check_same_thread=False)
             self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(SCHEMA)
-            self._migrate()
-        except sqlite3.DatabaseError as exc:
-            raise StateError(
-                f"cannot open the state store {self.path}: {exc}",
-                fix="move the file aside (it is re-created empty) or set ORCHESTRATE_HOME",
-            ) from None
+            try:
+                self._upgrade(self._check_schema())
+            except BaseException:
+                self._db.close()
+                raise
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            private(Path(f"{self.path}{suffix}"))
 
     def close(self) -> None:
         self._db.close()
 
-    def _migrate(self) -> None:
-        for table, column, decl in MIGRATIONS:
-            have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+    # -- opening the file ---------------------------------------------------------
+    def _home(self) -> None:
+        """The store's directory, 0700 (and ``clusters/`` beside it, where it exists: the
+        providers make it, 0700 too)."""
+        directory = self.path.parent
+        try:
+            private_dir(directory)
+            private(directory / CLUSTERS, PRIVATE_DIR)
+        except OSError as exc:
+            blocker = next((p for p in (directory, *directory.parents)
+                            if p.exists() and not p.is_dir()), None)
+            if blocker is not None:
+                what = (f"the orchestrate home {directory}" if blocker == directory else
+                        f"cannot make the orchestrate home {directory}: {blocker}")
+                raise StateError(f"{what} is a file, not a directory",
+                                 fix=f"move {blocker} aside, or set ORCHESTRATE_HOME to a "
+                                 "directory (it is made if missing)") from None
+            raise StateError(f"cannot make or enter the orchestrate home {directory}: "
+                             f"{exc.strerror or exc}",
+                             fix=_WRITABLE_FIX.format(directory)) from None
+
+    def _check_file(self) -> None:
+        """Refuse a file that is not an SQLite database before SQLite sees it (an empty file
+        would be taken for an empty database and written to)."""
+        if not self.path.exists():
+            return
+        if not self.path.is_file():
+            raise self._foreign("it is not a regular file")
+        with open(self.path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+        if not head:
+            raise self._foreign("it is an empty file")
+        if head != SQLITE_HEADER:
+            raise self._foreign("it is not an SQLite database")
+
+    def _create_if_missing(self) -> None:
+        """A new store is made whole under a temporary name (0600, schema in place) and then
+        linked into place, so no other process ever sees a half-made one."""
+        if self.path.exists():
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        os.close(fd)
+        try:
+            db = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("BEGIN IMMEDIATE")
+                for statement in _statements(SCHEMA):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                db.execute("COMMIT")
+            finally:
+                db.close()
+            try:
+                os.link(tmp, self.path)  # fails if another process made one meanwhile: kept
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links
+                if not self.path.exists():
+                    os.replace(tmp, self.path)
+            sync_dir_entry(self.path.parent)
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp + suffix)
+
+    def _check_schema(self) -> set[str]:
+        """Read (never write) what the file holds; return the tables of ours it has.
+
+        Raises:
+            StateError: a newer store version, another program's tables, or a table of ours
+                without the columns every version had.
+        """
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StateError(
+                f"the state store {self.path} was written by a newer orchestrate (store version "
+                f"{version}; this one reads up to {SCHEMA_VERSION}); it was left as it is",
+                fix="use that newer orchestrate, or set ORCHESTRATE_HOME to another directory "
+                "for this one")
+        tables = {row[0] for row in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        ours = tables & set(BASE_COLUMNS)
+        if tables and not ours:
+            raise self._foreign(f"it is another program's database (tables: "
+                                f"{', '.join(sorted(tables)[:8])})")
+        for table in sorted(ours):
+            have = self._columns(table)
+            missing = [c for c in BASE_COLUMNS[table] if c not in have]
+            if missing:
+                raise self._foreign(f"its table {table} lacks the columns {', '.join(missing)}")
+        return ours
+
+    def _upgrade(self, ours: set[str]) -> None:
+        """Add what an older store lacks (tables, then columns), in one transaction; nothing
+        when it is current."""
+        missing = [(t, c, d) for t, c, d in MIGRATIONS if t in ours and c not in self._columns(t)]
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if ours == set(BASE_COLUMNS) and not missing and version == SCHEMA_VERSION:
+            return
+        with self._tx() as db:
+            for statement in _statements(SCHEMA):
+                db.execute(statement)
+            for table, column, decl in missing:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            self._db.execute("PRAGMA journal_mode=WAL")
+
+    def _columns(self, table: str) -> set[str]:
+        return {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+
+    def _foreign(self, why: str) -> StateError:
+        return StateError(
+            f"{self.path} is not an orchestrate state store: {why}; it was left as it is",
+            fix=f"move the file aside (mv {self.path} {self.path}.bad): the next command starts "
+            "a new, empty store; or set ORCHESTRATE_HOME to another directory")
+
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
+        """SQLite's and the file system's errors as a StateError naming the file and the fix."""
+        try:
+            yield
+        except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError):
+            raise  # a mistake of this program's, not of the file
+        except sqlite3.Error as exc:
+            raise self._sqlite_error(exc) from None
+        except OSError as exc:
+            raise StateError(f"cannot use the state store {self.path}: {exc.strerror or exc}",
+                             fix=_WRITABLE_FIX.format(self.path.parent)) from None
+
+    def _sqlite_error(self, exc: sqlite3.Error) -> StateError:
+        text = str(exc)
+        if "locked" in text or "busy" in text:
+            return StateError(
+                f"another orchestrate is using {self.path}: it stayed locked for "
+                f"{self.busy_timeout_s:g}s ({text})",
+                fix="wait for that command to finish, then run this one again; if none is "
+                f"running, a stuck process holds the file: find it with 'fuser {self.path}'")
+        if any(word in text for word in ("readonly", "read-only", "unable to open", "disk I/O")):
+            return StateError(f"cannot write the state store {self.path}: {text}",
+                              fix=_WRITABLE_FIX.format(self.path.parent))
+        return self._foreign(text)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         # One connection serves the supervisor's threads (the watch loop, the warm tasks'
         # starter): one transaction at a time.
-        with self._lock:
+        with self._lock, self._translated():
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
 
@@ -326,46 +503,97 @@ class Store:
         return [_attempt(r) for r in rows]
 
     def _one(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Row | None:
-        with self._lock:
+        with self._lock, self._translated():
             row: sqlite3.Row | None = self._db.execute(sql, args).fetchone()
             return row
 
     def _all(self, sql: str, args: tuple[Any, ...]) -> list[sqlite3.Row]:
-        with self._lock:
+        with self._lock, self._translated():
             return self._db.execute(sql, args).fetchall()
 
 
 def _cluster(row: sqlite3.Row) -> ClusterRecord:
+    problems: list[str] = []
+    hosts = _decoded(row, "hosts_json", _host_list, [], problems)
     return ClusterRecord(
         name=row["name"], provider=row["provider"], spec_path=row["spec_path"],
-        status=row["status"], hosts=json.loads(row["hosts_json"]),
+        status=UNREADABLE if problems else row["status"], hosts=hosts,
         created_at=row["created_at"], updated_at=row["updated_at"],
     )
 
 
 def _run(row: sqlite3.Row, attempts: list[AttemptRecord]) -> RunRecord:
+    problems: list[str] = []
+    metrics = _decoded(row, "metrics_json", _numbers, {}, problems)
+    warm = _decoded(row, "warm_json", _task_list, [], problems)
     return RunRecord(
-        id=row["id"], cluster=row["cluster"], status=row["status"],
+        id=row["id"], cluster=row["cluster"],
+        status=UNREADABLE if problems else row["status"],
         started_at=row["started_at"], ended_at=row["ended_at"],
-        metrics=json.loads(row["metrics_json"]), model_path=row["model_path"],
-        message=row["message"], controller_pid=row["controller_pid"], attempts=attempts,
-        heartbeat_at=row["heartbeat_at"],
-        warm=[TaskRecord.from_json(t) for t in json.loads(row["warm_json"] or "[]")],
+        metrics=metrics, model_path=row["model_path"],
+        message=_unreadable(problems) if problems else row["message"],
+        controller_pid=row["controller_pid"], attempts=attempts,
+        heartbeat_at=row["heartbeat_at"], warm=warm,
     )
 
 
 def _attempt(row: sqlite3.Row) -> AttemptRecord:
+    problems: list[str] = []
+    tasks = _decoded(row, "tasks_json", _task_list, [], problems)
+    phases = _decoded(row, "phases_json", _numbers, {}, problems)
     return AttemptRecord(
-        run_id=row["run_id"], number=row["number"], status=row["status"],
+        run_id=row["run_id"], number=row["number"],
+        status=UNREADABLE if problems else row["status"],
         started_at=row["started_at"], ended_at=row["ended_at"], cause=row["cause"],
-        detail=row["detail"], failed_task=row["failed_task"], exit_code=row["exit_code"],
+        detail=_unreadable(problems) if problems else row["detail"],
+        failed_task=row["failed_task"], exit_code=row["exit_code"],
         resumed_from_step=row["resumed_from_step"], last_step=row["last_step"],
-        first_step_at=row["first_step_at"],
-        tasks=[TaskRecord.from_json(t) for t in json.loads(row["tasks_json"])],
+        first_step_at=row["first_step_at"], tasks=tasks,
         evidence=row["evidence"], failed_at=row["failed_at"], detected_at=row["detected_at"],
-        recovery_s=row["recovery_s"], steps_lost=row["steps_lost"],
-        phases=json.loads(row["phases_json"] or "{}"),
+        recovery_s=row["recovery_s"], steps_lost=row["steps_lost"], phases=phases,
     )
+
+
+def _decoded(row: sqlite3.Row, column: str, parse: Callable[[Any], Any], empty: Any,
+             problems: list[str]) -> Any:
+    """A JSON column as ``parse`` reads it; ``empty`` (and a note in ``problems``) when it is
+    not JSON or not of the shape ``parse`` expects: one damaged record must not hide the rest."""
+    text = row[column]
+    try:
+        value = json.loads(text) if text else None
+    except ValueError as exc:
+        problems.append(f"{column} is not JSON ({str(exc)[:120]})")
+        return empty
+    try:
+        return empty if value is None else parse(value)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        problems.append(f"{column} does not hold what it should ({str(exc)[:120]})")
+        return empty
+
+
+def _unreadable(problems: list[str]) -> str:
+    return "unreadable in the state store: " + "; ".join(problems)
+
+
+def _task_list(value: Any) -> list[TaskRecord]:
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise TypeError("expected a list of task records")
+    return [TaskRecord.from_json(t) for t in value]
+
+
+def _numbers(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
+        raise TypeError("expected a map of names to numbers")
+    return value
+
+
+def _host_list(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(
+            isinstance(h, dict) and isinstance(h.get("name"), str)
+            and isinstance(h.get("address"), str) for h in value):
+        raise TypeError("expected a list of hosts, each with a name and an address")
+    return value
 
 
 def _tasks_json(tasks: list[TaskRecord]) -> str:

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tenacity import (
     RetryCallState,
@@ -33,15 +33,15 @@ from orchestrator.checkpoints import (
     share_chief_checkpoint,
     verify_on,
 )
-from orchestrator.errors import OrchestratorError, RunFailed
+from orchestrator.errors import OrchestratorError, RunFailed, StateError
 from orchestrator.events import Event
 from orchestrator.hosts import Host
 from orchestrator.launchers import launcher_for, launcher_named
 from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
-from orchestrator.remote.base import TaskHandle, TaskState
+from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
 from orchestrator.spec import WARM_AFTER_S, ClusterSpec
-from orchestrator.state import AttemptRecord, Store
+from orchestrator.state import AttemptRecord, Store, TaskRecord
 from orchestrator.view import (
     Listener,
     RunResult,
@@ -49,11 +49,16 @@ from orchestrator.view import (
     TaskView,
     describe_phases,
     human_bytes,
+    safe,
 )
 from orchestrator.warm import WarmTasks
 from orchestrator.watch import AttemptFailed, AttemptWatch, Watched
 
 HEARTBEAT_S = 2.0
+LAUNCH_SETTLE_S = 2.0  # how long a failed launch's pid file is looked for (see _start)
+UNEXPECTED_FIX = ("this is a bug in orchestrate, or the state store (under ORCHESTRATE_HOME) "
+                  "failed: run it again as 'orchestrate --debug ...' for the traceback; the "
+                  "run's tasks were stopped")
 
 
 class Supervisor:
@@ -75,7 +80,7 @@ class Supervisor:
         self.provider = provider
         self.store = store
         self.workdir = workdir
-        self._listener = listener or (lambda view, event: None)
+        self._listener: Listener = safe(listener) if listener else (lambda view, event: None)
         self.backoff_sleep = backoff_sleep
         self.clock = clock
         self.poll_s = poll_s
@@ -108,10 +113,45 @@ class Supervisor:
         (after the controller that started it died), then go on as usual. With ``resume``,
         the ended run goes on from its newest checkpoint as its next attempt, with a fresh
         retry budget.
+
+        However it ends, the run's record says so: succeeded, failed (with the report), or
+        cancelled (Ctrl-C); an unexpected error (a bug, the state store failing) ends it as
+        failed too, and its tasks are stopped first.
         """
         started = self.clock()
         self.view.run_id = run_id
-        mirror = self._mirror = CheckpointMirror(
+        try:
+            try:
+                finished = self._attempts(run_id, attach, resume)
+            finally:
+                self._close()  # before the counts and the model download: the mirror is done
+            return self._succeed(run_id, finished, started)
+        except AttemptFailed as failure:
+            if failure.cause is Cause.STOPPED:
+                raise RunFailed(f"run {run_id} was stopped by 'orchestrate down'",
+                                run_id=run_id) from None
+            report = self._report_or(run_id, f"run {run_id} failed: {failure}")
+            self._end_run(run_id, "failed", report)
+            raise RunFailed(report, run_id=run_id, fix=_advice(failure)) from None
+        except OrchestratorError as exc:  # repair, restore or launch failed: the run cannot go on
+            message = f"run {run_id} failed: {exc.message}"
+            self._end_run(run_id, "failed", message)
+            raise RunFailed(message, run_id=run_id, fix=exc.fix) from exc
+        except KeyboardInterrupt:
+            self._end_run(run_id, "cancelled", "interrupted by the user (Ctrl-C)")
+            raise
+        except Exception as exc:
+            message = (f"run {run_id} failed: the controller stopped on an unexpected error: "
+                       f"{type(exc).__name__}: {str(exc)[:1000]}")
+            self._end_run(run_id, "failed", message)
+            raise RunFailed(message, run_id=run_id, fix=UNEXPECTED_FIX) from exc
+        except BaseException as exc:  # SystemExit, GeneratorExit: the program is ending
+            self._end_run(run_id, "cancelled", f"the controller ended ({type(exc).__name__})")
+            raise
+
+    def _attempts(self, run_id: str, attach: bool, resume: bool) -> dict[str, Event]:
+        """Every attempt, restarting the group on a retryable failure, until one succeeds."""
+        self._mirror = CheckpointMirror(
             paths.mirror_dir(self.spec.name, run_id), self.provider.runner, self._worker,
             mode=self.spec.checkpoint.mirror, on_mirrored=self._mirrored,
             on_pulling=self._pulling, on_off=self._say)
@@ -124,6 +164,7 @@ class Supervisor:
         if attach:
             self._causes.update(Cause(a.cause) for a in previous
                                 if a.cause in Cause._value2member_map_)
+            attach = self._attachable(run_id, previous)
         base = len(previous)
         self._resumed_at = base + 1 if resume else 0
         retrying = Retrying(
@@ -135,46 +176,91 @@ class Supervisor:
             before_sleep=self._before_sleep,
             reraise=True,
         )
+        for attempt in retrying:
+            with attempt:
+                n = attempt.retry_state.attempt_number
+                if attach and n == 1:
+                    finished = self._reattach(run_id, previous[-1])
+                else:
+                    finished = self._attempt(run_id, base + n - (1 if attach else 0))
+        return finished
+
+    def _attachable(self, run_id: str, previous: list[AttemptRecord]) -> bool:
+        """Whether the run's last attempt is one to take over: recorded running with every
+        task. One its controller left while launching it has its started tasks stopped and is
+        recorded cancelled; with none (the controller died before it launched any), the run
+        goes on with its next attempt."""
+        last = previous[-1] if previous else None
+        if last is not None and last.status == "running" and \
+                len(last.tasks) >= self.spec.num_tasks:
+            return True
+        if last is None or last.status != "running":
+            self._say(f"run {run_id} has no attempt running to take over (its controller "
+                      "ended before it launched one): starting the next attempt")
+            return False
+        self._say(f"attempt {last.number} of run {run_id} has {len(last.tasks)} of "
+                  f"{self.spec.num_tasks} tasks: its controller ended while launching it. "
+                  "Stopping them, then starting the next attempt")
+        self._stop_records(last.tasks)
+        self.store.update_attempt(
+            run_id, last.number, status="cancelled", ended_at=time.time(),
+            cause=Cause.CANCELLED.value, failed_task="-",
+            detail="its controller ended while launching it; the tasks it started were stopped")
+        return False
+
+    def _stop_records(self, tasks: list[TaskRecord]) -> None:
+        """Stop recorded tasks (of an attempt another controller left), as 'down' does."""
+        hosts = {h.name: h for h in self.provider.hosts()}
+
+        def stop(task: TaskRecord) -> None:
+            if task.host in hosts:
+                launcher = launcher_named(task.launcher)
+                launcher.stop(self.provider.runner(hosts[task.host]), launcher.find(task),
+                              self.spec.timeouts.stop_grace_s)
+
+        if tasks:
+            with ThreadPoolExecutor(max_workers=min(32, len(tasks))) as pool:
+                list(pool.map(stop, tasks))
+
+    def _end_run(self, run_id: str, status: str, message: str) -> None:
+        """Record how the run ended; a store that cannot is said, not raised over the error
+        that ended the run."""
         try:
-            for attempt in retrying:
-                with attempt:
-                    n = attempt.retry_state.attempt_number
-                    if attach and n == 1:
-                        finished = self._reattach(run_id, previous[-1])
-                    else:
-                        finished = self._attempt(run_id, base + n - (1 if attach else 0))
-        except AttemptFailed as failure:
-            if failure.cause is Cause.STOPPED:
-                raise RunFailed(f"run {run_id} was stopped by 'orchestrate down'",
-                                run_id=run_id) from None
-            report = self.report(run_id)
-            self.store.finish_run(run_id, status="failed", message=report)
-            raise RunFailed(report, run_id=run_id, fix=_advice(failure)) from None
-        except KeyboardInterrupt:
-            self.store.finish_run(run_id, status="cancelled", message="interrupted by the user")
-            raise
-        except OrchestratorError as exc:  # repair, restore or launch failed: the run cannot go on
-            message = f"run {run_id} failed: {exc.message}"
-            self.store.finish_run(run_id, status="failed", message=message)
-            raise RunFailed(message, run_id=run_id, fix=exc.fix) from exc
-        finally:
+            self.store.finish_run(run_id, status=status, message=message)
+        except Exception as exc:
+            self._say(f"could not record that run {run_id} {status}: {type(exc).__name__}: "
+                      f"{exc}")
+
+    def _report_or(self, run_id: str, fallback: str) -> str:
+        try:
+            return self.report(run_id)
+        except Exception:
+            return fallback
+
+    def _close(self) -> None:
+        """Stop the warm tasks and the checkpoint mirror, whatever ended the run."""
+        try:
             if self._warm is not None:
                 self._warm.stop()
-            mirror.close()
-        return self._succeed(run_id, finished, started)
+        except Exception as exc:
+            self._say(f"could not stop the warm tasks: {type(exc).__name__}: {exc}")
+        finally:
+            if self._mirror is not None:
+                self._mirror.close()
 
     def _succeed(self, run_id: str, finished: dict[str, Event], started: float) -> RunResult:
         self._count_mirror()
         chief = finished[next(iter(finished))]
         metrics = dict(chief.get("metrics") or {})
         model_path = self._fetch_model(run_id, str(chief.get("model_path") or ""))
-        self.store.finish_run(run_id, status="succeeded", metrics=metrics, model_path=model_path)
-        return RunResult(
+        result = RunResult(
             run_id=run_id, status="succeeded", metrics=metrics, model_path=model_path,
             digests={k: str(e.get("weights_sha256", "")) for k, e in finished.items()},
             attempts=self.store.attempts(run_id), seconds=self.clock() - started,
             checkpoint_bytes=dict(self.view.checkpoint_bytes),
         )
+        self.store.finish_run(run_id, status="succeeded", metrics=metrics, model_path=model_path)
+        return result
 
     def _budget_spent(self, state: RetryCallState) -> bool:
         failure = state.outcome.exception() if state.outcome else None
@@ -210,15 +296,21 @@ class Supervisor:
         if number > 1 or plan.checkpoints.named_by == "job.checkpoint_dir":
             self._restore_checkpoint(plan)  # a script's own directory may hold a checkpoint
         marks["checkpoint_ready"] = time.time()
-        watched = self._launch(plan)
+        self.store.start_attempt(run_id, number, [])  # _launch adds each task as it starts
+        watched = self._launch(run_id, plan)
         marks["started"] = time.time()
-        self.store.start_attempt(run_id, number, [w.record(self.launcher) for w in watched])
         return self._supervise(run_id, number, plan, watched)
 
     def _reattach(self, run_id: str, attempt: AttemptRecord) -> dict[str, Event]:
         """Watch a running attempt that another (dead) controller started."""
         plan = self._plan(run_id, attempt.number, busy=False)
         records = {t.task: t for t in attempt.tasks}
+        missing = [task.key for task in plan.tasks if task.key not in records]
+        if missing:
+            raise StateError(
+                f"attempt {attempt.number} of run {run_id} has no task {missing[0]}: the spec "
+                "changed since the attempt started", fix="stop the run with 'orchestrate down "
+                "SPEC', then train again")
         if attempt.tasks:  # found again the way they were started
             found = launcher_named(attempt.tasks[0].launcher)
             if found.kind != self.launcher.kind:
@@ -246,17 +338,33 @@ class Supervisor:
 
     def _supervise(self, run_id: str, number: int, plan: ClusterPlan,
                    watched: list[Watched]) -> dict[str, Event]:
-        self._current = {w.key: w.handle for w in watched}
-        watch = AttemptWatch(
-            self.spec, watched, self.view, self._notify, launcher=self.launcher,
-            on_tick=lambda: self._tick(run_id),
-            on_event=lambda w, e: self._on_event(run_id, number, plan, w, e),
-            python_for=lambda w: self.provider.python(w.plan.host), interval_s=self.poll_s,
-        )
+        watch: AttemptWatch | None = None
         try:
+            self._current = {w.key: w.handle for w in watched}
+            watch = AttemptWatch(
+                self.spec, watched, self.view, self._notify, launcher=self.launcher,
+                on_tick=lambda: self._tick(run_id),
+                on_event=lambda w, e: self._on_event(run_id, number, plan, w, e),
+                python_for=lambda w: self.provider.python(w.plan.host), interval_s=self.poll_s,
+            )
             finished = watch.run()
         except AttemptFailed as failure:
-            detected = time.time()
+            self._failed(run_id, number, watched, watch, failure)
+        except BaseException as exc:
+            self._abandon(run_id, number, watched, watch, exc)
+            raise
+        finally:
+            if watch is not None:
+                watch.close()
+        self._end_attempt(run_id, number, watched, "succeeded", None, None)
+        return finished
+
+    def _failed(self, run_id: str, number: int, watched: list[Watched], watch: AttemptWatch | None,
+                failure: AttemptFailed) -> NoReturn:
+        """Stop every task after the attempt's failure, say which it was, record it, raise it.
+        An error meanwhile (a host, the store, a Ctrl-C) still leaves every task stopped."""
+        detected = time.time()
+        try:
             if failure.saved_step is not None and self.store.run_status(run_id) == "stopped":
                 failure.cause = Cause.STOPPED  # 'down' TERMed the tasks before we noticed
             self._check_preempted(failure, watched)
@@ -264,34 +372,93 @@ class Supervisor:
                                     or failure.saved_step is not None
                                     or failure.cause is Cause.PREEMPTED)
             failure = self._confirm(failure, silent)
-            status = "stopped" if failure.cause is Cause.STOPPED else "failed"
-            self._end_attempt(run_id, number, watched, status, failure, detected)
-            raise failure from None
-        except BaseException:
-            self._say("stopping every task: each saves a checkpoint at the same step "
-                      f"(up to {self.spec.timeouts.stop_grace_s:.0f}s)")
-            self._stop_all(watched, watch, planned=True)
-            self._end_attempt(run_id, number, watched, "cancelled",
-                              AttemptFailed(Cause.CANCELLED, "-", "interrupted"), time.time())
+        except BaseException as exc:
+            self._abandon(run_id, number, watched, watch, exc)
             raise
-        finally:
-            watch.close()
-        self._end_attempt(run_id, number, watched, "succeeded", None, None)
-        return finished
+        status = "stopped" if failure.cause is Cause.STOPPED else "failed"
+        self._end_attempt(run_id, number, watched, status, failure, detected)
+        raise failure from None
 
-    def _launch(self, plan: ClusterPlan) -> list[Watched]:
+    def _abandon(self, run_id: str, number: int, watched: list[Watched],
+                 watch: AttemptWatch | None, exc: BaseException) -> None:
+        """The attempt ends on something other than its tasks: a Ctrl-C (cancelled), or an
+        error of the controller (failed). Every task is stopped as for a planned stop (it
+        saves a checkpoint at the same step as the others) and the attempt recorded."""
+        interrupted = not isinstance(exc, Exception)
+        why = "interrupted" if interrupted else \
+            f"the controller failed: {type(exc).__name__}: {str(exc)[:500]}"
+        if watched:
+            self._say(f"stopping every task ({why}): each saves a checkpoint at the same step "
+                      f"(up to {self.spec.timeouts.stop_grace_s:.0f}s)")
+        # Stopped, the attempt is recorded whatever comes next (a second Ctrl-C); stopped in
+        # part, it stays 'running' in the record, and 'down' stops what is left.
+        self._stop_tasks(watched, planned=True)
+        try:
+            self._drain(watch)
+        finally:
+            self._end_attempt(run_id, number, watched, "cancelled" if interrupted else "failed",
+                              AttemptFailed(Cause.CANCELLED, "-", why), time.time())
+
+    def _launch(self, run_id: str, plan: ClusterPlan) -> list[Watched]:
+        """Start every task of the attempt; each is added to the attempt's record as soon as
+        it runs, so that 'down' finds it whatever happens next. If a start fails or a Ctrl-C
+        comes, the starts under way end, then every task started is stopped and the attempt
+        recorded as ended, before the error goes on."""
         went = self._warm.go(plan) if self._warm is not None else {}
+        started: dict[str, Watched] = {}
+        lock = threading.Lock()
+
+        def in_order() -> list[Watched]:
+            return [started[t.key] for t in plan.tasks if t.key in started]
 
         def start(task: TaskPlan) -> Watched:
             runner = self.provider.runner(task.host)
-            handle = went.get(task.key)
-            return Watched(task, handle or self.launcher.start(runner, task), runner)
+            w = Watched(task, went.get(task.key) or self._start(runner, task), runner)
+            with lock:
+                started[task.key] = w
+                self.store.update_attempt(run_id, plan.attempt,
+                                          tasks=[x.record(self.launcher) for x in in_order()])
+            return w
 
-        with ThreadPoolExecutor(max_workers=min(32, len(plan.tasks))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(32, len(plan.tasks)))
+        try:
             watched = list(pool.map(start, plan.tasks))
+        except BaseException as exc:
+            pool.shutdown(wait=True, cancel_futures=True)
+            self._abandon(run_id, plan.attempt, in_order(), None, exc)
+            raise
+        finally:
+            pool.shutdown(wait=True)
         how = f" ({len(went)} warm: told to go)" if went else ""
         self._say(f"attempt {plan.attempt}: started {len(watched)} tasks{how}")
         return watched
+
+    def _start(self, runner: Runner, task: TaskPlan) -> TaskHandle:
+        """Start one task. A launch that failed may have started it all the same: a Ctrl-C
+        on a terminal reaches the launch script too, which may die after the task's own
+        session began. Its pid file then names it, to be recorded and stopped like the rest."""
+        try:
+            return self.launcher.start(runner, task)
+        except OrchestratorError:
+            handle = self._started_anyway(runner, task)
+            if handle is None:
+                raise
+            return handle
+
+    def _started_anyway(self, runner: Runner, task: TaskPlan) -> TaskHandle | None:
+        pid_path = LaunchSpec(task.argv, task.cwd, task.log_path, task.rc_path).pid_path
+        deadline = time.monotonic() + LAUNCH_SETTLE_S
+        while True:
+            try:
+                pid = runner.run(["cat", pid_path], check=False,
+                                 timeout_s=self.spec.timeouts.poll_s).stdout.strip()
+            except OrchestratorError:
+                return None
+            if pid.isdigit():
+                return TaskHandle(runner.host_name, int(pid), task.log_path, task.rc_path)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
 
     def _maybe_warm(self, run_id: str, number: int, chief: Watched) -> None:
         """Start the next attempt's warm tasks once this attempt trains (``retry.warm_tasks``:
@@ -343,8 +510,16 @@ class Supervisor:
             self._record_recovery(run_id, number, w)
 
     # -- after a failure -------------------------------------------------------------------
-    def _stop_all(self, watched: list[Watched], watch: AttemptWatch, *, planned: bool) -> set[str]:
-        """Stop every task; returns the hosts that did not answer (during the attempt or now).
+    def _stop_all(self, watched: list[Watched], watch: AttemptWatch | None, *,
+                  planned: bool) -> set[str]:
+        """Stop every task, then read what they wrote last; returns the hosts that did not
+        answer (during the attempt or now)."""
+        self._stop_tasks(watched, planned=planned)
+        self._drain(watch)
+        return {w.plan.host.name for w in watched if w.unreachable is not None}
+
+    def _stop_tasks(self, watched: list[Watched], *, planned: bool) -> None:
+        """Stop every task.
 
         A planned stop (``down``, Ctrl-C, a task's saved stop) sends SIGTERM and waits up to
         ``timeouts.stop_grace_s`` for every task to save at the same step and exit; after a
@@ -363,10 +538,17 @@ class Supervisor:
                     w.unreachable = "did not answer when it was being stopped"
             self._orphans.append((w.plan.host.name, w.handle))  # stopped once its host is back
 
-        with ThreadPoolExecutor(max_workers=min(32, len(watched))) as pool:
-            list(pool.map(stop, watched))
-        watch.drain()
-        return {w.plan.host.name for w in watched if w.unreachable is not None}
+        if watched:
+            with ThreadPoolExecutor(max_workers=min(32, len(watched))) as pool:
+                list(pool.map(stop, watched))
+
+    def _drain(self, watch: AttemptWatch | None) -> None:
+        if watch is None:
+            return
+        try:
+            watch.drain()
+        except Exception as exc:  # the tasks are stopped: their last lines are a bonus
+            self._say(f"could not read the tasks' last output: {type(exc).__name__}: {exc}")
 
     def _check_preempted(self, failure: AttemptFailed, watched: list[Watched]) -> None:
         """Whether a VM the cloud is taking back (a spot VM stopping) is behind the failure.
@@ -570,7 +752,6 @@ class Supervisor:
     # -- records ---------------------------------------------------------------------------
     def _end_attempt(self, run_id: str, number: int, watched: list[Watched], status: str,
                      failure: AttemptFailed | None, detected_at: float | None) -> None:
-        chief = watched[0]
         firsts = [w.first_progress_at for w in watched if w.first_progress_at is not None]
         self.store.update_attempt(
             run_id, number, status=status, ended_at=time.time(),
@@ -581,7 +762,7 @@ class Supervisor:
             evidence=(failure.evidence if failure else "")[-8000:],
             failed_at=failure.failed_at if failure else None,
             detected_at=detected_at,
-            resumed_from_step=chief.start_step,
+            resumed_from_step=watched[0].start_step if watched else None,
             last_step=max((w.step for w in watched), default=0),
             first_step_at=min(firsts) if firsts else None,
             tasks=[w.record(self.launcher) for w in watched],

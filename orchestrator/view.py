@@ -3,10 +3,11 @@ callers see of it, updated by the supervisor as events arrive. Displays import o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.events import Event
+from orchestrator.events import BadEventNotes, Event
 from orchestrator.state import AttemptRecord
 
 
@@ -46,9 +47,48 @@ class RunView:
     collectives: str | None = None
     global_batch_size: int | None = None
     learning_rate: float | None = None
+    # The tasks' bad event lines noted so far (in ``messages``: once per kind, a few in all).
+    bad_events: BadEventNotes = field(default_factory=BadEventNotes, repr=False, compare=False)
 
 
 Listener = Callable[[RunView, Event | None], None]
+
+
+class SafeListener:
+    """A listener whose errors never end a run (a display, or a user's callback).
+
+    Its first error is reported once, in plain text on stderr, with the listener's name; it
+    is still called after (a display may fail on one event and not on the next). A Ctrl-C
+    (KeyboardInterrupt) or an exit in it is not an error of the listener: it goes on up.
+    """
+
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self.failed = False
+
+    def __call__(self, view: RunView, event: Event | None) -> None:
+        try:
+            self.listener(view, event)
+        except Exception as exc:
+            if self.failed:
+                return
+            self.failed = True
+            sys.stderr.write(f"orchestrate: the listener {listener_name(self.listener)} raised "
+                             f"{type(exc).__name__}: {str(exc)[:500]}; the run goes on (its "
+                             "later errors are not reported)\n")
+            sys.stderr.flush()
+
+
+def safe(listener: Listener) -> SafeListener:
+    """``listener``, guarded (once: a guarded listener is returned as it is)."""
+    return listener if isinstance(listener, SafeListener) else SafeListener(listener)
+
+
+def listener_name(listener: Callable[..., object]) -> str:
+    """How a report names a listener: a function's qualified name, else its class's."""
+    name = getattr(listener, "__qualname__", None) or type(listener).__qualname__
+    module = getattr(listener, "__module__", None) or type(listener).__module__
+    return f"{module}.{name}" if module and module != "builtins" else str(name)
 
 
 @dataclass(frozen=True)

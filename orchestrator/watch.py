@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.causes import Cause
 from orchestrator.errors import RemoteError
-from orchestrator.events import Event, LineBuffer, parse_line
+from orchestrator.events import BadEvent, Event, LineBuffer, read_line
 from orchestrator.launchers import Launcher
 from orchestrator.plan import TaskPlan
 from orchestrator.remote.base import Runner, TaskHandle, TaskState, TaskStatus
@@ -281,7 +281,14 @@ class AttemptWatch:
         if data:
             w.last_heard = time.time()
         for line in w.buffer.feed(data):
-            event = parse_line(line)
+            event = read_line(line)
+            if isinstance(event, BadEvent):  # output, and a note once per kind of mistake
+                w.tail.append(line[:2000])
+                note = self.view.bad_events.note(w.key, event)
+                if note is not None:
+                    self.view.messages.append(note)
+                    self.listener(self.view, None)
+                continue
             if event is None:
                 if line.strip():
                     w.tail.append(line)

@@ -8,10 +8,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 import paramiko
+import pytest
 from hostlab import HostLab, LabHost
 
+from orchestrator import cli
 from orchestrator.events import Event, parse_line
 from orchestrator.remote.ssh import Link, SSHRunner
 
@@ -84,3 +87,13 @@ class CountingRunner(SSHRunner):
     def _open_channel(self, link: Link) -> paramiko.Channel:
         self.channels.append(link)
         return super()._open_channel(link)
+
+
+def orchestrate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``orchestrate ARGS`` in this process, as its entry point runs it: (exit code, out, err)."""
+    with mock.patch.object(sys, "argv", ["orchestrate", *args]), \
+            pytest.raises(SystemExit) as exited:
+        cli.main()
+    out, err = capsys.readouterr()
+    code = exited.value.code
+    return code if isinstance(code, int) else 1, out, err

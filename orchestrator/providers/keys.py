@@ -3,7 +3,6 @@ the machines a provider makes."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from orchestrator.files import write_atomic
+from orchestrator.files import private_dir, write_atomic
 
 PRIVATE_NAME = "id_ed25519"
 
@@ -27,8 +26,7 @@ def ensure_key_pair(directory: Path) -> KeyPair:
     private = directory / PRIVATE_NAME
     public = directory / f"{PRIVATE_NAME}.pub"
     if not (private.is_file() and public.is_file()):
-        directory.mkdir(parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
+        private_dir(directory)
         key = ed25519.Ed25519PrivateKey.generate()
         write_atomic(public, _public_line(key) + "\n", mode=0o644)
         write_atomic(private, key.private_bytes(serialization.Encoding.PEM,

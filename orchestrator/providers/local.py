@@ -8,6 +8,7 @@ from pathlib import Path
 
 import worker as worker_package
 from orchestrator import paths
+from orchestrator.files import private_dir
 from orchestrator.hosts import Host
 from orchestrator.providers.base import DownReport, Provider
 from orchestrator.remote.local import LocalRunner
@@ -30,10 +31,11 @@ class LocalProvider(Provider):
         return str(paths.cluster_home(self.spec.name))
 
     def up(self) -> list[Host]:
-        """Nothing to create; with ``container``, the tasks run in an image, so the controller's
-        ``worker`` package is copied to ``<root>/lib`` (on their PYTHONPATH, mounted) as on an
-        SSH host."""
+        """Only the root, private (0700); with ``container``, the tasks run in an image, so the
+        controller's ``worker`` package is copied to ``<root>/lib`` (on their PYTHONPATH,
+        mounted) as on an SSH host."""
         hosts = self.hosts()
+        private_dir(Path(self.root))
         if self.spec.container is not None:
             sync_dir(self._runner, str(Path(worker_package.__file__).parent),
                      f"{paths.lib_dir(self.root)}/worker", ("__pycache__", "*.pyc"))

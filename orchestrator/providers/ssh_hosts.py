@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import posixpath
 import shlex
 import threading
 import time
@@ -19,14 +20,14 @@ import worker as worker_package
 from orchestrator import paths
 from orchestrator import spec as specs
 from orchestrator.errors import AuthError, HostUnreachableError, ProviderError
-from orchestrator.files import write_atomic
+from orchestrator.files import private_dir, write_atomic
 from orchestrator.hosts import Host, SSHEndpoint
 from orchestrator.providers.base import Provider
 from orchestrator.providers.keys import PRIVATE_NAME, KeyPair, ensure_key_pair, remove_key_pair
 from orchestrator.remote.base import Runner, probe_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import sync_dir
+from orchestrator.remote.sync import Upload, sync_dir, upload_of
 
 SETUP_STAMP = ".orchestrate-setup"
 FREE_PORTS_SOUGHT = 4  # per host: probing stops once this many free ports were seen
@@ -51,6 +52,9 @@ class SSHHostsProvider(Provider):
         super().__init__(spec, spec_path)
         self._known: dict[str, Host] = {}
         self._runners: dict[str, SSHRunner] = {}
+        self._homes: dict[str, str] = {}  # the SSH user's $HOME on each host, once asked
+        self._root_notes: list[str] = []  # what ``up`` found of the roots, for ``notes()``
+        self._upload: Upload | None = None
         self._lock = threading.RLock()
 
     # -- runners ---------------------------------------------------------------------------
@@ -144,8 +148,8 @@ class SSHHostsProvider(Provider):
             ProviderError: the home directory is not absolute.
         """
         if self.config.root:
-            return self.config.root
-        home_dir = self.runner_to(host).run('printf %s "$HOME"').stdout.strip()
+            return paths.normalise_root(self.config.root)
+        home_dir = self.home_of(host)
         if not home_dir.startswith("/"):
             raise ProviderError(f"{host.name}: the SSH user's home is {home_dir!r}, not absolute",
                                 fix="set provider.root to an absolute directory")
@@ -153,7 +157,85 @@ class SSHHostsProvider(Provider):
 
     def planned_root(self, home_dir: str) -> str:
         """The root a dry run shows, ``home_dir`` standing for the SSH user's home directory."""
-        return self.config.root or paths.host_root(home_dir, self.spec.name)
+        if self.config.root:
+            return paths.normalise_root(self.config.root)
+        return paths.host_root(home_dir, self.spec.name)
+
+    def home_of(self, host: Host) -> str:
+        """The SSH user's home directory on ``host``, asked once."""
+        with self._lock:
+            known = self._homes.get(host.name)
+        if known is None:
+            known = self.runner_to(host).run('printf %s "$HOME"').stdout.strip()
+            with self._lock:
+                self._homes[host.name] = known
+        return known
+
+    # -- the root: made and marked by ``up``, deleted by ``down`` only when marked -----------
+    def unsafe_root(self, host: Host) -> str | None:
+        """Why ``host.root`` may not be a cluster's directory (``paths.unsafe_root``), with the
+        SSH user's home on the host; None when it may."""
+        return paths.unsafe_root(host.root, self.home_of(host))
+
+    def claim_root(self, host: Host) -> None:
+        """Make the root (0700) and mark it as this cluster's; a root that already existed is
+        used as it is and left unmarked (``down`` then leaves it), unless it is the default one
+        under ``~/.orchestrate``, which is orchestrate's own.
+
+        Raises:
+            ProviderError: the root is unsafe, not a directory, or another cluster's.
+        """
+        self._refuse_root(host, self.unsafe_root(host))
+        adopt = host.root == paths.host_root(self.home_of(host), self.spec.name)
+        answer = self.runner(host).run(_claim_script(host.root, self.spec.name, adopt)).stdout
+        found, _, owner = answer.strip().partition(" ")
+        if found == "not-a-directory":
+            raise ProviderError(f"{host.name}: provider.root {host.root} exists and is not a "
+                                "directory", fix="point provider.root at a directory, or remove "
+                                "what is there")
+        if found == "marked" and owner != self.spec.name:
+            raise ProviderError(
+                f"{host.name}: provider.root {host.root} belongs to cluster {owner!r} (its "
+                f"{paths.ROOT_MARKER} says so)",
+                fix=f"give each cluster a provider.root of its own, or take {owner!r} down first")
+        if found == "foreign":
+            with self._lock:
+                self._root_notes.append(
+                    f"{host.name}: {host.root} existed before 'up', which did not make it: "
+                    "'down' will leave it and what 'up' put in it (code, lib, runs)")
+
+    def _refuse_root(self, host: Host, why: str | None) -> None:
+        if why is not None:
+            raise ProviderError(
+                f"{host.name}: provider.root {host.root} is {why}: 'down' deletes the root 'up' "
+                "made, so it must be a directory of this cluster's own",
+                fix=f"set provider.root to a new directory for this cluster (e.g. "
+                f"/srv/orchestrate/{self.spec.name}), or leave it out: the default is "
+                f"~/.orchestrate/clusters/{self.spec.name}")
+
+    def remove_root(self, host: Host) -> tuple[bool, str]:
+        """Delete the root if ``up`` made it for this cluster (its marker names it): checked
+        and deleted in one command. Returns whether it was, and what to tell the user."""
+        why = self.unsafe_root(host)
+        if why is not None:
+            return False, (f"{host.name}: {host.root} not removed: provider.root is {why}; "
+                           "remove what is yours in it by hand")
+        answer = self.runner(host).run(_remove_script(host.root, self.spec.name)).stdout
+        found, _, owner = answer.strip().partition(" ")
+        reasons = {
+            "removed": "",
+            "absent": "not there (already removed)",
+            "symlink": "it is a symbolic link, which 'up' never makes",
+            "not-a-directory": "it is not a directory",
+            "unmarked": f"no {paths.ROOT_MARKER} marker of cluster {self.spec.name!r} in it "
+                        "('up' did not make it); remove it by hand if it is yours",
+            "marked": f"its {paths.ROOT_MARKER} names cluster {owner!r}, not "
+                      f"{self.spec.name!r}",
+        }
+        reason = reasons.get(found, f"unexpected answer {answer.strip()[:200]!r}")
+        if found == "removed":
+            return True, f"{host.name}:{host.root}"
+        return False, f"{host.name}: {host.root} not removed: {reason}"
 
     # -- the hosts as last reached, cached in a JSON file ------------------------------------
     @property
@@ -176,7 +258,7 @@ class SSHHostsProvider(Provider):
         """Write the remembered hosts of ``names``, in that order, and ``extra`` to the file."""
         with self._lock:
             hosts = [self._known[n] for n in names if n in self._known]
-        self.hosts_file.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.hosts_file.parent)
         document = {"hosts": [host_to_json(h) for h in hosts], **(extra or {})}
         write_atomic(self.hosts_file, json.dumps(document, indent=1))
 
@@ -216,14 +298,31 @@ class SSHHostsProvider(Provider):
     def python(self, host: Host) -> str:
         return self.config.python
 
+    def upload(self) -> Upload:
+        """What ``up`` sends of the workdir to each host (``sync.upload_of``, surveyed once),
+        checked.
+
+        Raises:
+            SpecError: the workdir is ``/`` or a home directory, and the spec does not allow it.
+            RemoteError: it is over the size limit.
+        """
+        if self._upload is None:
+            self._upload = upload_of(specs.workdir_of(self.spec, self.spec_path), self.config)
+        self._upload.check(self.spec_path)
+        return self._upload
+
     def prepare(self, host: Host) -> bool:
-        """Sync the code and the worker package, run setup when it or the code changed.
+        """Make and mark the root, sync the code and the worker package, run setup when it or
+        the code changed.
 
         Idempotent: returns whether anything changed on the host.
         """
         runner = self.runner(host)
+        self.claim_root(host)
         workdir = specs.workdir_of(self.spec, self.spec_path)
-        code_changed = sync_dir(runner, str(workdir), paths.code_dir(host.root), self.config.sync_excludes)
+        code_changed = sync_dir(runner, str(workdir), paths.code_dir(host.root),
+                                self.config.sync_excludes,
+                                allowed_secrets=self.upload().allowed_secrets)
         lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent),
                                f"{paths.lib_dir(host.root)}/worker", ("__pycache__", "*.pyc"))
         setup = self.config.setup
@@ -243,9 +342,18 @@ class SSHHostsProvider(Provider):
         """``prepare`` every host in parallel.
 
         Raises:
+            SpecError: the workdir may not be uploaded (``upload``).
             RemoteError: naming every host that failed, and why.
         """
+        self.upload()
+        for host in hosts:  # what needs no host's home, before any is touched
+            self._refuse_root(host, paths.unsafe_root(host.root))
+        private_dir(paths.cluster_home(self.spec.name))
         fan_out(hosts, self.prepare, name_of=lambda h: h.name).raise_if_failed("prepare hosts")
+
+    def notes(self) -> list[str]:
+        with self._lock:
+            return list(self._root_notes)
 
     def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
         """(address, port) pairs of the spec's range taken on each host, probed in parallel."""
@@ -259,6 +367,37 @@ class SSHHostsProvider(Provider):
         result = fan_out(hosts, probe, name_of=lambda h: h.name)
         by_name = {h.name: h for h in hosts}
         return {(by_name[r.name].address, p) for r in result.succeeded for p in r.value or []}
+
+
+def _claim_script(root: str, cluster: str, adopt: bool) -> str:
+    """Make ``root`` (umask 077) and mark it; print created, adopted, marked OWNER, foreign (it
+    existed, unmarked: left so) or not-a-directory. ``adopt`` marks an existing unmarked one."""
+    r, m = shlex.quote(root), shlex.quote(f"{root}/{paths.ROOT_MARKER}")
+    parent = shlex.quote(posixpath.dirname(root) or "/")
+    mark = f"printf '%s\\n' {shlex.quote(cluster)} >{m}.tmp && mv -f -- {m}.tmp {m}"
+    return (
+        f"umask 077; mkdir -p -- {parent} || exit 1; "
+        f"if mkdir -- {r} 2>/dev/null; then {mark} && echo created; "
+        f"elif [ ! -d {r} ]; then echo not-a-directory; "
+        f"elif [ -f {m} ] && [ ! -L {m} ]; then printf 'marked %s\\n' \"$(head -c 200 -- {m})\"; "
+        f"elif [ -L {r} ]; then echo foreign; "
+        + (f"else {mark} && echo adopted; fi" if adopt else "else echo foreign; fi")
+    )
+
+
+def _remove_script(root: str, cluster: str) -> str:
+    """Delete ``root`` only if it is a directory (not a link) whose marker names ``cluster``;
+    print removed, absent, symlink, not-a-directory, unmarked or marked OWNER."""
+    r, m = shlex.quote(root), shlex.quote(f"{root}/{paths.ROOT_MARKER}")
+    return (
+        f"if [ ! -e {r} ] && [ ! -L {r} ]; then echo absent; "
+        f"elif [ -L {r} ]; then echo symlink; "
+        f"elif [ ! -d {r} ]; then echo not-a-directory; "
+        f"elif [ ! -f {m} ] || [ -L {m} ]; then echo unmarked; "
+        f"elif [ \"$(head -c 200 -- {m})\" != {shlex.quote(cluster)} ]; then "
+        f"printf 'marked %s\\n' \"$(head -c 200 -- {m})\"; "
+        f"else rm -rf -- {r} && echo removed; fi"
+    )
 
 
 def host_to_json(host: Host) -> dict[str, Any]:

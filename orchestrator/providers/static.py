@@ -67,19 +67,19 @@ class StaticProvider(SSHHostsProvider):
         ]
 
     def up(self) -> list[Host]:
-        """Reach every host in parallel, sync the code and the worker package, run setup."""
+        """Check what will be uploaded, reach every host in parallel, make and mark each root,
+        sync the code and the worker package, run setup."""
+        self.upload()
         hosts = self.hosts()
         self.prepare_all(hosts)
         return hosts
 
     def down(self) -> DownReport:
-        """Remove this cluster's directory on every host; nothing else is touched."""
-        hosts = self.hosts()
-
-        def clean(host: Host) -> str:
-            self.runner(host).run(["rm", "-rf", "--", host.root])
-            return f"{host.name}:{host.root}"
-
-        result = fan_out(hosts, clean, name_of=lambda h: h.name)
-        notes = tuple(f"{r.name}: not cleaned: {r.error}" for r in result.failed)
-        return DownReport(removed=tuple(str(r.value) for r in result.succeeded), notes=notes)
+        """Remove this cluster's directory on every host, only where ``up`` made it (its marker
+        names this cluster); anything else is left, and the report says why."""
+        result = fan_out(self.hosts(), self.remove_root, name_of=lambda h: h.name)
+        outcomes = [r.value for r in result.succeeded if r.value is not None]
+        notes = [f"{r.name}: not cleaned: {r.error}" for r in result.failed]
+        notes += [text for removed, text in outcomes if not removed]
+        return DownReport(removed=tuple(text for removed, text in outcomes if removed),
+                          notes=tuple(notes))

@@ -7,12 +7,14 @@ import os
 import shutil
 import signal
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.errors import RemoteError
 from orchestrator.remote.base import (
     POLL_LOG_MAX,
     ExecResult,
+    LaunchSpec,
     LogPoll,
     Runner,
     TaskHandle,
@@ -25,9 +27,14 @@ from worker.probes import group_members, process_stat
 # States of a process that is no more: a zombie (exited, not yet reaped; it still answers
 # kill 0, and a container's PID 1 may never reap it) and a dead one on its way out.
 GONE = ("Z", "X", "x")
+PRIVATE_UMASK = 0o077
 
 
 class LocalRunner(Runner):
+    """Every command runs with umask 077: what the controller makes here (run and log
+    directories, logs, exit code files, staged checkpoints) is private whatever this process's
+    umask; a task gets this process's umask back for what it writes itself."""
+
     def __init__(self, host_name: str = "localhost") -> None:
         super().__init__(host_name)
 
@@ -35,25 +42,29 @@ class LocalRunner(Runner):
               input: str | None = None) -> ExecResult:
         stdin = {"input": input} if input is not None else {"stdin": subprocess.DEVNULL}
         try:
-            proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
-                                  timeout=timeout_s, **stdin)
+            proc = subprocess.run(["sh", "-c", f"umask {PRIVATE_UMASK:03o}; {script}"],
+                                  capture_output=True, text=True, timeout=timeout_s, **stdin)
         except subprocess.TimeoutExpired:
             raise RemoteError(f"command did not finish within {timeout_s}s: {script[:200]}",
                               host=self.host_name) from None
         return ExecResult(proc.returncode, proc.stdout, proc.stderr)
 
+    def start(self, spec: LaunchSpec) -> TaskHandle:
+        restore = ("sh", "-c", f'umask {process_umask():03o} && exec "$@"', "sh")
+        return super().start(replace(spec, argv=(*restore, *spec.argv)))
+
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         return "".join(state for _, state in group_members(handle.pgid))
 
     def put_file(self, local_path: str, remote_path: str, mode: int | None = None) -> None:
-        Path(remote_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(remote_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.copyfile(local_path, remote_path)
-        if mode is not None:
-            os.chmod(remote_path, mode)
+        os.chmod(remote_path, 0o600 if mode is None else mode)
 
     def get_file(self, remote_path: str, local_path: str) -> None:
-        Path(local_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(local_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.copyfile(remote_path, local_path)
+        os.chmod(local_path, 0o600)
 
     def poll(self, handle: TaskHandle) -> TaskStatus:
         exited = _exited(handle.rc_path)
@@ -112,6 +123,17 @@ def _exited(rc_path: str) -> TaskStatus | None:
         return None
     code = int(text) if text.lstrip("-").isdigit() else None
     return TaskStatus(TaskState.EXITED, code, ended) if code is not None else None
+
+
+def process_umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, for every thread)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(PRIVATE_UMASK)
+    os.umask(mask)
+    return mask
 
 
 def live_group_members(pgid: int) -> list[int]:

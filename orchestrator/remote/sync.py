@@ -1,4 +1,5 @@
-"""Idempotent directory upload: a deterministic tar.gz, a sha256 stamp, and a swap into place."""
+"""Idempotent directory upload: a deterministic tar.gz, a sha256 stamp, and a swap into place;
+and what an upload would hold (``survey``), secrets left out."""
 
 from __future__ import annotations
 
@@ -7,43 +8,140 @@ import gzip
 import hashlib
 import os
 import shlex
+import stat
 import tarfile
 import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
-from orchestrator.errors import RemoteError
+from orchestrator import spec as specs
+from orchestrator.errors import RemoteError, SpecError
 from orchestrator.remote.base import Runner
+from orchestrator.view import human_bytes
 
 STAMP = ".orchestrate-sync"
 ALWAYS_EXCLUDED = (".git", "__pycache__", "*.pyc", ".venv", STAMP)
+# Keys, credentials and this machine's own state: never uploaded unless named in
+# ``allowed_secrets`` (``provider.sync_secrets``).
+# A pattern with a slash matches the last components of a path (``.config/gcloud`` at any depth);
+# one without matches any file or directory name.
+SECRET_EXCLUDES = (
+    ".ssh", ".orchestrate", ".aws", ".azure", ".gnupg", ".kube", ".docker/config.json",
+    ".config/gcloud", ".config/gh", ".netrc", ".git-credentials", ".pypirc", ".npmrc",
+    ".vault-token", ".boto", ".env", ".env.*", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx",
+    "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "credentials.json",
+    "application_default_credentials.json", "service-account*.json",
+)
+MAX_UPLOAD_BYTES = 2 << 30  # an upload larger than this is refused: data belongs elsewhere
+LARGEST_SHOWN = 5  # top-level entries ``survey`` names, largest first
+SECRETS_SHOWN = 20  # secret paths ``survey`` names (the count covers every one)
 FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: the same tree always packs to the same bytes
 
 
-def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence[str]) -> bool:
+@dataclass(frozen=True)
+class Upload:
+    """What uploading a directory sends (``survey``): files, bytes, the largest top-level
+    entries, and the secret paths left out. ``complete`` is False when the count stopped at
+    the size limit (the real total is larger still)."""
+
+    local_dir: str
+    files: int
+    bytes: int
+    largest: tuple[tuple[str, int], ...]
+    secrets_left_out: tuple[str, ...]
+    secrets_count: int
+    complete: bool = True
+    limit: int | None = MAX_UPLOAD_BYTES
+    allowed_secrets: tuple[str, ...] = ()  # secret paths uploaded anyway, as asked
+    broad: str | None = None  # why the directory is refused whole (``broad_workdir``); not walked
+
+    def refusal(self) -> str | None:
+        """Why ``up`` refuses this upload, and what to do; None when it does not."""
+        if self.broad:
+            return (f"workdir is {self.broad}: point it at the training code, or set "
+                    "provider.allow_home_workdir: true")
+        if not self.complete and self.limit is not None:
+            return (f"over the {human_bytes(self.limit)} limit: leave data out with "
+                    "provider.sync_excludes")
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dir": self.local_dir, "files": self.files, "bytes": self.bytes,
+                "complete": self.complete, "refused": self.refusal(),
+                "largest": [{"path": p, "bytes": b} for p, b in self.largest],
+                "secrets_left_out": list(self.secrets_left_out),
+                "secrets_left_out_count": self.secrets_count}
+
+    def check(self, spec_path: str | Path) -> None:
+        """Raise what ``up`` refuses this upload for.
+
+        Raises:
+            SpecError: the workdir is ``/`` or a home directory (``broad_workdir``).
+            RemoteError: it is over the size limit (``too_large``).
+        """
+        if self.broad:
+            raise SpecError(
+                f"{self.local_dir} is {self.broad}: 'up' would copy all of it to every host",
+                file=str(spec_path), field="workdir",
+                fix="point workdir at the directory that holds the training code, or set "
+                "provider.allow_home_workdir: true to upload it anyway (keys and credentials, "
+                "SECRET_EXCLUDES, are still left out)")
+        if not self.complete and self.limit is not None:
+            raise too_large(self.local_dir, self.bytes, self.limit, complete=False,
+                            largest=self.largest)
+
+
+def upload_of(workdir: Path, config: specs.SSHHosts) -> Upload:
+    """What ``up`` sends of ``workdir`` to each host of a provider section, as ``plan`` shows
+    it and ``up`` checks it.
+
+    ``provider.sync_secrets`` (patterns of secret paths to upload anyway) and
+    ``provider.allow_home_workdir`` are read only where the spec has them (issue 15).
+    """
+    allowed = tuple(getattr(config, "sync_secrets", ()))
+    try:
+        home: Path | None = Path.home().resolve()
+    except (RuntimeError, KeyError, OSError):
+        home = None
+    broad = broad_workdir(workdir, home)
+    if broad and not getattr(config, "allow_home_workdir", False):
+        return Upload(str(workdir), 0, 0, (), (), 0, complete=False, broad=broad)
+    return survey(str(workdir), config.sync_excludes, allowed_secrets=allowed)
+
+
+def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence[str], *,
+             allowed_secrets: Sequence[str] = (),
+             max_bytes: int | None = MAX_UPLOAD_BYTES) -> bool:
     """Make ``remote_dir`` on the host hold exactly the tree under ``local_dir``.
 
     ``remote_dir`` is owned by the sync: anything else in it is replaced. It is
-    absolute or relative to the login directory of the runner's user.
+    absolute or relative to the login directory of the runner's user; the directories it makes
+    there are private to that user (umask 077).
 
     Args:
         excludes: glob patterns, matched against each relative path and each of
             its components; ``.git``, ``__pycache__``, ``*.pyc`` and ``.venv``
-            are always left out.
+            are always left out, and so are ``SECRET_EXCLUDES``.
+        allowed_secrets: patterns (as ``excludes``) of secret paths to upload anyway.
+        max_bytes: refuse a tree whose files add up to more (None: no limit).
 
     Returns:
         False when the host already had this exact tree, True when it was uploaded.
 
     Raises:
-        RemoteError: the upload or the unpacking on the host failed.
+        RemoteError: the tree is over ``max_bytes``, or the upload or the unpacking on the
+            host failed.
     """
     target = remote_dir.rstrip("/")
     if not target:
         raise RemoteError(f"refusing to sync into {remote_dir!r}", host=runner.host_name)
     with tempfile.TemporaryDirectory(prefix="orchestrate-sync-") as scratch:
         archive = os.path.join(scratch, "tree.tar.gz")
-        digest = pack_dir(local_dir, archive, excludes)
+        digest = pack_dir(local_dir, archive, excludes, allowed_secrets=allowed_secrets,
+                          max_bytes=max_bytes)
         if _remote_stamp(runner, target) == digest:
             return False
         token = uuid.uuid4().hex[:12]
@@ -53,23 +151,82 @@ def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence
     return True
 
 
-def pack_dir(local_dir: str, archive_path: str, excludes: Sequence[str]) -> str:
-    """Write a deterministic tar.gz of ``local_dir`` to ``archive_path``; return its sha256."""
-    root = Path(local_dir)
-    if not root.is_dir():
-        raise RemoteError(
-            f"cannot sync {local_dir}: not a directory",
-            fix="point the sync at the directory that holds the training code",
-        )
-    patterns = tuple(p.rstrip("/") for p in (*ALWAYS_EXCLUDED, *excludes))
+def pack_dir(local_dir: str, archive_path: str, excludes: Sequence[str], *,
+             allowed_secrets: Sequence[str] = (), max_bytes: int | None = None) -> str:
+    """Write a deterministic tar.gz of ``local_dir`` to ``archive_path``; return its sha256.
+
+    Raises:
+        RemoteError: ``local_dir`` is not a directory, or its files add up to over ``max_bytes``.
+    """
+    root = _directory(local_dir)
+    patterns = _patterns(excludes)
+    total = 0
     with (
         open(archive_path, "wb") as raw,
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar,
     ):
-        for rel in _walk(root, PurePosixPath(), patterns):
-            _add(tar, root, rel)
+        for rel in _walk(root, PurePosixPath(), patterns, tuple(allowed_secrets), []):
+            try:
+                total += _add(tar, root, rel)
+            except OSError as exc:
+                raise _unreadable(root / rel, exc) from None
+            if max_bytes is not None and total > max_bytes:
+                raise too_large(local_dir, total, max_bytes, complete=False)
     return _sha256(archive_path)
+
+
+def survey(local_dir: str, excludes: Sequence[str], *, allowed_secrets: Sequence[str] = (),
+           max_bytes: int | None = MAX_UPLOAD_BYTES) -> Upload:
+    """What ``sync_dir`` would upload of ``local_dir``, without reading a file: it stops
+    counting once over ``max_bytes``, so a huge tree (a workdir of ``/``) is not walked whole.
+
+    Raises:
+        RemoteError: ``local_dir`` is not a directory.
+    """
+    root = _directory(local_dir)
+    left_out: list[str] = []
+    sizes: dict[str, int] = {}
+    files = total = 0
+    complete = True
+    allowed = tuple(allowed_secrets)
+    for rel in _walk(root, PurePosixPath(), _patterns(excludes), allowed, left_out):
+        size = _size(root / rel)
+        files += (root / rel).is_symlink() or not (root / rel).is_dir()
+        total += size
+        sizes[rel.parts[0]] = sizes.get(rel.parts[0], 0) + size
+        if max_bytes is not None and total > max_bytes:
+            complete = False
+            break
+    largest = sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:LARGEST_SHOWN]
+    return Upload(str(root), files, total, tuple(largest), tuple(left_out[:SECRETS_SHOWN]),
+                  len(left_out), complete, max_bytes, tuple(allowed_secrets))
+
+
+def too_large(local_dir: str, size: int, max_bytes: int, *, complete: bool = True,
+              largest: Sequence[tuple[str, int]] = ()) -> RemoteError:
+    """The error of an upload over ``max_bytes``, naming its size and what to leave out."""
+    top = ", ".join(f"{p} {human_bytes(b)}" for p, b in largest)
+    return RemoteError(
+        f"the upload of {local_dir} is {'' if complete else 'over '}{human_bytes(size)}, more than "
+        f"the {human_bytes(max_bytes)} 'up' sends to each host" + (f" (largest: {top})" if top else ""),
+        fix="leave data, checkpoints and environments out with provider.sync_excludes (e.g. "
+        "['data', '*.ckpt']) and let the tasks read them from shared storage, or point workdir "
+        "at the directory that holds only the training code")
+
+
+def broad_workdir(workdir: Path, home: Path | None) -> str | None:
+    """Why uploading ``workdir`` to every host is refused by default, or None: it is ``/``,
+    the home directory ``home``, or one of its ancestors (all of a user's files and keys)."""
+    if workdir == Path("/"):
+        return "the file system's root"
+    if home is None:
+        return None
+    if workdir == home:
+        return f"your home directory {home}"
+    if workdir in home.parents:
+        return f"an ancestor of your home directory {home}"
+    return None
 
 
 def is_excluded(rel: PurePosixPath, patterns: Sequence[str]) -> bool:
@@ -81,19 +238,71 @@ def is_excluded(rel: PurePosixPath, patterns: Sequence[str]) -> bool:
     )
 
 
-def _walk(root: Path, rel: PurePosixPath, patterns: Sequence[str]) -> Iterator[PurePosixPath]:
-    with os.scandir(root / rel) as it:
-        entries = sorted(it, key=lambda e: e.name)
+def is_secret(rel: PurePosixPath) -> bool:
+    """True if ``rel`` ends with one of ``SECRET_EXCLUDES`` (its name, or its last components
+    for a pattern with a slash)."""
+    for pattern in SECRET_EXCLUDES:
+        want = PurePosixPath(pattern).parts
+        tail = rel.parts[-len(want):]
+        if len(tail) == len(want) and all(map(fnmatch.fnmatchcase, tail, want)):
+            return True
+    return False
+
+
+def _directory(local_dir: str) -> Path:
+    root = Path(local_dir)
+    if not root.is_dir():
+        raise RemoteError(
+            f"cannot sync {local_dir}: not a directory",
+            fix="point the sync at the directory that holds the training code",
+        )
+    return root
+
+
+def _unreadable(path: Path, exc: OSError) -> RemoteError:
+    return RemoteError(f"cannot read {path} to upload it: {exc.strerror or exc}",
+                       fix="make it readable, or leave it out with provider.sync_excludes")
+
+
+def _patterns(excludes: Sequence[str]) -> tuple[str, ...]:
+    return tuple(p.rstrip("/") for p in (*ALWAYS_EXCLUDED, *excludes))
+
+
+def _walk(root: Path, rel: PurePosixPath, patterns: Sequence[str], allowed: Sequence[str],
+          left_out: list[str]) -> Iterator[PurePosixPath]:
+    """Every path to upload, parents first; the secret ones left out are added to ``left_out``.
+
+    Raises:
+        RemoteError: a directory cannot be read.
+    """
+    try:
+        with os.scandir(root / rel) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        raise _unreadable(root / rel, exc) from None
     for entry in entries:
         child = rel / entry.name
         if is_excluded(child, patterns):
             continue
+        if is_secret(child) and not is_excluded(child, allowed):
+            left_out.append(child.as_posix())
+            continue
         yield child
         if entry.is_dir(follow_symlinks=False):
-            yield from _walk(root, child, patterns)
+            yield from _walk(root, child, patterns, allowed, left_out)
 
 
-def _add(tar: tarfile.TarFile, root: Path, rel: PurePosixPath) -> None:
+def _size(path: Path) -> int:
+    """The bytes a path adds to an upload: a regular file's size (a link's target is not sent)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:  # gone since it was listed
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def _add(tar: tarfile.TarFile, root: Path, rel: PurePosixPath) -> int:
+    """Add one path; return the bytes of file content added."""
     path = root / rel
     info = tarfile.TarInfo(rel.as_posix())
     info.mtime, info.uid, info.gid, info.uname, info.gname = FIXED_MTIME, 0, 0, "", ""
@@ -108,6 +317,8 @@ def _add(tar: tarfile.TarFile, root: Path, rel: PurePosixPath) -> None:
         info.mode = 0o755 if os.access(path, os.X_OK) else 0o644
         with open(path, "rb") as f:
             tar.addfile(info, f)
+        return info.size
+    return 0
 
 
 def _sha256(path: str) -> str:
@@ -119,7 +330,11 @@ def _sha256(path: str) -> str:
 
 
 def _remote_stamp(runner: Runner, target: str) -> str:
-    result = runner.run(["cat", f"{target}/{STAMP}"], check=False)
+    """The stamp of the tree on the host; first the directory that will hold the tree, made
+    private (umask 077) if missing, so the archive lands in a directory of ours."""
+    parent = shlex.quote(os.path.dirname(target) or ".")
+    stamp = shlex.quote(f"{target}/{STAMP}")
+    result = runner.run(f"umask 077 && mkdir -p -- {parent} && cat -- {stamp}", check=False)
     return result.stdout.strip() if result.ok else ""
 
 
@@ -130,7 +345,7 @@ def _swap_script(archive: str, target: str, token: str, digest: str) -> str:
     stamp = shlex.quote(f"{target}.sync-{token}.new/{STAMP}")
     cleanup = shlex.quote(f"rm -rf -- {new} {arc}")
     return (
-        f"set -e; trap {cleanup} EXIT; "
+        f"set -e; umask 077; trap {cleanup} EXIT; "
         f"rm -rf -- {new}; mkdir -p -- {new}; "
         f"tar -x -z -o -f {arc} -C {new}; "
         f"printf '%s\\n' {shlex.quote(digest)} > {stamp}; "

@@ -108,7 +108,10 @@ class GcpProvider(SSHHostsProvider):
 
     # -- up --------------------------------------------------------------------------------
     def up(self) -> list[Host]:
-        """Provision the VMs, reach each over SSH, sync the code and run setup; idempotent."""
+        """Check what will be uploaded, provision the VMs, reach each over SSH, sync the code
+        and run setup; idempotent. A workdir that cannot be uploaded is refused before any VM
+        is made."""
+        self.upload()
         vms = self.provision()
         hosts = self._attach(vms, time.monotonic() + self.config.boot_timeout_s)
         self.prepare_all(hosts)
