@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import containers
+from orchestrator import containers, secrets
 from orchestrator import doctor as doctoring
 from orchestrator import plan as planning
 from orchestrator import spec as specs
@@ -274,6 +274,8 @@ class Cluster:
                if self.spec.container is not None else {}),
             **({"upload": upload_of(self.workdir, self.spec.provider).to_dict()}
                if isinstance(self.spec.provider, specs.SSHHosts) else {}),
+            **({"secrets": [{"name": name, "set": name in os.environ}
+                            for name in self.spec.secrets]} if self.spec.secrets else {}),
         }
 
     def train(self, *, listener: Listener | None = None, wait: bool = True,
@@ -302,6 +304,7 @@ class Cluster:
         """
         active = self._active_runs(attach)
         resumed = self._resumable(resume) if resume is not None else None
+        secret_values = secrets.resolve(self.spec, str(self.spec_path))  # before anything
         if not attach:
             self.up()  # idempotent: re-syncs only what changed since the last up
         spec = self.spec
@@ -315,7 +318,7 @@ class Cluster:
             spec = resolve_gpus(spec, report.gpus_per_task)
         display = _notebook_display(listener, progress)
         supervisor = Supervisor(spec, self.provider, self.store, workdir=self.workdir,
-                                listener=_both(display, listener))
+                                listener=_both(display, listener), secret_values=secret_values)
         if resumed is not None:
             self.store.reopen_run(resumed)
         run_id = active[0].id if attach else resumed or self.store.new_run(self.name)

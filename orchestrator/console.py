@@ -295,6 +295,10 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
             more = up["secrets_left_out_count"] - len(up["secrets_left_out"])
             say("             left out as secrets: " + ", ".join(up["secrets_left_out"])
                 + (f" and {more} more" if more else ""))
+    if "secrets" in document:
+        say("  secrets    " + ", ".join(
+            f"{x['name']} ({'set here' if x['set'] else 'NOT set here: train refuses'})"
+            for x in document["secrets"]) + "; every task gets them from this environment")
     for t in tasks:
         chief = " (chief)" if t["is_chief"] else ""
         say_parts(console, "\n", (t["task"], task_style(t["task"])),

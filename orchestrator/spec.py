@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -740,6 +741,10 @@ class ClusterSpec(Model):
     retry: Retry = Field(default_factory=Retry)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     env: dict[str, str] = Field(default_factory=dict)
+    secrets: tuple[str, ...] = Field(
+        default=(), description="Names of environment variables every task gets from this "
+        "controller's environment at launch (API keys, tokens): never in the spec, the "
+        "state store, a command line, plan or an error message.")
     container: Container | None = Field(
         default=None, description="Run every task in a container image (see docker/README.md).")
 
@@ -792,6 +797,28 @@ class ClusterSpec(Model):
                           "allowed (the launch would fail with 'Argument list too long')",
                           fix="pass large data in a file under workdir, and its path here")
         return env
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets(cls, names: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        for key in names:
+            if not re.fullmatch(ENV_NAME_RE, key):
+                raise Invalid(f"{key!r} is not a valid environment variable name",
+                              fix="list the names of variables set where you run orchestrate, "
+                              "e.g. [WANDB_API_KEY]")
+        reserved = [key for key in names if is_reserved_env(key)]
+        if reserved:
+            raise Invalid(f"{', '.join(reserved)}: set by the orchestrator in every task",
+                          fix="remove " + ", ".join(reserved))
+        twice = sorted({key for key in names if names.count(key) > 1})
+        if twice:
+            raise Invalid(f"{', '.join(twice)} listed twice", fix="list each name once")
+        both = [key for key in names if key in (info.data.get("env") or {})]
+        if both:
+            raise Invalid(f"{', '.join(both)} also in env, with its value in the spec",
+                          fix=f"remove {', '.join(both)} from env: a secret's value comes from "
+                          "the environment of the controller at launch")
+        return names
 
     @property
     def num_tasks(self) -> int:

@@ -6,12 +6,13 @@ failure stops ALL tasks and relaunches ALL of them from the chief's latest good 
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
@@ -22,7 +23,7 @@ from tenacity import (
     retry_if_exception,
 )
 
-from orchestrator import paths, warm
+from orchestrator import paths, secrets, warm
 from orchestrator import plan as planning
 from orchestrator.causes import IMMEDIATE, PLANNED, RETRYABLE, Cause
 from orchestrator.checkpoints import (
@@ -75,8 +76,12 @@ class Supervisor:
         backoff_sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.25,
+        secret_values: Mapping[str, str] | None = None,
     ) -> None:
+        """``secret_values``: the spec's secrets (``secrets.resolve``, read from this process's
+        environment when not given)."""
         self.spec = spec
+        self._secrets = dict(secrets.resolve(spec) if secret_values is None else secret_values)
         self.provider = provider
         self.store = store
         self.workdir = workdir
@@ -329,12 +334,21 @@ class Supervisor:
             python=self.provider.python(hosts[0]), local_workdir=str(self.workdir),
             busy_ports=(self.provider.busy_ports(hosts) | self._bad_ports) if busy else (),
         )
+        plan = self._with_secrets(plan)
         self._chief_host = plan.chief.host
         self._layout = plan.checkpoints
         self.view.attempt = number
         self.view.tasks = {t.key: TaskView(t.key, t.host.name, t.endpoint) for t in plan.tasks}
         self._notify(self.view, None)
         return plan
+
+    def _with_secrets(self, plan: ClusterPlan) -> ClusterPlan:
+        """``plan`` with the secrets in every task's env: only launches see this plan (the
+        records keep no env, and ``plan``/``status`` build their own)."""
+        if not self._secrets:
+            return plan
+        return dataclasses.replace(plan, tasks=tuple(
+            dataclasses.replace(t, env={**t.env, **self._secrets}) for t in plan.tasks))
 
     def _supervise(self, run_id: str, number: int, plan: ClusterPlan,
                    watched: list[Watched]) -> dict[str, Event]:
@@ -480,7 +494,7 @@ class Supervisor:
         except OrchestratorError as exc:
             warm.off = f"the next attempt cannot be planned yet: {exc.message}"
             return
-        warm.start(following, dict(self._current))
+        warm.start(self._with_secrets(following), dict(self._current))
 
     def _tick(self, run_id: str) -> None:
         self._check_stopped(run_id)
@@ -756,10 +770,10 @@ class Supervisor:
         self.store.update_attempt(
             run_id, number, status=status, ended_at=time.time(),
             cause=failure.cause.value if failure else "",
-            detail=(failure.detail if failure else "")[:4000],
+            detail=self._redact(failure.detail if failure else "")[:4000],
             failed_task=failure.task if failure else "",
             exit_code=failure.exit_code if failure else None,
-            evidence=(failure.evidence if failure else "")[-8000:],
+            evidence=self._redact(failure.evidence if failure else "")[-8000:],
             failed_at=failure.failed_at if failure else None,
             detected_at=detected_at,
             resumed_from_step=watched[0].start_step if watched else None,
@@ -816,8 +830,11 @@ class Supervisor:
         self.view.mirroring_step = step
         self._notify(self.view, None)
 
+    def _redact(self, text: str) -> str:
+        return secrets.redact(text, self._secrets) if self._secrets else text
+
     def _say(self, message: str) -> None:
-        self.view.messages.append(message)
+        self.view.messages.append(self._redact(message))
         self._notify(self.view, None)
 
 

@@ -200,7 +200,9 @@ class Runner(ABC):
 
     # -- detached tasks --------------------------------------------------
     def start(self, spec: LaunchSpec) -> TaskHandle:
-        result = self.run(launch_script(spec))
+        # The script (its exports: the task's env, secrets included) goes on stdin, so it is
+        # in no command line that ps shows and in no error that quotes the command.
+        result = self.run(["sh", "-s"], input=launch_script(spec))
         try:
             pgid = int(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
