@@ -319,6 +319,8 @@ class Cluster:
         display = _notebook_display(listener, progress)
         supervisor = Supervisor(spec, self.provider, self.store, workdir=self.workdir,
                                 listener=_both(display, listener), secret_values=secret_values)
+        for note in self.provider.notes():
+            supervisor.note(note)
         if resumed is not None:
             self.store.reopen_run(resumed)
         run_id = active[0].id if attach else resumed or self.store.new_run(self.name)

@@ -149,6 +149,12 @@ class LocalProvider(Model):
         default=None,
         description="Interpreter for the tasks; default: the one running the controller.",
     )
+    private_network: bool | Literal["auto"] = Field(
+        default="auto",
+        description="Run the tasks in a network namespace of their own (loopback only), so "
+        "no other machine reaches TensorFlow's unauthenticated gRPC ports. auto: where this "
+        "machine allows unprivileged user namespaces, else its network, with a note; true: "
+        "refuse to start without it.")
 
 
 _HOSTNAME_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"

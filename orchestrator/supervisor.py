@@ -830,6 +830,10 @@ class Supervisor:
         self.view.mirroring_step = step
         self._notify(self.view, None)
 
+    def note(self, message: str) -> None:
+        """Something the user should know before the run starts (e.g. a provider's note)."""
+        self._say(message)
+
     def _redact(self, text: str) -> str:
         return secrets.redact(text, self._secrets) if self._secrets else text
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from orchestrator.remote import netns
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -46,11 +49,24 @@ def image() -> str:
     return containers.worker_image()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_netns_holder_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """At the end, the holders of clusters made in directories of any scope (by their pid
+    files; see orchestrate_home for a test's own)."""
+    yield
+    for pid_file in tmp_path_factory.getbasetemp().rglob("clusters/*/netns.pid"):
+        netns.stop(pid_file)
+
+
 @pytest.fixture(autouse=True)
-def orchestrate_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def orchestrate_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     home = tmp_path / "orchestrate-home"
     monkeypatch.setenv("ORCHESTRATE_HOME", str(home))
-    return home
+    yield home
+    # the local provider's network namespace holders (by the pid each file records): a test
+    # that ends without 'down' leaves none behind (a holder also ends once its file is gone)
+    for pid_file in tmp_path.rglob("clusters/*/netns.pid"):  # any home the test made here
+        netns.stop(pid_file)
 
 
 @pytest.fixture(autouse=True)

@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("containers",),
     ("providers",),
     ("remote", "plan"),
-    ("runtimes",),
+    ("runtimes", "secrets"),
     ("view",),
     ("spec", "state", "events"),
     ("errors", "paths", "causes", "hosts", "files", "problems"),

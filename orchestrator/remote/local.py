@@ -22,6 +22,7 @@ from orchestrator.remote.base import (
     TaskStatus,
     owns_group,
 )
+from orchestrator.remote.netns import Holder
 from worker.probes import group_members, process_stat
 
 # States of a process that is no more: a zombie (exited, not yet reaped; it still answers
@@ -37,6 +38,7 @@ class LocalRunner(Runner):
 
     def __init__(self, host_name: str = "localhost") -> None:
         super().__init__(host_name)
+        self.netns: Holder | None = None  # tasks start inside it (see remote/netns.py)
 
     def _exec(self, script: str, timeout_s: float | None = None,
               input: str | None = None) -> ExecResult:
@@ -51,7 +53,8 @@ class LocalRunner(Runner):
 
     def start(self, spec: LaunchSpec) -> TaskHandle:
         restore = ("sh", "-c", f'umask {process_umask():03o} && exec "$@"', "sh")
-        return super().start(replace(spec, argv=(*restore, *spec.argv)))
+        enter = self.netns.enter() if self.netns is not None else ()
+        return super().start(replace(spec, argv=(*enter, *restore, *spec.argv)))
 
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         return "".join(state for _, state in group_members(handle.pgid))
