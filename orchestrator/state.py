@@ -23,7 +23,6 @@ from orchestrator.paths import CLUSTERS, state_db
 
 SCHEMA_VERSION = 1  # PRAGMA user_version; a store of a higher one is a newer orchestrate's
 BUSY_TIMEOUT_S = 10.0  # how long a command waits for a store another process has locked
-SQLITE_HEADER = b"SQLite format 3\x00"
 UNREADABLE = "unreadable"  # the status of a record whose JSON columns do not decode
 _WRITABLE_FIX = ("make {0} a directory you can write (chmod u+rwx), or set ORCHESTRATE_HOME to "
                  "one")
@@ -250,18 +249,18 @@ class Store:
                              fix=_WRITABLE_FIX.format(directory)) from None
 
     def _check_file(self) -> None:
-        """Refuse a file that is not an SQLite database before SQLite sees it (an empty file
-        would be taken for an empty database and written to)."""
+        """Refuse what SQLite would take for a new database and write to (a directory, a
+        device, an empty file), by its metadata alone. The file itself is never opened here:
+        closing any descriptor of a file drops every POSIX lock this process holds on it, the
+        locks of the SQLite connections this process has open to it too (the store of a
+        running 'train' in a notebook, say), which SQLite then reports as a disk I/O error. A
+        file that is not SQLite is refused by SQLite's own first read ('not a database')."""
         if not self.path.exists():
             return
         if not self.path.is_file():
             raise self._foreign("it is not a regular file")
-        with open(self.path, "rb") as f:
-            head = f.read(len(SQLITE_HEADER))
-        if not head:
+        if self.path.stat().st_size == 0:
             raise self._foreign("it is an empty file")
-        if head != SQLITE_HEADER:
-            raise self._foreign("it is not an SQLite database")
 
     def _create_if_missing(self) -> None:
         """A new store is made whole under a temporary name (0600, schema in place) and then
@@ -370,6 +369,8 @@ class Store:
         if any(word in text for word in ("readonly", "read-only", "unable to open", "disk I/O")):
             return StateError(f"cannot write the state store {self.path}: {text}",
                               fix=_WRITABLE_FIX.format(self.path.parent))
+        if "not a database" in text:
+            return self._foreign("it is not an SQLite database")
         return self._foreign(text)
 
     @contextmanager

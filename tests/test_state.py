@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +94,23 @@ def test_a_task_record_ignores_keys_it_does_not_know() -> None:
     stored = {"task": "worker:1", "host": "h", "endpoint": "h:1", "pgid": 7, "log": "l", "rc": "r",
               "exit_code": None, "from_a_newer_version": True}
     assert TaskRecord.from_json(stored) == TaskRecord("worker:1", "h", "h:1", 7, "l", "r")
+
+
+def test_opening_the_store_again_keeps_this_processs_other_connections_working(
+        orchestrate_home: Path) -> None:
+    """A notebook's running 'train' has the store open when something in the same process opens
+    it again, and then another process ('orchestrate down') opens and closes it. Opening must
+    not read the file itself: closing that descriptor would drop every POSIX lock the process
+    holds on the file, SQLite's too, and the other process, seeing no one else, would delete
+    the WAL under the first connection (a 'disk I/O error' on its next write)."""
+    first = Store()
+    run_id = first.new_run("c")
+    second = Store()
+    other = subprocess.run([sys.executable, "-c", "from orchestrator.state import Store; "
+                            "Store().runs('c'); print('ok')"], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home)})
+    assert other.stdout.strip() == "ok", other.stderr
+    first.heartbeat(run_id)  # a write through the first connection
+    first.finish_run(run_id, status="stopped", message="by down")
+    assert second.get_run(run_id).status == "stopped"
+    assert Store().get_run(run_id).message == "by down"
