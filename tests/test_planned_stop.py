@@ -39,10 +39,15 @@ def say(event, **fields):
                                         "time": time.time(), **fields}), flush=True)
 def stop(signal_name):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # more TERMs come (the group's, down's)
-    if not os.path.exists(flag):
-        with open(flag + ".tmp", "w") as f:
-            f.write(str(step))
-        os.replace(flag + ".tmp", flag)
+    # The first task to stop decides the step (a link fails where the flag exists): 'down'
+    # TERMs every task at once, and a shared temporary name made one of them fail.
+    mine = flag + "." + task.replace(":", "-")
+    with open(mine, "w") as f:
+        f.write(str(step))
+    try:
+        os.link(mine, flag)
+    except FileExistsError:
+        pass
     with open(flag) as f:
         say("stopped", step=int(f.read()), signal=signal_name)  # the step agreed on
     sys.exit(75)
