@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -97,3 +100,33 @@ def orchestrate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
     out, err = capsys.readouterr()
     code = exited.value.code
     return code if isinstance(code, int) else 1, out, err
+
+
+@contextlib.contextmanager
+def silent_listener(address: str = "127.0.0.1") -> Iterator[int]:
+    """A TCP port on ``address`` that accepts connections and never answers them: a peer that
+    waits as one without a route would. Yields the port; every connection is closed after."""
+    server = socket.create_server((address, 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+        for conn in held:
+            conn.close()

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import REPO, write_spec
+from helpers import REPO, silent_listener, write_spec
 from hostlab import HostLab, LabHost
 
 from orchestrator import plan as planning
@@ -106,28 +104,8 @@ def silent_proxy(hostlab: HostLab) -> Iterator[str]:
     """An HTTPS proxy on the controller, reachable from every host, that accepts connections
     and never answers: a storage client behind it waits as one without a route would."""
     address = hostlab.bridge_address or "127.0.0.1"
-    server = socket.create_server((address, 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except TimeoutError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://{address}:{server.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join()
-        for conn in held:
-            conn.close()
-        server.close()
+    with silent_listener(address) as port:
+        yield f"http://{address}:{port}"
 
 
 @pytest.mark.ssh

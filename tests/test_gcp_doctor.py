@@ -44,6 +44,16 @@ def doctor(path: Path) -> DoctorReport:
     return Cluster.from_spec(path).doctor()
 
 
+def doctor_cli(path: Path, home: Path, fake: FakeCompute
+               ) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``orchestrate doctor PATH`` as a user runs it, against the fake: (process, its output)."""
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "doctor", str(path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "ORCHESTRATE_HOME": str(home),
+                               ENDPOINT_ENV: fake.url})
+    return done, done.stdout + done.stderr
+
+
 def catalog(report: DoctorReport) -> list[Problem]:
     return [p for p in report.problems if p.check == CHECK]
 
@@ -147,11 +157,7 @@ def test_a_healthy_catalog_gives_no_catalog_problem(fake: FakeCompute, tmp_path:
 def test_doctor_before_up_says_run_up_and_tries_no_ssh(fake: FakeCompute, tmp_path: Path,
                                                        orchestrate_home: Path) -> None:
     path = write_spec(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "doctor", str(path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home),
-                               ENDPOINT_ENV: fake.url})
-    out = done.stdout + done.stderr
+    done, out = doctor_cli(path, orchestrate_home, fake)
     assert done.returncode == 1, out
     assert "Traceback" not in out
     assert "the VMs of cluster 'gcp-test' do not exist yet" in out
@@ -257,11 +263,7 @@ def test_the_default_networks_internal_rule_is_named_until_the_fixs_deny_rule_ex
     through the same client) closes it and the warning goes."""
     fake.add_default_network_rules(PROJECT)
     path = write_spec(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "doctor", str(path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home),
-                               ENDPOINT_ENV: fake.url})
-    out = done.stdout + done.stderr
+    _, out = doctor_cli(path, orchestrate_home, fake)
     assert "Traceback" not in out
     assert "firewall rule default-allow-internal (network default, priority 65534) also opens " \
            f"TCP {PORTS} of the cluster's VMs to 10.128.0.0/9" in out, out

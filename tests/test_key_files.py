@@ -9,48 +9,24 @@ no case here gets further than that."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import dsa, ed448
+from helpers import REPO, silent_listener
 
-REPO = Path(__file__).resolve().parent.parent
 NO_ENCRYPTION = serialization.NoEncryption()
 
 
 @pytest.fixture
 def listener() -> Iterator[int]:
     """A TCP port that accepts connections and never answers them."""
-    server = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join(5)
-        server.close()
-        for s in held:
-            s.close()
+    with silent_listener() as port:
+        yield port
 
 
 def keygen(path: Path, *args: str) -> Path:
