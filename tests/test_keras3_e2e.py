@@ -13,13 +13,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 from helpers import REPO, events_in, write_spec
 from hostlab import HostLab
 
+from orchestrator import paths
 from orchestrator.api import Cluster
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event, parse_line
@@ -30,8 +31,9 @@ pytestmark = pytest.mark.tf
 
 KERAS3 = ("{module: examples.keras3_digits, keras: 3, epochs: 2, steps_per_epoch: 40, "
           "progress_every_steps: 1, deterministic: true}")
-# The same job, every batch taking at least DIGITS_PACE_S, so that a test acting at a step acts
-# while training still runs (the pace adds 0.0: the weights come out bit-identical).
+# The same job, every batch taking at least 0.2 s until the test releases the run (right after it
+# acted), so that a test acting at a step acts while training still runs, however slow the
+# machine or late the event (the pace adds 0.0: the weights come out bit-identical).
 PACED_KERAS3 = KERAS3.replace("examples.keras3_digits", "tests.workloads.paced_keras3_digits")
 PACED_TF_KERAS = ("{module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 40, "
                   "progress_every_steps: 1}")
@@ -47,19 +49,29 @@ def local_spec(tmp_path: Path, name: str, job: str) -> Path:
         checkpoint: {{every_steps: 10}}
         retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
         timeouts: {{startup_s: 180, stop_grace_s: 30}}
-        env: {{DIGITS_PACE_S: "0.05"}}
         """))
     return path
+
+
+def release(cluster: str, run_id: str, home: str | None = None) -> None:
+    """Let a paced run (``tests.workloads.pace``) go at full speed from now on; ``home``: the
+    SSH user's home on a host (default: the local provider's root on this machine)."""
+    root = paths.host_root(home, cluster) if home is not None else \
+        str(paths.cluster_home(cluster))
+    run_dir = Path(paths.RunPaths.of(root, run_id).run_dir)
+    if run_dir.is_dir():
+        (run_dir / "release").touch()
 
 
 def events_of(log: str) -> list[Event]:
     return [e for e in map(parse_line, Path(log).read_text().splitlines()) if e is not None]
 
 
-def at_step(step: int, act: Callable[[int], None], task: str = "worker:1"
-            ) -> Callable[[RunView, Event | None], None]:
+def at_step(step: int, act: Callable[[int], None], task: str = "worker:1",
+            homes: Sequence[str] | None = None) -> Callable[[RunView, Event | None], None]:
     """A listener that calls ``act(pid of task)`` once, when ``task`` of attempt 1 reports
-    ``step``."""
+    ``step``, then releases the paced run (the steps after the act need no pacing) on this
+    machine, or on the hosts of SSH user homes ``homes``."""
     pids: dict[str, int] = {}
     done: list[int] = []
 
@@ -72,6 +84,8 @@ def at_step(step: int, act: Callable[[int], None], task: str = "worker:1"
                 and not done:
             done.append(event.get("step"))
             act(pids[task])
+            for home in homes if homes is not None else [None]:
+                release(view.cluster, view.run_id, home)
 
     return listener
 
@@ -212,6 +226,7 @@ def test_ctrl_c_on_train_saves_every_task_and_train_resume_redoes_none(
              if e.kind == "stopped"}
     assert len(saved) == 1 and {t.exit_code for t in run.attempts[0].tasks} == {75}
 
+    release("k2-ctrl-c", run.id)
     again = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain", "--no-doctor",
          "--resume", "last"], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -230,14 +245,14 @@ def test_keras3_on_three_ssh_hosts_as_a_plain_user_recovers_a_killed_worker(
         name: k3-static
         job: {module: tests.workloads.paced_keras3_digits, epochs: 2, steps_per_epoch: 30,
               progress_every_steps: 1}
-        env: {DIGITS_PACE_S: "0.05"}
         checkpoint: {every_steps: 10}
         retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
         timeouts: {stop_grace_s: 30}
         """, user=hostlab.plain_user())
     cluster = Cluster.from_spec(path)
     cluster.up()
-    listener = at_step(15, lambda pid: hosts[2].run(["kill", "-9", str(pid)]), task="worker:2")
+    listener = at_step(15, lambda pid: hosts[2].run(["kill", "-9", str(pid)]), task="worker:2",
+                       homes=[h.plain_home for h in hosts])
     result = cluster.train(listener=listener).wait()
     first, second = result.attempts
     assert (first.cause, first.failed_task) == ("crashed", "worker:2")
