@@ -220,8 +220,11 @@ def _wait_for_step(store: Store, cluster: str, step: int) -> Path:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         runs = store.runs(cluster)
-        if runs and runs[0].attempts:
-            log = Path(str(runs[0].attempts[0].tasks[0].log))
+        # the attempt is recorded before its tasks start, and each task as it starts
+        chief = [t for t in (runs[0].attempts[0].tasks if runs and runs[0].attempts else [])
+                 if t.task == "worker:0"]
+        if chief:
+            log = Path(str(chief[0].log))
             if log.exists() and _last_step(log) >= step:
                 return log
         time.sleep(0.2)
