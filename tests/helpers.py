@@ -17,7 +17,7 @@ import paramiko
 import pytest
 from hostlab import HostLab, LabHost
 
-from orchestrator import cli
+from orchestrator import cli, paths
 from orchestrator.events import Event, parse_line
 from orchestrator.remote.ssh import Link, SSHRunner
 from orchestrator.state import AttemptRecord
@@ -101,6 +101,16 @@ def orchestrate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
     out, err = capsys.readouterr()
     code = exited.value.code
     return code if isinstance(code, int) else 1, out, err
+
+
+def release_run(root: str, run_id: str) -> bool:
+    """Let a paced run (``tests.workloads.pace``) go at full speed from now on, where its
+    directory is under ``root`` (a host's cluster root, reached by path); whether it was."""
+    run_dir = Path(paths.RunPaths.of(root, run_id).run_dir)
+    if not run_dir.is_dir():
+        return False
+    (run_dir / "release").touch()
+    return True
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import namespace_commands, write_spec
+from helpers import namespace_commands, release_run, write_spec
 from hostlab import HostLab, LabHost
 
 from orchestrator import paths
@@ -107,9 +107,7 @@ def release(hosts: list[LabHost], cluster: str, run_id: str) -> None:
     """Let a ``tests.workloads.paced_digits`` run go at full speed on every host whose run
     directory is there (a host whose disk was wiped paces its relaunched task again)."""
     for h in hosts:
-        run_dir = Path(paths.RunPaths.of(paths.host_root(h.home, cluster), run_id).run_dir)
-        if run_dir.is_dir():
-            (run_dir / "release").touch()
+        release_run(paths.host_root(h.home, cluster), run_id)
 
 
 def assert_recovered(result: RunResult, cause: str, task: str,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from helpers import REPO, events_in, only_tf_aborts_before_the_last, write_spec
+from helpers import REPO, events_in, only_tf_aborts_before_the_last, release_run, write_spec
 from hostlab import HostLab
 
 from orchestrator import paths
@@ -53,25 +53,15 @@ def local_spec(tmp_path: Path, name: str, job: str) -> Path:
     return path
 
 
-def release(cluster: str, run_id: str, home: str | None = None) -> None:
-    """Let a paced run (``tests.workloads.pace``) go at full speed from now on; ``home``: the
-    SSH user's home on a host (default: the local provider's root on this machine)."""
-    root = paths.host_root(home, cluster) if home is not None else \
-        str(paths.cluster_home(cluster))
-    run_dir = Path(paths.RunPaths.of(root, run_id).run_dir)
-    if run_dir.is_dir():
-        (run_dir / "release").touch()
-
-
 def events_of(log: str) -> list[Event]:
     return [e for e in map(parse_line, Path(log).read_text().splitlines()) if e is not None]
 
 
 def at_step(step: int, act: Callable[[int], None], task: str = "worker:1",
-            homes: Sequence[str] | None = None) -> Callable[[RunView, Event | None], None]:
+            roots: Sequence[str] | None = None) -> Callable[[RunView, Event | None], None]:
     """A listener that calls ``act(pid of task)`` once, when ``task`` of attempt 1 reports
-    ``step``, then releases the paced run (the steps after the act need no pacing) on this
-    machine, or on the hosts of SSH user homes ``homes``."""
+    ``step``, then releases the paced run (the steps after the act need no pacing) under the
+    local provider's root, or under the host roots ``roots``."""
     pids: dict[str, int] = {}
     done: list[int] = []
 
@@ -84,8 +74,8 @@ def at_step(step: int, act: Callable[[int], None], task: str = "worker:1",
                 and not done:
             done.append(event.get("step"))
             act(pids[task])
-            for home in homes if homes is not None else [None]:
-                release(view.cluster, view.run_id, home)
+            for root in roots or [str(paths.cluster_home(view.cluster))]:
+                release_run(root, view.run_id)
 
     return listener
 
@@ -230,7 +220,7 @@ def test_ctrl_c_on_train_saves_every_task_and_train_resume_redoes_none(
              if e.kind == "stopped"}
     assert len(saved) == 1 and {t.exit_code for t in run.attempts[0].tasks} == {75}
 
-    release("k2-ctrl-c", run.id)
+    release_run(str(paths.cluster_home("k2-ctrl-c")), run.id)
     again = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain", "--no-doctor",
          "--resume", "last"], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -257,7 +247,7 @@ def test_keras3_on_three_ssh_hosts_as_a_plain_user_recovers_a_killed_worker(
     cluster = Cluster.from_spec(path)
     cluster.up()
     listener = at_step(15, lambda pid: hosts[2].run(["kill", "-9", str(pid)]), task="worker:2",
-                       homes=[h.plain_home for h in hosts])
+                       roots=[paths.host_root(h.plain_home, "k3-static") for h in hosts])
     result = cluster.train(listener=listener).wait()
     first, second, *later = result.attempts
     only_tf_aborts_before_the_last([second, *later])

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import release_run
 
 from orchestrator import paths
 from orchestrator.api import Cluster
@@ -36,9 +37,7 @@ def spec_file(tmp_path: Path, body: str, name: str = "cluster.yaml") -> Path:
 
 def release(view: RunView) -> None:
     """Let a ``tests.workloads.paced_digits`` run go at full speed."""
-    run_dir = Path(paths.RunPaths.of(str(paths.cluster_home(view.cluster)), view.run_id).run_dir)
-    if run_dir.is_dir():
-        (run_dir / "release").touch()
+    release_run(str(paths.cluster_home(view.cluster)), view.run_id)
 
 
 def kill_at(task: str, step: int, pids: dict[str, int], log: list[str]) -> object:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import events_in, write_spec
+from helpers import events_in, release_run, write_spec
 from hostlab import HostLab
 
 from orchestrator import paths
@@ -90,8 +90,7 @@ class KillWhenWarm:
             time.sleep(0.1)
         self.killed_at = time.time()
         os.kill(self.pids[(1, "worker:1")], signal.SIGKILL)
-        run_dir = Path(paths.RunPaths.of(str(paths.cluster_home(cluster)), run_id).run_dir)
-        (run_dir / "release").touch()
+        assert release_run(str(paths.cluster_home(cluster)), run_id)
 
     def join(self) -> None:
         if self._thread is not None:
