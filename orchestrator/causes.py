@@ -13,6 +13,7 @@ class Cause(str, enum.Enum):
     STARTUP_TIMEOUT = "startup_timeout"  # not every task reached its first step in time
     PORT_CONFLICT = "port_conflict"  # a task's gRPC port was taken
     USER_ERROR = "user_error"  # the user's code fails before training: not retried
+    ENGINE_ERROR = "engine_error"  # the host's container engine could not start the task
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"  # tasks restored different checkpoints
     CANCELLED = "cancelled"  # Ctrl-C
     STOPPED = "stopped"  # 'orchestrate down' (maybe from another process) stopped the run

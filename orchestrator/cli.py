@@ -59,7 +59,7 @@ def plan(spec_file: SpecArg,
 
     document = Cluster.from_spec(spec_file).plan_document()
     if as_json:
-        out.print_json(json.dumps(document))
+        out.print_json(json.dumps(document), highlight=False)
     else:
         render_plan(out, document)
 
@@ -79,7 +79,7 @@ def doctor(
     cluster = Cluster.from_spec(spec_file)
     report = cluster.doctor(tensorflow="always" if import_tf else "auto")
     if as_json:
-        out.print_json(json.dumps(report.to_dict()))
+        out.print_json(json.dumps(report.to_dict()), highlight=False)
     else:
         render_doctor(out, report, cluster.scaling(report.replicas))
     if not report.ok:
@@ -156,7 +156,7 @@ def status(
 
     clusters = [c.to_dict() for c in statuses(name)]
     if as_json:
-        out.print_json(json.dumps({"clusters": clusters}))
+        out.print_json(json.dumps({"clusters": clusters}), highlight=False)
     else:
         render_status(out, clusters)
 
@@ -184,7 +184,7 @@ def schema() -> None:
     """Print the spec file's JSON Schema, for editors to validate and complete spec files."""
     from orchestrator.api import spec_schema
 
-    out.print_json(json.dumps(spec_schema()))
+    out.print_json(json.dumps(spec_schema()), highlight=False)
 
 
 def main() -> None:

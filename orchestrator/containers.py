@@ -137,11 +137,13 @@ def remove_cluster(runner: Runner, runtime: str, cluster: str) -> list[str]:
 
 # -- the image on every host ---------------------------------------------------------------
 def pull(runner: Runner, host: Host, container: Container) -> str:
-    """Make the image present on ``host`` (``container.pull``); its id.
+    """Make the image present on ``host`` (``container.pull``) and start one container of it
+    as a task's would be started; the image's id.
 
     Raises:
-        ContainerError: the engine is missing or unusable by the SSH user, or the image cannot
-            be pulled (does not exist, needs a login); the message names the host and the fix.
+        ContainerError: the engine is missing or unusable by the SSH user, the image cannot
+            be pulled (does not exist, needs a login), or the engine cannot start a container
+            of it (no init binary for --init); the message names the host and the fix.
     """
     rt, image = container.runtime, shlex.quote(container.image)
     have = f"{rt} image inspect --format '{{{{.Id}}}}' {image} 2>/dev/null"
@@ -152,6 +154,11 @@ def pull(runner: Runner, host: Host, container: Container) -> str:
     result = runner.run(f"command -v {rt} >/dev/null 2>&1 || {{ echo 'command not found' >&2; "
                         f"exit 127; }}; {body}", check=False, timeout_s=3600)
     if result.ok and result.stdout.strip():
+        failed = start_failure(runner, container)
+        if failed is not None:
+            raise ContainerError(f"{host.name}: {rt} cannot start a container of "
+                                 f"{container.image}: {failed}",
+                                 fix=engine_fix(container, host, failed))
         return result.stdout.strip().splitlines()[-1]
     raise ContainerError(f"{host.name}: {failure_text(container, result.stderr or result.stdout)}",
                          fix=fix_for(container, result.stderr + result.stdout,
@@ -179,11 +186,22 @@ def pull_all(hosts: Sequence[Host], runner_for: Callable[[Host], Runner],
 
 def failure_text(container: Container, output: str) -> str:
     """The engine's own words, as plain text: its last ``Error:`` line, else its last line."""
+    return f"{container.runtime} could not provide the image {container.image}: " + \
+        (engine_line(output) or _last_line(output))
+
+
+def engine_line(output: str) -> str:
+    """The engine's own error line in ``output`` (podman's ``Error: ...``, docker's ``docker:
+    ...`` or ``Error response from daemon: ...``), the last one; empty when there is none."""
     lines = [line.strip() for line in output.strip().splitlines()
              if line.strip() and not line.lstrip().startswith("time=")]
-    errors = [line for line in lines if line.lower().startswith("error")]
-    text = (errors or lines or ["no output"])[-1][-600:]
-    return f"{container.runtime} could not provide the image {container.image}: {text}"
+    errors = [line for line in lines if line.lower().startswith(ENGINE_PREFIXES)]
+    return errors[-1][-600:] if errors else ""
+
+
+def _last_line(output: str) -> str:
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    return lines[-1][-600:] if lines else "no output"
 
 
 REGISTRY_WORDS = ("manifest unknown", "not found: manifest", "name unknown", "initializing source",
@@ -222,6 +240,79 @@ def fix_for(container: Container, output: str, *, host: Host, pulling: bool) -> 
     return f"`{rt} pull {container.image}` on {host.name} says more"
 
 
+# -- the engine's own failures ----------------------------------------------------------------
+# How `docker run` and `podman run` exit when the task never started: 125, the engine failed
+# (its daemon, an option, a missing helper); 126, the command could not be invoked; 127, it
+# was not found. Docker's CLI picks 126 and 127 from the words of any error (its run.go,
+# toStatusError), so a missing docker-init is 127 there, and podman's missing catatonit 125.
+ENGINE_EXITS = (125, 126, 127)
+ENGINE_PREFIXES = ("error", "docker:")
+INIT_MISSING = ("container-init binary not found", '"docker-init": executable file not found')
+NOT_IN_IMAGE = ("executable file not found in $path", "invoke a command that was not found",
+                "no such file or directory")
+NOT_RUNNABLE = ("permission denied", "oci permission denied", "is a directory")
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """The engine could not start a container: its own error line, and the fix on the host."""
+
+    line: str
+    fix: str
+
+
+def engine_failure(container: Container, host: Host, exit_code: int | None,
+                   output: str) -> EngineFailure | None:
+    """What a ``run`` that exited ``exit_code`` with ``output`` says of the engine, when it is
+    the engine's failure (an exit of ``ENGINE_EXITS`` and the engine's own error line), else
+    None: the task ran, and its exit is its own."""
+    line = engine_line(output)
+    if exit_code not in ENGINE_EXITS or not line:
+        return None
+    return EngineFailure(line, engine_fix(container, host, line))
+
+
+def engine_fix(container: Container, host: Host, line: str) -> str:
+    """The fix on ``host`` for the engine's error ``line`` about starting a container."""
+    rt, low = container.runtime, line.lower()
+    if any(w.lower() in low for w in INIT_MISSING):
+        return (f"install podman's init on {host.name}: `sudo apt-get install catatonit` (podman "
+                "runs /usr/libexec/podman/catatonit for --init; Debian only recommends it), or "
+                "point podman at an init it has (init_path in containers.conf, or "
+                "--init-path=PATH in container.options)" if rt == "podman" else
+                f"install docker's init on {host.name}: docker-init comes with Docker Engine "
+                "(docker-ce); Debian's docker.io needs `sudo apt-get install tini`; or set "
+                "init-path in /etc/docker/daemon.json to an init it has")
+    if any(w in low for w in DAEMON_WORDS) or ("permission denied" in low and "sock" in low):
+        return fix_for(container, line, host=host, pulling=True)
+    if any(w in low for w in NOT_IN_IMAGE):
+        return (f"the image {container.image} has no {container.python} on its PATH: set "
+                "container.python to the image's interpreter, or build the image from "
+                "docker/Dockerfile")
+    if any(w in low for w in NOT_RUNNABLE):
+        return (f"{container.python} in {container.image} cannot be run by the SSH user's uid "
+                "(tasks run as that user): make it executable by every user in the image")
+    return fix_for(container, line, host=host, pulling=container.pull != "never")
+
+
+def start_failure(runner: Runner, container: Container) -> str | None:
+    """Start one container of the image as a task's is started (``--init``, the SSH user's uid,
+    ``container.options``), running ``python -c ''``: None when it ran, else the engine's error
+    line (a host without podman's catatonit, an image without its Python).
+
+    Raises:
+        RemoteError: the host could not be asked.
+    """
+    words = ["--rm", "--init", "--network", "none", "--entrypoint", container.python,
+             *container.options, container.image, "-c", ""]
+    result = runner.run(["sh", "-c", 'exec "$0" run --user "$(id -u):$(id -g)" "$@"',
+                         container.runtime, *words], check=False, timeout_s=300)
+    if result.ok:
+        return None
+    output = result.stdout + "\n" + result.stderr
+    return engine_line(output) or f"exit {result.exit_code}: {_last_line(output)}"
+
+
 # -- the doctor's look -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineFacts:
@@ -234,11 +325,13 @@ class EngineFacts:
     host_gpus: bool = False
     gpus_inside: bool | None = None  # None: not asked (no GPU on the host, or no image)
     gpu_error: str = ""
+    start_error: str = ""  # why a task's container cannot start (empty: it started, or no image)
 
 
 def examine(runner: Runner, container: Container) -> EngineFacts:
-    """Ask the host's engine: installed, usable by this user, the image present, and on a GPU
-    host whether a container of the image sees the GPUs (``nvidia-smi -L`` inside)."""
+    """Ask the host's engine: installed, usable by this user, the image present, whether a
+    task's container of it starts (``start_failure``), and on a GPU host whether a container
+    of the image sees the GPUs (``nvidia-smi -L`` inside)."""
     rt, image = container.runtime, shlex.quote(container.image)
     first = runner.run(
         f"command -v {rt} >/dev/null 2>&1 || {{ echo missing; exit 0; }}; "
@@ -261,8 +354,9 @@ def examine(runner: Runner, container: Container) -> EngineFacts:
                            f"nvidia-smi {image} -L 2>&1", check=False, timeout_s=120)
         inside = probe.ok and "GPU " in probe.stdout
         gpu_error = "" if inside else probe.stdout.strip()[-400:]
+    start_error = (start_failure(runner, container) or "") if image_id is not None else ""
     return EngineFacts(True, True, image_id=image_id, host_gpus=gpus, gpus_inside=inside,
-                       gpu_error=gpu_error)
+                       gpu_error=gpu_error, start_error=start_error)
 
 
 def problems(container: Container, facts: dict[str, EngineFacts],
@@ -289,6 +383,11 @@ def problems(container: Container, facts: dict[str, EngineFacts],
                 fix_for(container, "", host=host, pulling=False) if never else
                 "run `orchestrate up` (it pulls the image on every host in parallel)",
                 blocking=never, hosts=(name,)))
+        elif f.start_error:
+            found.append(Problem(
+                "container", f"{rt} on {name} cannot start a task's container of "
+                f"{container.image}: {f.start_error}",
+                engine_fix(container, host, f.start_error), hosts=(name,)))
         elif f.gpus_inside is False:
             found.append(Problem(
                 "container", f"a container of {container.image} on {name} does not see the "

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 
 from orchestrator import containers
 from orchestrator.errors import StateError
+from orchestrator.hosts import Host
 from orchestrator.plan import TaskPlan
 from orchestrator.remote.base import LaunchSpec, LogPoll, Runner, TaskHandle, TaskStatus
 from orchestrator.spec import ClusterSpec, Container
@@ -49,6 +50,13 @@ class Launcher(ABC):
     def process_states(self, runner: Runner, handle: TaskHandle, python: str,
                        timeout_s: float) -> str:
         """State letters of the task's processes ('T' = stopped); empty when none is left."""
+
+    def engine_failure(self, host: Host, exit_code: int | None,
+                       output: str) -> containers.EngineFailure | None:
+        """Whether a task that exited ``exit_code`` with ``output`` and no event never started
+        because what starts it failed (a container engine), not the task: what it said and the
+        fix on ``host``. None: the exit is the task's own."""
+        return None
 
     def find(self, record: TaskRecord) -> TaskHandle:
         """The handle of a task from its attempt record (to re-attach, stop or read it)."""
@@ -102,6 +110,12 @@ class ContainerLauncher(ProcessLauncher):
             raise StateError("a container task cannot be started without the spec's container")
         argv = containers.run_argv(self.container, task)
         return runner.start(LaunchSpec(tuple(argv), task.cwd, task.log_path, task.rc_path, task.env))
+
+    def engine_failure(self, host: Host, exit_code: int | None,
+                       output: str) -> containers.EngineFailure | None:
+        if self.container is None:
+            return None
+        return containers.engine_failure(self.container, host, exit_code, output)
 
     def stop(self, runner: Runner, handle: TaskHandle, grace_s: float) -> TaskStatus:
         runner.run(containers.stop_script(self.kind, handle.rc_path, grace_s),

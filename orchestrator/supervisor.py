@@ -808,8 +808,9 @@ class Supervisor:
         attempts = self.store.attempts(run_id)
         lines = [f"run {run_id} failed after {len(attempts)} attempt(s):"]
         for a in attempts:
+            code = f" (exit {a.exit_code})" if a.exit_code else ""
             lines.append(f"  attempt {a.number}: {a.cause or a.status} in {a.failed_task}: "
-                         f"{a.detail}" + (f" (exit {a.exit_code})" if a.exit_code else ""))
+                         f"{a.detail}" + ("" if code.strip() in a.detail else code))
         last = attempts[-1] if attempts else None
         if last is not None and last.evidence:
             lines.append(f"  last output of {last.failed_task}:")
@@ -855,6 +856,8 @@ def _mismatch_reason(layout: CheckpointLayout) -> str:
 
 
 def _advice(failure: AttemptFailed) -> str:
+    if failure.fix:
+        return failure.fix
     if failure.cause is Cause.CHECKPOINT_MISMATCH:
         return ("name the directory your script checkpoints to (BackupAndRestore's backup_dir, "
                 "a CheckpointManager's directory) in job.checkpoint_dir, relative to the code "

@@ -64,6 +64,7 @@ class AttemptFailed(Exception):
         evidence: str = "", failed_at: float | None = None, host: str | None = None,
         port: tuple[str, int] | None = None, before_first_step: bool = False,
         vanished: bool = False, connection_lost: bool = False, saved_step: int | None = None,
+        fix: str = "",
     ) -> None:
         super().__init__(f"{cause.value}: {task}: {detail}")
         self.cause = cause
@@ -79,6 +80,7 @@ class AttemptFailed(Exception):
         self.connection_lost = connection_lost  # ... and the SSH connection dropped meanwhile
         # Every task saved a checkpoint at this step on a SIGTERM, then exited: a planned stop.
         self.saved_step = saved_step
+        self.fix = fix  # what to do, where the failure itself knows (else the cause's advice)
 
     @property
     def signature(self) -> str:
@@ -419,6 +421,12 @@ class AttemptWatch:
             return make(Cause.CRASHED, w.key, "its process group vanished without an exit code "
                         "(killed as a whole)", vanished=True, host=w.plan.host.name,
                         connection_lost=w.runner.drops > w.drops_alive)
+        engine = None if w.last_event is not None else self.launcher.engine_failure(
+            w.plan.host, w.exit_code, "\n".join(w.tail))
+        if engine is not None:
+            return make(Cause.ENGINE_ERROR, w.key, f"{w.plan.host.name}: the container engine "
+                        f"could not start the task: {engine.line}",
+                        host=w.plan.host.name, fix=engine.fix)
         return _classify(w, make)
 
     def _saved_stop(self, first: AttemptFailed) -> AttemptFailed:
@@ -535,6 +543,6 @@ def _secondary(failure: AttemptFailed) -> bool:
 
 
 def _rank(failure: AttemptFailed) -> int:
-    order = [Cause.HOST_LOST, Cause.CHECKPOINT_MISMATCH, Cause.USER_ERROR, Cause.PORT_CONFLICT,
-             Cause.CRASHED]
+    order = [Cause.HOST_LOST, Cause.CHECKPOINT_MISMATCH, Cause.ENGINE_ERROR, Cause.USER_ERROR,
+             Cause.PORT_CONFLICT, Cause.CRASHED]
     return order.index(failure.cause) if failure.cause in order else len(order)

@@ -69,8 +69,18 @@ def orchestrate_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
         netns.stop(pid_file)
 
 
+# What a developer's shell may set that would change what the tests see: the terminal's
+# (rich's colour and width), the Keras backend, a container engine's remote. Each test runs
+# as from a clean environment, however the suite was started.
+USER_ENVIRONMENT = ("FORCE_COLOR", "NO_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE",
+                    "TTY_INTERACTIVE", "COLUMNS", "LINES", "KERAS_BACKEND", "TF_USE_LEGACY_KERAS",
+                    "CONTAINER_HOST", "CONTAINER_CONNECTION", "DOCKER_HOST", "CONTAINERS_CONF")
+
+
 @pytest.fixture(autouse=True)
 def _no_user_ssh_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SSH_AUTH_SOCK", "")
     monkeypatch.delenv("SSH_AGENT_PID", raising=False)
+    for name in USER_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
     os.environ.pop("TF_CONFIG", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +61,15 @@ def namespace_commands(host: LabHost) -> set[str]:
         with contextlib.suppress(FileNotFoundError):
             names.add(Path(f"/proc/{pid}/comm").read_text().strip())
     return names
+
+
+def as_from_a_terminal() -> None:
+    """A child's signals as a terminal's shell leaves them (``preexec_fn=``): SIGINT, SIGQUIT and
+    SIGHUP at their defaults. A suite started as a background job (``bash .ci/run &``) inherits
+    SIGINT and SIGQUIT ignored, under ``nohup`` SIGHUP too, and every child keeps them ignored:
+    a test that sends its child one of them must not depend on how the suite was started."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 GCP_PROJECT = "test-project"

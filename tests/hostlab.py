@@ -86,6 +86,7 @@ from orchestrator.hosts import SSHEndpoint
 
 FORCE_LOOPBACK_ENV = "ORCHESTRATE_LAB_FORCE_LOOPBACK"
 SSHD = "/usr/sbin/sshd"
+INIT_DIR = "/usr/libexec/podman"  # podman 4.3's helpers: catatonit, its init for --init
 STALE_NAME = re.compile(r"^orch(\d+)[a-z](?:br|t|g|q|[hpnu]\d+)$")
 STALE_DIR = re.compile(r"^orchlab-(\d+)[a-z]-")
 _LAB_SERIAL = itertools.count()
@@ -323,6 +324,7 @@ class LabHost:
     is_cut: bool = False
     throttled_to: str | None = None
     podman: subprocess.Popen[bytes] | None = None
+    podman_without_init: bool = False  # the running podman service's (see serve_podman)
     session_env: str = ""  # extra `SetEnv` words for the plain user's SSH sessions
 
     @property
@@ -495,19 +497,33 @@ class LabHost:
         self.lab.write_known_hosts()
         self.restart_sshd()
 
-    def serve_podman(self, *, user: str | None) -> str:
+    def serve_podman(self, *, user: str | None, without_init: bool = False) -> str:
         """A rootful podman service in this host's network namespace, as a docker daemon is
         on a GPU VM; its socket given to ``user`` (None: root only, a user without access),
         and ``CONTAINER_HOST`` set for the plain user's SSH sessions, so that ``podman`` there
         is a client of it. Started with ``nsenter --net`` (``ip netns exec`` remounts /sys,
-        and runc then finds no cgroup mount). Returns the socket's URL."""
+        and runc then finds no cgroup mount). Returns the socket's URL.
+
+        ``without_init``: the service runs in a mount namespace of its own where podman's
+        helper directory (``INIT_DIR``: catatonit, which ``--init`` runs) is an empty one, as
+        on a host whose podman came without its Recommends. The service is restarted whenever
+        this differs from the running one's."""
+        if self.podman is not None and self.podman_without_init != without_init:
+            self.stop_podman()
         if self.podman is None or self.podman.poll() is not None:
             socket_path = self.dir / "podman.sock"
             socket_path.unlink(missing_ok=True)
             argv = ["podman", "--runtime", "runc", "system", "service", "--time=0",
                     f"unix://{socket_path}"]
+            if without_init:
+                empty = self.dir / "no-init"
+                empty.mkdir(exist_ok=True)
+                argv = ["unshare", "--mount", "--propagation", "slave", "sh", "-c",
+                        f'mount --bind {shlex.quote(str(empty))} {INIT_DIR} && exec "$@"', "sh",
+                        *argv]
             if self.namespace:
                 argv = ["nsenter", f"--net=/var/run/netns/{self.namespace}", *argv]
+            self.podman_without_init = without_init
             with open(self.dir / "podman.log", "ab") as log:
                 self.podman = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                                stderr=subprocess.STDOUT, start_new_session=True)

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from containers import IMAGE_TIMEOUT_S, PODMAN, podman_usable
 from helpers import REPO, events_in, write_spec
-from hostlab import HostLab, LabHost
+from hostlab import INIT_DIR, HostLab, LabHost
 
 from orchestrator.api import Cluster
+from orchestrator.errors import RunFailed
 from orchestrator.events import Event
 from orchestrator.view import RunView
 
@@ -36,18 +37,19 @@ PACED = ("{module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 30,
 def containers_of(cluster: str, *, every: bool = True, host: LabHost | None = None) -> list[str]:
     """Names of the cluster's containers (``every``: stopped ones too), on this machine's
     podman or, with ``host``, on that host's podman service."""
-    argv = ["ps", *(["-a"] if every else []), "--format", "{{.Names}}",
-            "--filter", f"label=orchestrate.cluster={cluster}"]
-    out = podman_on(host, *argv).stdout
+    words = ["ps", *(["-a"] if every else []), "--format", "{{.Names}}",
+             "--filter", f"label=orchestrate.cluster={cluster}"]
+    out = podman_on(host, *words).stdout
     return sorted(out.split())
 
 
-def podman_on(host: LabHost | None, *argv: str) -> subprocess.CompletedProcess[str]:
+def podman_on(host: LabHost | None, *argv: str,
+              check: bool = True) -> subprocess.CompletedProcess[str]:
     """``podman ARGV`` on this machine, or as a client of ``host``'s podman service."""
     if host is None:
-        return subprocess.run([*PODMAN, *argv], capture_output=True, text=True, check=True)
+        return subprocess.run([*PODMAN, *argv], capture_output=True, text=True, check=check)
     env = {**os.environ, "CONTAINER_HOST": f"unix://{host.dir / 'podman.sock'}"}
-    return subprocess.run(["podman", *argv], capture_output=True, text=True, check=True, env=env)
+    return subprocess.run(["podman", *argv], capture_output=True, text=True, check=check, env=env)
 
 
 def local_spec(tmp_path: Path, name: str, image: str, *, pace: str = "0.05") -> Path:
@@ -249,6 +251,69 @@ def test_a_user_without_access_to_the_engine_gets_the_host_and_the_fix(
         assert containers_of("ct-denied", host=hosts[0]) == []
     finally:
         hosts[1].serve_podman(user=user)
+
+
+def test_a_host_whose_podman_has_no_init_is_named_with_the_fix_and_never_blamed_on_the_code(
+        image: str, hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """podman without catatonit (Debian installs it only as a Recommends) cannot start a task's
+    container (`--init`): doctor, up and train name the host and the fix before any task
+    starts, and a host that loses its init during a run fails the relaunch as the engine's
+    failure (with the engine's words and the fix), not the user's code's, and not retried."""
+    hostlab.require_partition()
+    hosts = hostlab.hosts(2)
+    user = hostlab.plain_user()
+    hosts[0].serve_podman(user=user)
+    hosts[1].serve_podman(user=user, without_init=True)
+    path = write_spec(tmp_path, hostlab, hosts, f"""\
+        name: ct-noinit
+        job: {PACED}
+        container: {{image: "{image}", runtime: podman}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
+        timeouts: {{startup_s: 240, stop_grace_s: 5}}
+        """, user=user)
+    engine_said = (f"Error: container-init binary not found on the host: stat {INIT_DIR}/"
+                   "catatonit: no such file or directory")
+    try:
+        doctor = orchestrate("doctor", str(path))
+        text = doctor.stdout + doctor.stderr
+        assert doctor.returncode != 0 and "Traceback" not in text, text
+        assert "podman on ct-noinit-1 cannot start a task's container" in text
+        assert engine_said in text and "sudo apt-get install catatonit" in text
+        assert "ct-noinit-0" not in text.split("problem")[-1]  # the other host is fine
+        up = orchestrate("up", str(path))
+        text = up.stdout + up.stderr
+        assert up.returncode != 0 and "Traceback" not in text, text
+        assert f"ct-noinit-1: podman cannot start a container of {image}: {engine_said}" in text
+        assert "sudo apt-get install catatonit" in text
+
+        # The host loses its init while a run trains (its podman service restarted without
+        # it, the running container killed): the relaunch there fails in the engine.
+        hosts[1].serve_podman(user=user)
+        broken: list[str] = []
+
+        def break_engine(view: RunView, event: Event | None) -> None:
+            if (event is not None and event.attempt == 1 and event.kind == "progress"
+                    and event.get("step") >= 3 and not broken):
+                broken.append(f"orch-ct-noinit-{view.run_id}-a1-worker-1")
+                hosts[1].serve_podman(user=user, without_init=True)
+                podman_on(hosts[1], "kill", broken[0], check=False)
+
+        cluster = Cluster.from_spec(path)
+        with pytest.raises(RunFailed) as failed:
+            cluster.train(listener=break_engine)
+        assert broken
+        *before, last = cluster.run().attempts
+        assert (last.cause, last.failed_task, last.exit_code) == ("engine_error", "worker:1", 125)
+        assert engine_said in last.detail and "ct-noinit-1" in last.detail
+        assert [a.cause for a in before] == ["crashed"]  # the engine's failure is not retried
+        assert failed.value.fix is not None and "sudo apt-get install catatonit" in failed.value.fix
+        assert "user_error" not in str(failed.value) and "training code" not in str(failed.value)
+        for h in hosts:
+            assert containers_of("ct-noinit", host=h) == []
+    finally:
+        hosts[1].serve_podman(user=user)
+        down = orchestrate("down", str(path))
+        assert down.returncode == 0, down.stdout + down.stderr
 
 
 def test_an_image_that_does_not_exist_and_an_engine_that_is_missing(

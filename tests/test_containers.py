@@ -131,6 +131,73 @@ def test_each_engine_failure_gets_its_fix(runtime: str, output: str, fix: str) -
     assert fix in containers.fix_for(container, output, host=HOST, pulling=True)
 
 
+# The engines' own words when `run` fails before the task starts, with their exit codes:
+# podman 4.3's as this machine's podman prints them, docker's as its CLI words them (its
+# run.go: "docker: " + the daemon's error, then a --help line; 127 for any "not found" or "no
+# such", 126 for any "permission denied", else 125).
+DOCKER_HELP = "\n\nRun 'docker run --help' for more information"
+OCI = ("failed to create task for container: failed to create shim task: OCI runtime create "
+       "failed: runc create failed: unable to start container process: ")
+ENGINE_FAILURES = [
+    ("podman", 125, "Error: container-init binary not found on the host: stat "
+     "/usr/libexec/podman/catatonit: no such file or directory", "sudo apt-get install catatonit"),
+    ("docker", 127, 'docker: Error response from daemon: exec: "docker-init": executable file '
+     "not found in $PATH." + DOCKER_HELP, "sudo apt-get install tini"),
+    ("podman", 127, 'Error: runc: runc create failed: unable to start container process: exec: '
+     '"python3": executable file not found in $PATH: OCI runtime attempted to invoke a command '
+     "that was not found", "has no python3 on its PATH"),
+    ("docker", 127, f'docker: Error response from daemon: {OCI}exec: "python3": executable file '
+     "not found in $PATH: unknown." + DOCKER_HELP, "has no python3 on its PATH"),
+    ("podman", 126, 'Error: runc: runc create failed: unable to start container process: exec: '
+     '"/usr/bin/python3": permission denied: OCI permission denied', "cannot be run by the SSH"),
+    ("docker", 126, f'docker: Error response from daemon: {OCI}exec: "/usr/bin/python3": '
+     "permission denied: unknown." + DOCKER_HELP, "cannot be run by the SSH"),
+    ("podman", 125, 'Cannot connect to Podman. Please verify your connection to the Linux '
+     "system using `podman system connection list`\nError: unable to connect to Podman socket: "
+     'Get "http://d/v4.3.1/libpod/_ping": dial unix /run/podman/podman.sock: connect: no such '
+     "file or directory", "sudo systemctl start podman"),
+    ("docker", 125, "docker: Cannot connect to the Docker daemon at unix:///var/run/docker.sock."
+     " Is the docker daemon running?." + DOCKER_HELP, "sudo systemctl start docker"),
+    ("docker", 126, "docker: permission denied while trying to connect to the Docker daemon "
+     'socket at unix:///var/run/docker.sock: Head "http://%2Fvar%2Frun%2Fdocker.sock/_ping": '
+     "dial unix /var/run/docker.sock: connect: permission denied." + DOCKER_HELP,
+     "sudo usermod -aG docker ml"),
+]
+
+
+@pytest.mark.parametrize(("runtime", "code", "output", "fix"), ENGINE_FAILURES)
+def test_an_engines_failure_to_start_the_task_is_the_engines_with_the_fix_for_the_host(
+        runtime: str, code: int, output: str, fix: str) -> None:
+    container = Container(image="reg.example/w:1", runtime=runtime)  # type: ignore[arg-type]
+    failure = containers.engine_failure(container, HOST, code, "Some earlier line\n" + output)
+    assert failure is not None and fix in failure.fix
+    assert failure.line.startswith(("Error", "docker:")) and failure.line in output
+    assert "training code" not in failure.fix
+
+
+@pytest.mark.parametrize(("code", "output"), [
+    (125, "Traceback (most recent call last):\nSystemExit: 125"),  # the task's own exit 125
+    (127, "sh: 1: helper: not found"),  # a command the task ran was not found
+    (1, "Error: the engine's words, but the exit is the task's"),
+    (137, "Error: killed"),
+    (None, "Error: container-init binary not found on the host"),
+])
+def test_a_tasks_own_exit_is_not_the_engines(code: int | None, output: str) -> None:
+    container = Container(image="reg.example/w:1", runtime="podman")
+    assert containers.engine_failure(container, HOST, code, output) is None
+
+
+def test_a_host_whose_engine_cannot_start_a_tasks_container_is_blocking() -> None:
+    c = Container(image="reg.example/w:1", runtime="podman")
+    facts = {"a": containers.EngineFacts(True, True, image_id="sha256:1", start_error=(
+        "Error: container-init binary not found on the host: stat "
+        "/usr/libexec/podman/catatonit: no such file or directory"))}
+    problems = containers.problems(c, facts, {"a": Host(name="a", address="10.0.0.9", root="/r")})
+    assert len(problems) == 1 and problems[0].blocking and problems[0].hosts == ("a",)
+    assert "podman on a cannot start a task's container" in problems[0].message
+    assert "catatonit" in problems[0].message and "apt-get install catatonit" in problems[0].fix
+
+
 def test_hosts_with_different_images_under_one_name_are_flagged() -> None:
     c = Container(image="reg.example/w:latest")
     facts = {"a": containers.EngineFacts(True, True, image_id="sha256:" + "1" * 64),

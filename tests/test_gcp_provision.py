@@ -16,7 +16,7 @@ import pytest
 from fake_compute import FakeCompute
 from google.auth.credentials import AnonymousCredentials, Credentials
 from google.auth.exceptions import RefreshError, TransportError
-from helpers import GCP_PROJECT, write_gcp_spec
+from helpers import GCP_PROJECT, as_from_a_terminal, write_gcp_spec
 
 from orchestrator import spec as specs
 from orchestrator.errors import ProviderError, SpecError
@@ -53,13 +53,7 @@ def cli(*args: str, home: Path, endpoint: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "ORCHESTRATE_HOME": str(home),
                                  ENDPOINT_ENV: endpoint},
-                            preexec_fn=_as_from_a_terminal)
-
-
-def _as_from_a_terminal() -> None:
-    """Ctrl-C as a terminal delivers it: a test run as a background job (``pytest &`` in a
-    script, as CI may start it) inherits SIGINT ignored, and Python keeps it ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                            preexec_fn=as_from_a_terminal)
 
 
 def test_vms_are_created_in_one_bulk_insert_with_the_spec_settings(fake: FakeCompute, tmp_path: Path,

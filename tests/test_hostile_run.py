@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import as_from_a_terminal
 from rich.console import Console
 
 from orchestrator import cli
@@ -509,6 +510,7 @@ def test_ctrl_c_during_the_launch_stops_every_task_started_and_records_them(
     train = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", str(spec),
                               "--no-doctor"], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=as_from_a_terminal,
                              env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home)})
     try:
         deadline = time.monotonic() + 60

@@ -17,7 +17,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from helpers import REPO, events_in, only_tf_aborts_before_the_last, release_run, write_spec
+from helpers import (
+    REPO,
+    as_from_a_terminal,
+    events_in,
+    only_tf_aborts_before_the_last,
+    release_run,
+    write_spec,
+)
 from hostlab import HostLab
 
 from orchestrator import paths
@@ -199,7 +206,7 @@ def test_ctrl_c_on_train_saves_every_task_and_train_resume_redoes_none(
     train = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain", "--no-doctor"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+        preexec_fn=as_from_a_terminal)
     try:
         logs = orchestrate_home / "clusters" / "k2-ctrl-c" / "runs"
         deadline = time.monotonic() + 180
