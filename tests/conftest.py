@@ -17,9 +17,29 @@ sys.path.insert(0, str(REPO))
 pytest_plugins = ["hostlab"]
 
 
+# The tests that train TensorFlow run in two lanes, each one test at a time on one xdist worker:
+# about 10 minutes each on the 2-core CI machine (20 in one lane). Lane B: these files (the
+# container tests among them: they share podman and its image, and run last); lane A: every
+# other file with a `tf` test, new ones included.
+TF_LANE_A, TF_LANE_B = "tf-a", "tf-b"
+TF_LANE_B_FILES = {"test_keras3_e2e.py", "test_checkpoint_storage.py", "test_container_e2e.py",
+                   "test_recovery_local.py", "test_keras3_worker.py", "test_gcp_e2e.py",
+                   "test_bulk_transfer.py", "test_live_view.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Container tests last (stable otherwise): the image they need builds meanwhile."""
+    """Container tests last (stable otherwise): the image they need builds meanwhile.
+
+    Under pytest-xdist (the default: pyproject's addopts), the tests that train TensorFlow
+    (marked ``tf``: each keeps the cores busy with its tasks) run in two lanes (``TF_LANE_B``),
+    each lane one test after another on one worker, in this order, while the others, which
+    mostly wait (SSH hosts, namespaces, the fake clouds), share the remaining workers."""
     items.sort(key=lambda item: item.get_closest_marker("container") is not None)
+    for item in items:
+        if item.get_closest_marker("tf") is not None:
+            lane = TF_LANE_B if item.path.name in TF_LANE_B_FILES else TF_LANE_A
+            item.add_marker(pytest.mark.xdist_group(lane))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

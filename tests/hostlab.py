@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import ipaddress
 import itertools
 import os
@@ -764,12 +765,16 @@ class HostLab:
         probe = f"{self.tag}t"
         _cmd("ip", "netns", "add", probe)
         _cmd("ip", "netns", "del", probe)
-        self.network = _free_subnet(self.pid)
-        bridge = f"{self.tag}br"
-        _cmd("ip", "link", "add", bridge, "type", "bridge")
-        self.created["link"].append(bridge)
-        self.bridge = bridge
-        _cmd("ip", "addr", "add", f"{self.bridge_address}/24", "dev", bridge)
+        # Labs of parallel pytest processes (xdist workers) choose their subnets one at a time:
+        # a subnet is free only once no other lab's bridge holds an address in it.
+        with open(Path(tempfile.gettempdir()) / "orchlab-subnets.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.network = _free_subnet(self.pid)
+            bridge = f"{self.tag}br"
+            _cmd("ip", "link", "add", bridge, "type", "bridge")
+            self.created["link"].append(bridge)
+            self.bridge = bridge
+            _cmd("ip", "addr", "add", f"{self.bridge_address}/24", "dev", bridge)
         _cmd("ip", "link", "set", bridge, "up")
 
     def _new_host(self, i: int) -> LabHost:

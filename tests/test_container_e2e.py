@@ -53,11 +53,14 @@ def podman_on(host: LabHost | None, *argv: str,
 
 
 def local_spec(tmp_path: Path, name: str, image: str, *, pace: str = "0.05") -> Path:
+    """Two local tasks in containers. They use this machine's own network (`--network host`),
+    which tests on other xdist workers share: a port range that no other test uses."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(textwrap.dedent(f"""\
         name: {name}
         workdir: {REPO}
         workers: 2
+        ports: {{start: 25600, end: 25640}}
         job: {PACED}
         container: {{image: "{image}", runtime: podman, pull: never}}
         checkpoint: {{every_steps: 10}}
