@@ -250,7 +250,7 @@ ENGINE_PREFIXES = ("error", "docker:")
 INIT_MISSING = ("container-init binary not found", '"docker-init": executable file not found')
 NOT_IN_IMAGE = ("executable file not found in $path", "invoke a command that was not found",
                 "no such file or directory")
-NOT_RUNNABLE = ("permission denied", "oci permission denied", "is a directory")
+NOT_RUNNABLE = ("permission denied", "is a directory")
 
 
 @dataclass(frozen=True)

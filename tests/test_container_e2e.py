@@ -52,15 +52,19 @@ def podman_on(host: LabHost | None, *argv: str,
     return subprocess.run(["podman", *argv], capture_output=True, text=True, check=check, env=env)
 
 
+# The local container tests use this machine's own network (`--network host`), which tests
+# on other xdist workers share: each cluster its own port range, which no other test uses.
+LOCAL_PORTS = {"ct-local": 25600, "ct-attach": 25640, "ct-term": 25680}
+
+
 def local_spec(tmp_path: Path, name: str, image: str, *, pace: str = "0.05") -> Path:
-    """Two local tasks in containers. They use this machine's own network (`--network host`),
-    which tests on other xdist workers share: a port range that no other test uses."""
     path = tmp_path / f"{name}.yaml"
+    start = LOCAL_PORTS[name]
     path.write_text(textwrap.dedent(f"""\
         name: {name}
         workdir: {REPO}
         workers: 2
-        ports: {{start: 25600, end: 25640}}
+        ports: {{start: {start}, end: {start + 39}}}
         job: {PACED}
         container: {{image: "{image}", runtime: podman, pull: never}}
         checkpoint: {{every_steps: 10}}
