@@ -229,7 +229,10 @@ def test_a_poll_is_one_command_with_the_status_then_the_exact_log_bytes(
         spec = task(host, "sh", "-c", f"printf '{ODD_PRINTF}'; {then}")
         handle = runner.start(spec)
         try:
-            wait_until(lambda: Path(spec.log_path).read_bytes() == ODD)
+            # start() returns once the task's session has its pid; the shell opens the log
+            # just after, so a busy machine may not have made the file yet
+            log = Path(spec.log_path)
+            wait_until(lambda: log.is_file() and log.read_bytes() == ODD)
             if case == "exited":
                 wait_until(lambda: Path(spec.rc_path).exists())
             if case == "lost":
