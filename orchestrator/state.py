@@ -360,6 +360,9 @@ class Store:
 
     def _sqlite_error(self, exc: sqlite3.Error) -> StateError:
         text = str(exc)
+        name = getattr(exc, "sqlite_errorname", "")  # the extended code (Python 3.11+)
+        if name and "disk I/O" in text:
+            text += f" ({name})"  # which I/O failed: SQLITE_IOERR_SHMMAP, _SHORT_READ, ...
         if "locked" in text or "busy" in text:
             return StateError(
                 f"another orchestrate is using {self.path}: it stayed locked for "
