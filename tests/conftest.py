@@ -98,7 +98,8 @@ USER_ENVIRONMENT = ("FORCE_COLOR", "NO_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE
 
 
 @pytest.fixture(autouse=True)
-def _no_user_ssh_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def _no_user_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No SSH agent, no TF_CONFIG and nothing of ``USER_ENVIRONMENT`` from the developer's shell."""
     monkeypatch.setenv("SSH_AUTH_SOCK", "")
     monkeypatch.delenv("SSH_AGENT_PID", raising=False)
     for name in USER_ENVIRONMENT:
