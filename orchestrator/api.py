@@ -188,8 +188,13 @@ class Cluster:
         return self._provider
 
     # -- lifecycle -----------------------------------------------------------------------
-    def up(self) -> list[Host]:
+    def up(self, *, attach: str | None = None,
+           progress: Callable[[str], None] | None = None) -> list[Host]:
         """Create or attach to the hosts and prepare them; idempotent.
+
+        ``attach``: an allocation the user holds (a Slurm job id) to use instead of
+        submitting one; ``down`` leaves it. ``progress`` hears what ``up`` waits for (the
+        queue's reason) as it changes.
 
         The cluster's record says "provisioning" meanwhile; an error or a Ctrl-C leaves it
         "failed" or "interrupted" with the hosts it knew before ('down' removes what was
@@ -198,7 +203,11 @@ class Cluster:
         before = self.store.get_cluster(self.name)
         known = before.hosts if before is not None else []
         self._record("provisioning", known)
+        if progress is not None:
+            self.provider.progress = progress
         try:
+            if attach is not None:
+                self.provider.adopt(attach)
             hosts = self.provider.up()
             if self.spec.container is not None:
                 containers.pull_all(hosts, self.provider.runner, self.spec.container)

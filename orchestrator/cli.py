@@ -87,12 +87,17 @@ def doctor(
 
 
 @app.command()
-def up(spec_file: SpecArg) -> None:
+def up(
+    spec_file: SpecArg,
+    attach: Annotated[str | None, typer.Option(
+        metavar="JOBID", help="Use an allocation you hold (Slurm: a job id from salloc) "
+        "instead of submitting one; 'down' leaves it running.")] = None,
+) -> None:
     """Create or attach to the cluster's hosts and prepare them."""
     from orchestrator.api import Cluster
 
     cluster = Cluster.from_spec(spec_file)
-    hosts = cluster.up()
+    hosts = cluster.up(attach=attach, progress=lambda line: say(f"  {line}"))
     for note in cluster.provider.notes():
         say(f"  {note}")
     for h in hosts:
@@ -119,6 +124,7 @@ def train(
     from orchestrator.console import summary as show_summary
 
     cluster = Cluster.from_spec(spec_file)
+    cluster.provider.progress = lambda line: say(f"  {line}")  # what 'up' waits for
     train_with = functools.partial(cluster.train, attach=attach, resume=resume, doctor=run_doctor,
                                    on_doctor=lambda report: doctor_brief(out, report))
     if out.is_terminal and not plain:

@@ -312,6 +312,10 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
 
 def _hosts_text(document: dict[str, Any]) -> str:
     creates = document["creates"]
+    if creates and "slurm" in creates:
+        slurm = creates["slurm"]
+        return (f"one Slurm allocation, driven {slurm['where']}: {slurm['sbatch']}\n"
+                f"             each task a job step in it: {slurm['srun']}")
     if creates:
         gpu = creates["accelerator"]
         gpus = f" + {gpu['count']} x {gpu['type']}" if gpu else ""

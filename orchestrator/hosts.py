@@ -35,6 +35,11 @@ class Host:
     or relative to the SSH user's home). ``ssh`` is None for this machine.
     ``task_port`` pins the gRPC port (e.g. one a firewall opens); otherwise the
     plan picks one from the spec's range.
+
+    A scheduler places a host's task on one of its machines (``node``: a Slurm node's name);
+    ``ssh`` then reaches the machine the scheduler is driven from (a login node), not the
+    host, and the task's files are on a file system every node shares (``shared_fs``: the
+    ``root`` is the same directory on every host of the cluster).
     """
 
     name: str
@@ -43,15 +48,24 @@ class Host:
     ssh: SSHEndpoint | None = None
     task_port: int | None = None
     labels: tuple[tuple[str, str], ...] = field(default=())
+    node: str | None = None
+    shared_fs: bool = False
 
     @property
     def is_local(self) -> bool:
-        return self.ssh is None
+        """Whether the host is this machine (its files are this machine's)."""
+        return self.ssh is None and self.node is None
 
     @property
     def machine(self) -> str:
         """Identifies the physical machine: hosts that share it share this string."""
+        if self.node is not None:
+            return f"node:{self.node}"
         return machine_id(self.ssh.address, self.ssh.port) if self.ssh else machine_id(None)
+
+    def label(self, key: str) -> str | None:
+        """The value of label ``key``, None without it."""
+        return dict(self.labels).get(key)
 
 
 def machine_id(ssh_address: str | None, ssh_port: int = 22) -> str:

@@ -196,7 +196,9 @@ def checkpoint_layout(spec: ClusterSpec, hosts: Sequence[Host], run_id: str,
         shared, by = True, "checkpoint.dir"
     else:
         dirs = {h.name: RunPaths.of(h.root, run_id).checkpoint_dir for h in hosts}
-        shared, by = False, ""
+        # A root every host mounts (a Slurm cluster's shared home): one directory for all.
+        shared = bool(hosts) and all(h.shared_fs for h in hosts) and len(set(dirs.values())) == 1
+        by = "provider.root" if shared else ""
     return CheckpointLayout(dirs=dirs, shared=shared, named_by=by,
                             mirror="never" if shared else spec.checkpoint.mirror,
                             machines=len({h.machine for h in hosts}))

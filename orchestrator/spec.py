@@ -427,7 +427,134 @@ class GcpProvider(SSHHosts):
         return self
 
 
-Provider = Annotated[LocalProvider | StaticProvider | GcpProvider, Field(discriminator="kind")]
+SLURM_NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$"
+# Slurm's time formats (sbatch --time): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+SLURM_TIME_RE = r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)$"
+# What the orchestrator sets on the holder job itself: the same option from the spec would
+# contradict it (and the job would not be the cluster the plan describes).
+SLURM_OWN_OPTIONS = {
+    "-N": "workers (one task per node)", "--nodes": "workers (one task per node)",
+    "-n": "workers", "--ntasks": "workers", "--ntasks-per-node": "one task per node",
+    "-J": "the cluster's name", "--job-name": "the cluster's name",
+    "-o": "the cluster's root", "--output": "the cluster's root",
+    "-e": "the cluster's root", "--error": "the cluster's root",
+    "--wrap": "the holder job", "--parsable": "the orchestrator reads the job id",
+    "-p": "provider.partition", "--partition": "provider.partition",
+    "-A": "provider.account", "--account": "provider.account", "-q": "provider.qos",
+    "--qos": "provider.qos", "-t": "provider.time", "--time": "provider.time",
+    "-C": "provider.constraint", "--constraint": "provider.constraint",
+    "-G": "provider.gpus_per_node", "--gpus": "provider.gpus_per_node",
+    "--gpus-per-node": "provider.gpus_per_node", "--gres": "provider.gpus_per_node",
+    "--signal": "the orchestrator's warning before the time limit",
+    "--no-kill": "the orchestrator keeps the allocation when a node fails",
+    "-k": "the orchestrator keeps the allocation when a node fails",
+    "-D": "the cluster's root", "--chdir": "the cluster's root",
+}
+
+
+def slurm_seconds(value: str) -> int:
+    """Seconds of a Slurm time limit (``sbatch --time``'s formats)."""
+    m = re.fullmatch(SLURM_TIME_RE, value)
+    if m is None:
+        raise ValueError(value)
+    days, dh, dm, ds, mins, ms, hs = m.groups()
+    if days is not None:
+        return int(days) * 86400 + int(dh) * 3600 + int(dm or 0) * 60 + int(ds or 0)
+    if hs is not None:  # H:M:S
+        return int(mins) * 3600 + int(ms) * 60 + int(hs)
+    return int(mins) * 60 + int(ms or 0)
+
+
+class SlurmLogin(Model):
+    """The login node the controller drives Slurm's commands on, over SSH."""
+
+    address: str = Field(min_length=1, description="The login node's host name or address.")
+    port: int = Field(default=22, ge=1, le=65535)
+    user: str = Field(pattern=USER_RE, max_length=32, description="Your user on the cluster.")
+    key_file: str = Field(min_length=1, description="Private key for this user (no agent is used).")
+    host_key: str | None = Field(
+        default=None, description="The login node's public key line ('ssh-ed25519 AAAA...'); "
+        "default: known_hosts.")
+    known_hosts: str | None = Field(
+        default=None, description="known_hosts file consulted when host_key is not given.")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return check_address(value)
+
+    @field_validator("key_file", "known_hosts")
+    @classmethod
+    def _local_path(cls, value: str | None) -> str | None:
+        return None if value is None else check_local_path(value)
+
+    @field_validator("host_key")
+    @classmethod
+    def _key_line(cls, value: str | None) -> str | None:
+        return StaticHost._key_line(value)
+
+
+class SlurmProvider(SSHHosts):
+    """An allocation on a Slurm cluster: 'up' submits one job that holds the nodes (or adopts
+    one you hold), every task runs as a job step in it, 'down' cancels what 'up' submitted."""
+
+    kind: Literal["slurm"] = "slurm"
+    partition: str | None = Field(default=None, pattern=SLURM_NAME_RE,
+                                  description="Default: the cluster's default partition.")
+    account: str | None = Field(default=None, pattern=SLURM_NAME_RE)
+    qos: str | None = Field(default=None, pattern=SLURM_NAME_RE)
+    time: str | None = Field(
+        default=None, description="The allocation's time limit in Slurm's format (30, 4:00:00, "
+        "1-00:00:00); default: the partition's. A run that reaches it goes on in a new one.")
+    gpus_per_node: int = Field(default=0, ge=0, le=64)
+    constraint: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_.:&|\[\]*,()!-]{1,256}$",
+        description="Node features, as sbatch --constraint takes them (a100&ib).")
+    sbatch: tuple[str, ...] = Field(
+        default=(), description="Other sbatch options for the allocation, one per item "
+        "('--exclusive', '--mem=0', '--reservation=r1').")
+    login: SlurmLogin | None = Field(
+        default=None, description="Drive Slurm over SSH on this login node; default: Slurm's "
+        "commands on this machine.")
+    queue_timeout_s: float = Field(
+        default=3600.0, gt=0, le=MAX_TIMEOUT_S,
+        description="How long 'up' waits for the allocation to start; then it is cancelled.")
+    python: str = Field(default="python3", description="Interpreter with TensorFlow on the nodes.")
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            seconds = slurm_seconds(value)
+        except ValueError:
+            raise Invalid(f"{value!r} is not a Slurm time limit",
+                          fix="write minutes (90), H:M:S (4:00:00) or D-H:M:S (1-00:00:00)") from None
+        if seconds < 60:
+            raise Invalid(f"{value!r} is under a minute, Slurm's smallest limit",
+                          fix="give at least one minute (1 or 0:01:00)")
+        return value
+
+    @field_validator("sbatch")
+    @classmethod
+    def _sbatch(cls, options: tuple[str, ...]) -> tuple[str, ...]:
+        for option in options:
+            if not option.startswith("-") or any(c in option for c in "\0\n\r"):
+                raise Invalid(f"{option!r} is not an sbatch option",
+                              fix="write each option as one item starting with '-', its value "
+                                  "after '=' (--mem=0, --reservation=r1)")
+            name = option.split("=", 1)[0]
+            if name in SLURM_OWN_OPTIONS:
+                raise Invalid(f"{name} is set by the orchestrator ({SLURM_OWN_OPTIONS[name]})",
+                              fix=f"remove {option!r}" + (
+                                  "" if not SLURM_OWN_OPTIONS[name].startswith("provider.")
+                                  else f"; set {SLURM_OWN_OPTIONS[name]} instead"))
+        return options
+
+
+Provider = Annotated[LocalProvider | StaticProvider | GcpProvider | SlurmProvider,
+                     Field(discriminator="kind")]
 
 
 def _members(union: Any, tag: str) -> dict[str, type[Model]]:
@@ -1204,8 +1331,8 @@ def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None
     """What plan.build refuses that the spec alone decides, so that 'validate' refuses it too:
     loopback addresses across machines, two tasks pinning one port of a machine, and a port
     range too small for the tasks that share a machine (TF's gRPC binds every address)."""
-    if isinstance(spec.provider, GcpProvider):
-        return  # a VM per task: one port each
+    if isinstance(spec.provider, GcpProvider | SlurmProvider):
+        return  # a VM, or a node, per task: one port each
     if isinstance(spec.provider, LocalProvider):
         _check_port_range(spec, spec.num_tasks, 0, file, lines)
         return

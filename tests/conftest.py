@@ -14,7 +14,7 @@ from orchestrator.remote import netns
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-pytest_plugins = ["hostlab"]
+pytest_plugins = ["hostlab", "slurmlab"]
 
 
 # The tests that train TensorFlow run in two lanes, each one test at a time on one xdist worker:
@@ -37,7 +37,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mostly wait (SSH hosts, namespaces, the fake clouds), share the remaining workers."""
     items.sort(key=lambda item: item.get_closest_marker("container") is not None)
     for item in items:
-        if item.get_closest_marker("tf") is not None:
+        if item.get_closest_marker("slurm") is not None:  # the one Slurm cluster: one worker
+            item.add_marker(pytest.mark.xdist_group("slurm"), append=False)
+        elif item.get_closest_marker("tf") is not None:
             lane = TF_LANE_B if item.path.name in TF_LANE_B_FILES else TF_LANE_A
             item.add_marker(pytest.mark.xdist_group(lane))
 

@@ -45,6 +45,9 @@ TOOLS = {
     "conmon": "conmon",
     "/usr/libexec/podman/catatonit": "catatonit",  # podman's --init: a Recommends only
     "mmdebstrap": "mmdebstrap",
+    "srun": "slurm-client", "sbatch": "slurm-client", "squeue": "slurm-client",
+    "scontrol": "slurm-client", "sinfo": "slurm-client", "scancel": "slurm-client",
+    "/usr/sbin/slurmctld": "slurmctld", "/usr/sbin/slurmd": "slurmd", "/usr/sbin/munged": "munge",
 }
 # Programs of Debian's Essential packages (coreutils, dash, findutils, ...), on every machine,
 # and apt-get and dpkg-query (the package tools).

@@ -1,4 +1,4 @@
-"""Where hosts come from: `local`, `static` and `gcp`; one module per provider, chosen by provider.kind."""
+"""Where hosts come from (`local`, `static`, `gcp`, `slurm`): one module each, by provider.kind."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ REGISTRY: dict[str, Registered] = {
     "local": Registered(specs.LocalProvider, "orchestrator.providers.local:LocalProvider"),
     "static": Registered(specs.StaticProvider, "orchestrator.providers.static:StaticProvider"),
     "gcp": Registered(specs.GcpProvider, "orchestrator.providers.gcp.provider:GcpProvider"),
+    "slurm": Registered(specs.SlurmProvider, "orchestrator.providers.slurm:SlurmProvider"),
 }
 
 

@@ -61,10 +61,22 @@ class Provider(ABC):
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
         self.spec = spec
         self.spec_path = spec_path
+        # What ``up`` is waiting for, as it changes (a scheduler's queue): the CLI prints it.
+        self.progress: Callable[[str], None] = lambda line: None
 
     @abstractmethod
     def up(self) -> list[Host]:
         """Create or attach to every host and prepare it to run tasks; idempotent."""
+
+    def adopt(self, allocation: str) -> None:
+        """Make ``allocation`` (one the user already holds, e.g. from ``salloc``) the
+        cluster's, for ``up`` to use and ``down`` to leave.
+
+        Raises:
+            ProviderError: the provider has no allocations, or not this one.
+        """
+        raise ProviderError(f"provider {self.kind!r} has no allocations to attach to",
+                            fix="leave out --attach (it is for provider.kind: slurm)")
 
     @abstractmethod
     def hosts(self) -> list[Host]:

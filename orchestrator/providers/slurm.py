@@ -1,0 +1,500 @@
+"""The `slurm` provider: one allocation on a Slurm cluster, every task a job step in it.
+
+``up`` submits a holder job (``sbatch --nodes=N --ntasks-per-node=1 --no-kill``, sleeping)
+and waits for it to run, saying why it waits (the queue's reason), or adopts an allocation
+the user holds (``up --attach JOBID``); the nodes it got are the cluster's hosts, reached by
+their ``NodeAddr``. Slurm's commands run where it is driven: this machine, or a login node
+over SSH (``provider.login``, as SkyPilot does). Nothing reaches a node over SSH: a command on
+a node is a job step (``remote/slurm.py``), and files are on the file system every node
+shares (the cluster's root, checked by ``up``), written once from the submit side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import shlex
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import worker as worker_package
+from orchestrator import paths
+from orchestrator import spec as specs
+from orchestrator.errors import OrchestratorError, ProviderError
+from orchestrator.hosts import Host, SSHEndpoint
+from orchestrator.providers.base import DownReport, HostHealth
+from orchestrator.providers.ssh_hosts import SETUP_STAMP, SSHHostsProvider
+from orchestrator.remote.base import Runner, quote_argv
+from orchestrator.remote.fanout import fan_out
+from orchestrator.remote.local import LocalRunner
+from orchestrator.remote.slurm import StepRunner, srun_argv
+from orchestrator.remote.ssh import SSHRunner
+from orchestrator.remote.sync import sync_dir
+from orchestrator.spec import ClusterSpec
+
+JOB_LABEL, NODE_LABEL = "slurm_job", "slurm_node"
+QUEUE_POLL_S = (0.2, 5.0)  # the wait for the allocation: first poll, then doubling to this
+ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+         "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
+# What a pending job's reason means, and what to do about it (squeue's %r, Slurm's
+# job_reason strings); the ones that never clear by waiting end the wait at once.
+REASONS = {
+    "Priority": "jobs of higher priority are ahead of it in the queue",
+    "Resources": "waiting for nodes to become free",
+    "None": "not yet looked at by the scheduler",
+    "BeginTime": "its start time has not come",
+    "Dependency": "waiting for a job it depends on",
+    "ReqNodeNotAvail": "a node it needs is down, drained or reserved",
+    "QOSMaxGRESPerUser": "your QOS's GPU limit per user is in use by your other jobs",
+    "QOSMaxNodePerUserLimit": "your QOS's node limit per user is in use by your other jobs",
+    "QOSGrpGRES": "the QOS's GPUs are in use",
+    "AssocGrpGRES": "your account's GPUs are in use",
+    "AssocGrpNodeLimit": "your account's node limit is in use",
+    "AssocMaxJobsLimit": "your account runs as many jobs as it may",
+    "JobHeldUser": "held by you (scontrol release JOBID)",
+    "Reservation": "waiting for its reservation to start",
+    "Licenses": "waiting for licenses",
+}
+NEVER = {
+    "PartitionNodeLimit": "asks for more nodes than the partition allows: lower workers, or "
+                          "choose another provider.partition",
+    "PartitionTimeLimit": "asks for more time than the partition allows: lower provider.time",
+    "PartitionDown": "the partition is down: ask the admins, or choose another "
+                     "provider.partition",
+    "PartitionInactive": "the partition is inactive: choose another provider.partition",
+    "JobHeldAdmin": "an administrator holds it: ask them to release it",
+    "BadConstraints": "no node has the features asked for: fix provider.constraint",
+    "QOSMaxWallDurationPerJobLimit": "asks for more time than the QOS allows: lower "
+                                     "provider.time",
+    "AccountNotAllowed": "the account may not use this partition: fix provider.account",
+    "QOSNotAllowed": "the QOS may not use this partition: fix provider.qos",
+    "InvalidAccount": "the account is not valid: fix provider.account",
+    "InvalidQOS": "the QOS is not valid: fix provider.qos",
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as ``squeue`` shows it."""
+
+    id: str
+    state: str  # PENDING, RUNNING, COMPLETING, ...
+    reason: str
+    nodes: str  # the compact node list (n[1-3])
+    user: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+
+def explain(reason: str) -> str:
+    """A pending job's reason in words (the reason itself when it is not a known one)."""
+    return REASONS.get(reason) or NEVER.get(reason) or reason
+
+
+class Slurm:
+    """Slurm's commands, run through one runner (this machine, or a login node)."""
+
+    def __init__(self, runner: Runner, where: str) -> None:
+        self.runner = runner
+        self.where = where
+
+    def run(self, argv: Sequence[str], *, timeout_s: float = 60, what: str = "") -> str:
+        """Run a Slurm command; its output.
+
+        Raises:
+            ProviderError: it failed, with Slurm's own words.
+        """
+        result = self.runner.run(list(argv), check=False, timeout_s=timeout_s)
+        if result.exit_code == 127:
+            raise ProviderError(f"{argv[0]} is not installed {self.where}",
+                                fix="install Slurm's client commands there, or set "
+                                "provider.login to a login node that has them")
+        if not result.ok:
+            said = (result.stderr or result.stdout).strip()[-500:]
+            raise ProviderError(f"{what or argv[0]} failed {self.where} "
+                                f"(exit {result.exit_code}): {said}")
+        return result.stdout
+
+    def submit(self, options: Sequence[str]) -> str:
+        """``sbatch --parsable OPTIONS``: the job id."""
+        out = self.run(["sbatch", "--parsable", *options], what="sbatch")
+        job_id = out.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise ProviderError(f"sbatch printed no job id {self.where}: {out.strip()[:200]!r}")
+        return job_id
+
+    def job(self, job_id: str) -> Job | None:
+        """The job, None once Slurm no longer knows it."""
+        result = self.runner.run(["squeue", "--noheader", f"--jobs={job_id}",
+                                  "--format=%i|%T|%r|%N|%u"], check=False, timeout_s=60)
+        if not result.ok:
+            if "Invalid job id" in result.stderr:
+                return None
+            raise ProviderError(f"squeue failed {self.where}: {result.stderr.strip()[-300:]}")
+        for line in result.stdout.splitlines():
+            words = line.strip().split("|")
+            if len(words) == 5 and words[0] == job_id:
+                return Job(*words)
+        return None
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        return self.run(["scontrol", "show", "hostnames", nodelist]).split()
+
+    def nodes(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        """``scontrol show node -o``'s fields of each node, by name."""
+        out = self.run(["scontrol", "--oneliner", "show", "node", ",".join(names)])
+        found: dict[str, dict[str, str]] = {}
+        for line in out.splitlines():
+            fields = dict(re.findall(r"(\w+)=(\S*)", line))
+            if "NodeName" in fields:
+                found[fields["NodeName"]] = fields
+        return found
+
+    def cancel(self, job_id: str) -> None:
+        self.run(["scancel", job_id], what=f"scancel {job_id}")
+
+
+class SlurmProvider(SSHHostsProvider):
+    kind = "slurm"
+    host_noun = "node"
+    config: specs.SlurmProvider
+
+    def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
+        super().__init__(spec, spec_path)
+        assert isinstance(spec.provider, specs.SlurmProvider)
+        self.config = spec.provider
+        self._submit: Runner | None = None
+        self._steps: dict[str, StepRunner] = {}
+        self._job: dict[str, Any] = {}  # the allocation: job_id, submitted (by 'up')
+
+    # -- where Slurm is driven ----------------------------------------------------------
+    @property
+    def where(self) -> str:
+        login = self.config.login
+        return f"on login node {login.address}" if login else "on this machine"
+
+    def login_endpoint(self) -> SSHEndpoint | None:
+        login = self.config.login
+        if login is None:
+            return None
+        base = self.spec_path.parent
+        known = login.known_hosts or "~/.ssh/known_hosts"
+        return SSHEndpoint(
+            address=login.address, user=login.user, port=login.port,
+            key_file=str((base / Path(login.key_file).expanduser()).resolve()),
+            host_keys=(login.host_key,) if login.host_key else (),
+            known_hosts=str((base / Path(known).expanduser()).resolve()),
+            connect_timeout_s=self.config.connect_timeout_s)
+
+    @property
+    def submit_runner(self) -> Runner:
+        """The runner Slurm's commands go through, shared by every node's runner."""
+        with self._lock:
+            if self._submit is None:
+                endpoint = self.login_endpoint()
+                self._submit = (LocalRunner("this machine") if endpoint is None else
+                                SSHRunner(f"login {endpoint.address}", endpoint,
+                                          connect_deadline_s=self.connect_deadline_s))
+            return self._submit
+
+    @property
+    def slurm(self) -> Slurm:
+        return Slurm(self.submit_runner, self.where)
+
+    def submit_host(self) -> Host:
+        """The machine Slurm is driven from, as a host: the cluster's root is made, synced and
+        removed there, once for every node."""
+        host = Host(name=f"{self.spec.name}-login", address=self.config.login.address
+                    if self.config.login else "localhost", root="", ssh=self.login_endpoint(),
+                    shared_fs=True)
+        return replace(host, root=self.resolve_root(host))
+
+    # -- runners: the submit side for files and tasks' wrappers, steps for a node --------
+    def runner(self, host: Host) -> Runner:  # type: ignore[override]
+        node = host.node or host.label(NODE_LABEL)
+        job = host.label(JOB_LABEL)
+        if node is None or job is None:
+            return self.submit_runner
+        with self._lock:
+            step = self._steps.get(host.name)
+            if step is None or step.job_id != job or step.node != node:
+                step = StepRunner(host.name, self.submit_runner, job, node,
+                                  gpus=self.config.gpus_per_node)
+                self._steps[host.name] = step
+            return step
+
+    def runner_to(self, host: Host) -> Runner:  # type: ignore[override]
+        return self.runner(host)
+
+    @contextlib.contextmanager
+    def check_runners(self, hosts: Sequence[Host]) -> Iterator[Callable[[Host], Runner]]:
+        yield self.runner
+
+    def close(self) -> None:
+        with self._lock:
+            submit, self._submit = self._submit, None
+            self._steps.clear()
+        if submit is not None:
+            submit.close()
+
+    # -- the allocation ------------------------------------------------------------------
+    def _load(self) -> dict[str, Any]:
+        if not self._job:
+            self.load_hosts()
+            with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+                document = json.loads(self.hosts_file.read_text())
+                self._job = {"job_id": str(document["job_id"]),
+                             "submitted": bool(document["submitted"])}
+        return self._job
+
+    def _save(self, hosts: Sequence[Host]) -> None:
+        for host in hosts:
+            self.remember(host)
+        self.save_hosts([h.name for h in hosts], extra=self._job)
+
+    def adopt(self, job_id: str) -> None:
+        """Make the allocation ``job_id`` (one the user holds, e.g. from ``salloc``) the
+        cluster's: ``up`` uses it, ``down`` leaves it running.
+
+        Raises:
+            ProviderError: no such job of the user's, or it has ended.
+        """
+        if not job_id.isdigit():
+            raise ProviderError(f"--attach {job_id!r} is not a Slurm job id",
+                                fix="give the number squeue shows in its JOBID column")
+        job = self.slurm.job(job_id)
+        if job is None or job.ended:
+            raise ProviderError(f"job {job_id} is not in Slurm's queue {self.where} "
+                                f"({job.state.lower() if job else 'unknown or ended'})",
+                                fix="give the id of an allocation you hold (squeue --me)")
+        current = self._load()
+        if current.get("job_id") not in (None, job_id) and current.get("submitted"):
+            raise ProviderError(
+                f"the cluster already holds allocation {current['job_id']}, which 'up' "
+                f"submitted", fix=f"run 'orchestrate down {self.spec_path.name}' first")
+        self._job = {"job_id": job_id, "submitted": False}
+
+    def sbatch_options(self, root: str) -> list[str]:
+        """What ``up`` asks sbatch for (``plan`` shows it)."""
+        config = self.config
+        options = [f"--job-name=orchestrate-{self.spec.name}", f"--nodes={self.spec.num_tasks}",
+                   "--ntasks-per-node=1", "--no-kill", f"--output={root}/slurm-%j.out"]
+        for flag, value in (("--partition", config.partition), ("--account", config.account),
+                            ("--qos", config.qos), ("--time", config.time),
+                            ("--constraint", config.constraint)):
+            if value is not None:
+                options.append(f"{flag}={value}")
+        if config.gpus_per_node:
+            options.append(f"--gpus-per-node={config.gpus_per_node}")
+        return [*options, *config.sbatch, "--wrap=exec sleep infinity"]
+
+    def _allocation(self, root: str) -> Job:
+        """The cluster's running allocation: the recorded one, else a new one, waited for."""
+        record = self._load()
+        job_id = record.get("job_id")
+        job = self.slurm.job(job_id) if job_id else None
+        if job is not None and job.ended:
+            job = None
+        if job is None and job_id and not record.get("submitted"):
+            raise ProviderError(
+                f"allocation {job_id}, which 'up --attach' adopted, is no longer running",
+                fix=f"attach another ('orchestrate up {self.spec_path.name} --attach JOBID'), "
+                f"or run 'orchestrate down {self.spec_path.name}' and 'up' to submit one")
+        if job is None:
+            job_id = self.slurm.submit(self.sbatch_options(root))
+            self._job = {"job_id": job_id, "submitted": True}
+            self.save_hosts([], extra=self._job)  # recorded before the wait: 'down' finds it
+            self.progress(f"submitted allocation {job_id} ({self.spec.num_tasks} node(s)) "
+                          f"{self.where}")
+        assert job_id is not None
+        return self._wait_running(job_id)
+
+    def _wait_running(self, job_id: str) -> Job:
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        wait, said = QUEUE_POLL_S[0], ""
+        while True:
+            job = self.slurm.job(job_id)
+            if job is None or job.ended:
+                raise ProviderError(
+                    f"allocation {job_id} ended before it ran "
+                    f"({job.state.lower() + ': ' + job.reason if job else 'no longer queued'})",
+                    fix=f"see {self.spec.name}'s slurm-{job_id}.out in the cluster's root and "
+                    "'sacct -j " + job_id + "'")
+            if job.state == "RUNNING":
+                return job
+            if job.reason in NEVER:
+                self._cancel_ours(job_id)
+                raise ProviderError(f"allocation {job_id} cannot start: {job.reason} "
+                                    f"({NEVER[job.reason]})", fix=NEVER[job.reason])
+            now = f"{job.state.lower()}: {job.reason}"
+            if now != said:
+                self.progress(f"allocation {job_id} {now} ({explain(job.reason)})")
+                said = now
+            if time.monotonic() > deadline:
+                self._cancel_ours(job_id)
+                raise ProviderError(
+                    f"allocation {job_id} did not start within {self.config.queue_timeout_s:.0f}s "
+                    f"({job.reason}: {explain(job.reason)}); it was cancelled",
+                    fix="raise provider.queue_timeout_s, ask for fewer nodes or less time, or "
+                    "try another provider.partition ('sinfo' shows what is free)")
+            time.sleep(wait)
+            wait = min(2 * wait, QUEUE_POLL_S[1])
+
+    def _cancel_ours(self, job_id: str) -> None:
+        if self._job.get("job_id") == job_id and self._job.get("submitted"):
+            self.slurm.cancel(job_id)
+            self._job = {}
+            self.forget_hosts()
+
+    def _hosts_of(self, job: Job, root: str) -> list[Host]:
+        names = self.slurm.hostnames(job.nodes)
+        if len(names) < self.spec.num_tasks:
+            raise ProviderError(
+                f"allocation {job.id} has {len(names)} node(s) ({job.nodes}) for "
+                f"{self.spec.num_tasks} task(s), one per node",
+                fix="attach an allocation with at least as many nodes, or lower workers")
+        names = names[: self.spec.num_tasks]
+        nodes = self.slurm.nodes(names)
+        hosts = []
+        for i, name in enumerate(names):
+            address = nodes.get(name, {}).get("NodeAddr") or name
+            hosts.append(Host(name=f"{self.spec.name}-{i}", address=address, root=root,
+                              ssh=self.login_endpoint(),
+                              labels=((JOB_LABEL, job.id), (NODE_LABEL, name)),
+                              node=name, shared_fs=True))
+        return hosts
+
+    # -- up / hosts / down -----------------------------------------------------------------
+    def up(self) -> list[Host]:
+        """Check the upload, make the root on the shared file system, get the allocation
+        (submitted and waited for, or the one recorded), check that every node sees the root,
+        sync the code and the worker package once, run setup on the first node."""
+        self.upload()
+        submit = self.submit_host()
+        self.claim_root(submit)
+        job = self._allocation(submit.root)
+        hosts = self._hosts_of(job, submit.root)
+        self._save(hosts)
+        self._check_shared(hosts, submit.root)
+        self._prepare(submit, hosts)
+        return hosts
+
+    def _check_shared(self, hosts: Sequence[Host], root: str) -> None:
+        """Every node sees the root's marker, which was written on the submit side."""
+        marker = shlex.quote(f"{root}/{paths.ROOT_MARKER}")
+
+        def sees(host: Host) -> str:
+            return self.runner(host).run(f"cat {marker} 2>/dev/null || true",
+                                         timeout_s=120).stdout.strip()
+
+        result = fan_out(hosts, sees, name_of=lambda h: h.name)
+        result.raise_if_failed("run a step on every node")
+        blind = [f"{h.name} ({h.node})" for h in hosts
+                 if result.values().get(h.name) != self.spec.name]
+        if blind:
+            raise ProviderError(
+                f"{', '.join(blind)} cannot see {root}, written {self.where}: the cluster's "
+                "files must be on a file system every node mounts",
+                fix="set provider.root to a directory on the cluster's shared file system "
+                "(your home on most clusters; NFS, Lustre, GPFS)")
+
+    def _prepare(self, submit: Host, hosts: Sequence[Host]) -> None:
+        runner = self.submit_runner
+        workdir = specs.workdir_of(self.spec, self.spec_path)
+        code_changed = sync_dir(runner, str(workdir), paths.code_dir(submit.root),
+                                self.config.sync_excludes,
+                                allowed_secrets=self.upload().allowed_secrets)
+        sync_dir(runner, str(Path(worker_package.__file__).parent),
+                 f"{paths.lib_dir(submit.root)}/worker", ("__pycache__", "*.pyc"))
+        setup = self.config.setup
+        if not setup:
+            return
+        stamp = hashlib.sha256("\n".join(setup).encode()).hexdigest()
+        stamp_path = shlex.quote(f"{submit.root}/{SETUP_STAMP}")
+        current = runner.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
+        if current == stamp and not code_changed:
+            return
+        code_dir = shlex.quote(paths.code_dir(submit.root))
+        node = self.runner(hosts[0])  # the nodes' environment (modules, CUDA), not the login's
+        for command in setup:
+            node.run(f"cd {code_dir} && {command}", timeout_s=3600)
+        runner.run(f"echo {stamp} > {stamp_path}")
+
+    def hosts(self) -> list[Host]:
+        """The nodes of the recorded allocation (none before 'up')."""
+        self._load()
+        return list(self.remembered().values())
+
+    def planned_hosts(self) -> list[Host]:
+        """The recorded nodes, else placeholders (the scheduler picks the nodes)."""
+        known = self.hosts()
+        if known:
+            return known
+        root = self.planned_root("~")
+        return [Host(name=f"{self.spec.name}-{i}", address=f"node-{i}", root=root,
+                     ssh=self.login_endpoint(), node=f"node-{i}", shared_fs=True)
+                for i in range(self.spec.num_tasks)]
+
+    def describe(self) -> dict[str, Any]:
+        root = self.planned_hosts()[0].root
+        task = quote_argv([*srun_argv("JOBID", "NODE", name="orchestrate-…",
+                                      gpus=self.config.gpus_per_node), "python", "-m",
+                           "worker", "…"])
+        return {"slurm": {"where": self.where,
+                          "sbatch": quote_argv(["sbatch", "--parsable",
+                                                *self.sbatch_options(root)]),
+                          "srun": task}}
+
+    def notes(self) -> list[str]:
+        notes = super().notes()
+        job = self._load().get("job_id")
+        if job:
+            how = "submitted by 'up'" if self._job.get("submitted") else "attached"
+            notes.append(f"allocation {job} ({how}) {self.where}")
+        return notes
+
+    def host_health(self, host: Host) -> HostHealth:
+        """The node as Slurm sees it: gone with the allocation, unreachable when DOWN or not
+        responding, else running."""
+        job_id = host.label(JOB_LABEL)
+        try:
+            job = self.slurm.job(job_id) if job_id else None
+            if job is None or job.ended:
+                return HostHealth.GONE
+            node = self.slurm.nodes([host.node or ""]).get(host.node or "", {})
+        except OrchestratorError:
+            return HostHealth.UNREACHABLE
+        state = node.get("State", "")
+        if state.endswith("*") or any(s in state for s in ("DOWN", "FAIL")):
+            return HostHealth.UNREACHABLE
+        return HostHealth.RUNNING
+
+    def down(self) -> DownReport:
+        """Cancel the allocation 'up' submitted (an attached one is left running), then remove
+        the root where 'up' made it."""
+        record = self._load()
+        removed: list[str] = []
+        notes: list[str] = []
+        job_id = record.get("job_id")
+        if job_id and record.get("submitted"):
+            job = self.slurm.job(job_id)
+            if job is not None and not job.ended:
+                self.slurm.cancel(job_id)
+                removed.append(f"allocation {job_id} (scancel {self.where})")
+        elif job_id:
+            notes.append(f"allocation {job_id} is yours ('up --attach'): left running")
+        try:
+            done, text = self.remove_root(self.submit_host())
+        except OrchestratorError as exc:
+            done, text = False, f"root not removed: {exc.message}"
+        (removed if done else notes).append(text)
+        self._job = {}
+        self.forget_hosts()
+        return DownReport(removed=tuple(removed), notes=tuple(notes))
