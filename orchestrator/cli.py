@@ -101,7 +101,7 @@ def up(
     for note in cluster.provider.notes():
         say(f"  {note}")
     for h in hosts:
-        say(f"  {h.name}  {h.address}")
+        say(f"  {h.name}  {h.address}" + (f"  (node {h.node})" if h.node else ""))
     out.print(f"[green]up[/]: {len(hosts)} host(s)", highlight=False)
 
 

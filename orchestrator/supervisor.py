@@ -161,7 +161,7 @@ class Supervisor:
             mode=self.spec.checkpoint.mirror, on_mirrored=self._mirrored,
             on_pulling=self._pulling, on_off=self._say)
         previous = self.store.attempts(run_id) if attach or resume else []
-        if warm.wanted(self.spec):
+        if warm.wanted(self.spec) and self.provider.warm_tasks:
             self._warm = WarmTasks(self.store, run_id, self.launcher,
                                    lambda name: self.provider.runner(self._host(name)), self._say)
             if attach and previous:  # the warm tasks the dead controller started
@@ -295,6 +295,9 @@ class Supervisor:
     def _attempt(self, run_id: str, number: int) -> dict[str, Event]:
         marks = self._marks[number] = {"began": time.time()}
         self._check_stopped(run_id)
+        renewed = self.provider.renew()
+        if renewed:
+            self._say(renewed)
         self._repair_hosts()
         marks["repaired"] = time.time()
         plan = self._plan(run_id, number)

@@ -452,7 +452,7 @@ class SlurmLab:
         names = ",".join(node.name for node in self.nodes)
         lines += [
             f"PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP",
-            f"PartitionName=short Nodes={names} Default=NO MaxTime=2 State=UP",
+            f"PartitionName=short Nodes={names} Default=NO MaxTime=3 State=UP",
         ]
         return "\n".join(lines) + "\n"
 

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, release_run
 from slurmlab import SlurmLab
 
 from orchestrator.api import Cluster
@@ -134,3 +134,141 @@ def test_a_killed_task_restarts_the_group_inside_the_allocation(
     finally:
         cluster.down()
     assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
+
+
+@pytest.mark.tf
+def test_slurms_sigterm_to_the_steps_saves_every_task_at_one_step(
+        slurm: SlurmLab, tmp_path: Path) -> None:
+    """As a preemption with GraceTime (or ``scancel --signal=TERM``) does: TERM to every step
+    of the allocation, not to its holder; every task saves at one step, exits 75, and the group
+    goes on in the same allocation from that step, none redone."""
+    path = slurm_spec(tmp_path, slurm, "slurm-term", """\
+        job: {module: examples.digits, epochs: 2, steps_per_epoch: 30, progress_every_steps: 1}
+        checkpoint: {every_steps: 100}
+        retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 30}
+        """)
+    cluster = Cluster.from_spec(path)
+    cluster.up()
+    (job,) = our_jobs(slurm)
+    signalled: list[int] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if (event is not None and event.kind == "progress" and event.attempt == 1
+                and event.get("step") >= 12 and not signalled):
+            signalled.append(event.get("step"))
+            slurm.run("scancel", "--signal=TERM", job["id"], user=slurm.user)
+
+    try:
+        result = cluster.train(listener=listener).wait()
+        assert signalled and result.status == "succeeded", result
+        assert len(result.attempts) == 2, [(a.cause, a.detail) for a in result.attempts]
+        first, second = result.attempts
+        assert first.cause == "preempted", first.detail
+        assert first.exit_code == 75
+        # saved at the step they agreed on (no periodic checkpoint before it), none redone
+        assert second.resumed_from_step is not None and second.resumed_from_step >= 12
+        assert first.steps_lost == 0
+        assert our_jobs(slurm) == [job]
+        assert len(set(result.digests.values())) == 1
+    finally:
+        cluster.down()
+
+
+@pytest.mark.tf
+def test_a_time_limit_saves_every_task_and_goes_on_in_a_new_allocation(
+        slurm: SlurmLab, tmp_path: Path) -> None:
+    """A 3-minute allocation: the steps get TERM before its limit (sbatch --signal), every
+    task saves at one step, and train goes on by itself in a new allocation from that step."""
+    path = slurm_spec(tmp_path, slurm, "slurm-time", """\
+        job: {module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 40,
+              progress_every_steps: 1}
+        env: {DIGITS_PACE_S: "1.5"}
+        checkpoint: {every_steps: 1000}
+        retry: {max_restarts: 4, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 5}
+        """, provider_extra="  time: '3'\n").read_text()
+    path_file = tmp_path / "cluster.yaml"
+    path_file.write_text(path.replace("partition: main", "partition: short"))
+    cluster = Cluster.from_spec(path_file)
+    cluster.up()
+    (first_job,) = our_jobs(slurm)
+    root = cluster.provider.hosts()[0].root
+    released: list[int] = []
+
+    seen: list[RunView] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        seen[:] = [view]
+        if (event is not None and event.kind == "progress" and event.attempt >= 2
+                and not released and release_run(root, view.run_id)):
+            released.append(event.attempt)  # in the new allocation: full speed to the end
+
+    try:
+        result = cluster.train(listener=listener).wait()
+        assert result.status == "succeeded", [(a.cause, a.detail) for a in result.attempts]
+        first = result.attempts[0]
+        assert first.cause == "preempted" and first.exit_code == 75, first.detail
+        assert first.steps_lost == 0, [(a.cause, a.detail, a.resumed_from_step, a.last_step)
+                                       for a in result.attempts]  # saved at one step
+        later = our_jobs(slurm)
+        assert len(later) == 1 and later[0]["id"] != first_job["id"]  # a new allocation
+        assert any(f"allocation {first_job['id']}" in m and "going on in allocation" in m
+                   for m in seen[0].messages), seen[0].messages
+        assert len(set(result.digests.values())) == 1
+    finally:
+        cluster.down()
+
+
+def test_doctor_checks_the_partition_before_any_node(slurm: SlurmLab, tmp_path: Path) -> None:
+    body = "job: {module: examples.digits}\n"
+    cases = {
+        "partition: main": ("partition 'nope' does not exist", "main, short", "  partition: nope\n"),
+        "time": ("over partition short's limit", "set provider.time to", "  time: '10'\n"),
+        "gpus": ("GPU(s)", "provider.gpus_per_node", "  gpus_per_node: 2\n"),
+    }
+    for key, (says, fix, extra) in cases.items():
+        text = slurm_spec(tmp_path, slurm, "slurm-doc", body, provider_extra=extra).read_text()
+        if key == "partition: main":
+            text = text.replace("  partition: main\n", "")
+        if key == "time":
+            text = text.replace("partition: main", "partition: short")
+        (tmp_path / "cluster.yaml").write_text(text)
+        report = Cluster.from_spec(tmp_path / "cluster.yaml").doctor(tensorflow="never")
+        found = [p for p in report.problems if says in p.message]
+        assert found and found[0].blocking and fix in found[0].fix, report.problems
+        # before 'up' there are no nodes: said, not blocking, and no node is asked
+        assert any("no allocation yet" in p.message and not p.blocking for p in report.problems)
+
+
+def test_up_says_why_it_waits_in_the_queue_and_gives_up_at_its_timeout(
+        slurm: SlurmLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    blocker = slurm.run("sbatch", "--parsable", "-N3", "--exclusive", "--wrap", "sleep 300",
+                        user=slurm.user).stdout.strip()
+    path = slurm_spec(tmp_path, slurm, "slurm-queue", "job: {module: examples.digits}\n")
+    path.write_text(path.read_text().replace("queue_timeout_s: 120", "queue_timeout_s: 4"))
+    up = cli("up", str(path), home=orchestrate_home, timeout=120)
+    assert up.returncode != 0 and "Traceback" not in up.stdout + up.stderr
+    assert "pending: Resources (waiting for nodes to become free)" in up.stdout, up.stdout
+    assert "did not start within 4s" in up.stderr and "it was cancelled" in up.stderr, up.stderr
+    assert "provider.queue_timeout_s" in up.stderr
+    left = [j["id"] for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")]
+    assert left == [blocker]  # ours is gone; the user's own job is left alone
+
+
+def test_up_attach_adopts_your_allocation_and_down_leaves_it_running(
+        slurm: SlurmLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    held = slurm.run("sbatch", "--parsable", "-N3", "--wrap", "sleep 300",
+                     user=slurm.user).stdout.strip()
+    path = slurm_spec(tmp_path, slurm, "slurm-attach", "job: {module: examples.digits}\n")
+    up = cli("up", str(path), "--attach", held, home=orchestrate_home, timeout=120)
+    assert up.returncode == 0, up.stdout + up.stderr
+    for node in slurm.nodes:
+        assert node.address in up.stdout
+    assert [j["id"] for j in our_jobs(slurm)] == [held]  # nothing submitted
+    bad = cli("up", str(path), "--attach", "999999", home=orchestrate_home, timeout=120)
+    assert bad.returncode != 0 and "job 999999 is not in Slurm's queue" in bad.stderr
+    down = cli("down", str(path), home=orchestrate_home, timeout=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"allocation {held} is yours" in down.stdout
+    assert [(j["id"], j["state"]) for j in our_jobs(slurm)] == [(held, "RUNNING")]

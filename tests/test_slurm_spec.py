@@ -12,7 +12,8 @@ from orchestrator import spec
 from orchestrator.errors import SpecError
 from orchestrator.providers import for_spec
 from orchestrator.providers.slurm import NEVER, REASONS, explain
-from orchestrator.remote.slurm import srun_argv, step_name
+from orchestrator.remote.base import TaskHandle
+from orchestrator.remote.slurm import srun_options, step_name, step_prefix
 
 SLURM = """\
 name: sl
@@ -93,10 +94,13 @@ def test_plan_shows_the_sbatch_and_srun_lines_and_one_shared_checkpoint_dir(tmp_
 
 def test_a_task_step_is_named_from_its_record_alone() -> None:
     first = "/r/runs/1/logs/attempt-1/worker-0.rc"
-    a, b = step_name(first), step_name(first.replace("attempt-1", "attempt-2"))
-    assert a != b and a == step_name(first)
-    argv = srun_argv("17", "n2", name=a)
-    assert argv[:3] == ["srun", "--jobid=17", "--nodelist=n2"] and f"--job-name={a}" in argv
+    warm, cold = TaskHandle("h", 101, "log", first), TaskHandle("h", 202, "log", first)
+    # a warm task and the cold one that replaces it share the rc path, not the name
+    assert step_name(warm) != step_name(cold)
+    assert step_name(warm) == step_name(TaskHandle("other", 101, "other.log", first))
+    assert step_name(warm).startswith(step_prefix(first))
+    assert step_prefix(first) != step_prefix(first.replace("attempt-1", "attempt-2"))
+    assert srun_options("17", "n2")[:2] == ["--jobid=17", "--nodelist=n2"]
 
 
 def test_every_pending_reason_has_words_and_the_hopeless_ones_a_fix() -> None:

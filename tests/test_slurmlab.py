@@ -127,7 +127,7 @@ def test_scontrol_squeue_sbatch_srun_on_this_machine(slurm: SlurmLab) -> None:
                     user=slurm.user).stdout.strip()
     jobs = slurm.squeue()
     assert [(j["id"], j["user"]) for j in jobs] == [(job, slurm.user)]
-    assert "TimeLimit=00:02:00" in slurm.run("scontrol", "show", "job", job).stdout
+    assert "TimeLimit=00:03:00" in slurm.run("scontrol", "show", "job", job).stdout
     slurm.cancel_all()
     assert slurm.squeue() == []
 

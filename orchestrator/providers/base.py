@@ -57,6 +57,8 @@ class Provider(ABC):
     # Whether the provider takes machines back on its own (spot VMs): only then can a lost
     # host be preempted, and is its health worth asking while the group waits to restart.
     reclaims_hosts: bool = False
+    # Whether the next attempt's tasks may wait warm beside the running ones (retry.warm_tasks).
+    warm_tasks: bool = True
 
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
         self.spec = spec
@@ -77,6 +79,12 @@ class Provider(ABC):
         """
         raise ProviderError(f"provider {self.kind!r} has no allocations to attach to",
                             fix="leave out --attach (it is for provider.kind: slurm)")
+
+    def renew(self) -> str | None:
+        """Before an attempt: make sure the hosts can hold it (a scheduler's allocation that
+        ended, was requeued or is about to reach its time limit is replaced or waited for);
+        what was done, for the run's messages, or None: nothing was needed (the default)."""
+        return None
 
     @abstractmethod
     def hosts(self) -> list[Host]:

@@ -27,18 +27,22 @@ from orchestrator import paths
 from orchestrator import spec as specs
 from orchestrator.errors import OrchestratorError, ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
-from orchestrator.providers.base import DownReport, HostHealth
+from orchestrator.problems import Problem
+from orchestrator.providers.base import CloudCheck, DownReport, HostHealth
 from orchestrator.providers.ssh_hosts import SETUP_STAMP, SSHHostsProvider
 from orchestrator.remote.base import Runner, quote_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.local import LocalRunner
-from orchestrator.remote.slurm import StepRunner, srun_argv
+from orchestrator.remote.slurm import SRUN_BY_WRAPPER, StepRunner, srun_options
 from orchestrator.remote.ssh import SSHRunner
 from orchestrator.remote.sync import sync_dir
 from orchestrator.spec import ClusterSpec
 
 JOB_LABEL, NODE_LABEL = "slurm_job", "slurm_node"
 QUEUE_POLL_S = (0.2, 5.0)  # the wait for the allocation: first poll, then doubling to this
+# slurmctld looks at time limits every 30 s and may send --signal up to 60 s early: an
+# allocation this much past its warning is counted as ending.
+SIGNAL_SLACK_S = 90
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
 # What a pending job's reason means, and what to do about it (squeue's %r, Slurm's
@@ -87,6 +91,15 @@ class Job:
     reason: str
     nodes: str  # the compact node list (n[1-3])
     user: str = ""
+    left: str = ""  # the time left before its limit, as squeue shows it (1:23, UNLIMITED)
+
+    @property
+    def left_s(self) -> int | None:
+        """Seconds left before the time limit; None without one."""
+        try:
+            return specs.slurm_seconds(self.left)
+        except ValueError:
+            return None
 
     @property
     def ended(self) -> bool:
@@ -133,14 +146,14 @@ class Slurm:
     def job(self, job_id: str) -> Job | None:
         """The job, None once Slurm no longer knows it."""
         result = self.runner.run(["squeue", "--noheader", f"--jobs={job_id}",
-                                  "--format=%i|%T|%r|%N|%u"], check=False, timeout_s=60)
+                                  "--format=%i|%T|%r|%N|%u|%L"], check=False, timeout_s=60)
         if not result.ok:
             if "Invalid job id" in result.stderr:
                 return None
             raise ProviderError(f"squeue failed {self.where}: {result.stderr.strip()[-300:]}")
         for line in result.stdout.splitlines():
             words = line.strip().split("|")
-            if len(words) == 5 and words[0] == job_id:
+            if len(words) == 6 and words[0] == job_id:
                 return Job(*words)
         return None
 
@@ -158,12 +171,21 @@ class Slurm:
         return found
 
     def cancel(self, job_id: str) -> None:
-        self.run(["scancel", job_id], what=f"scancel {job_id}")
+        """``scancel JOB``; a job that is already ending or gone is left as it is."""
+        result = self.runner.run(["scancel", job_id], check=False, timeout_s=60)
+        said = (result.stderr or result.stdout).strip()
+        if not result.ok and "already completing or completed" not in said \
+                and "Invalid job id" not in said:
+            raise ProviderError(f"scancel {job_id} failed {self.where} (exit "
+                                f"{result.exit_code}): {said[-500:]}")
 
 
 class SlurmProvider(SSHHostsProvider):
     kind = "slurm"
     host_noun = "node"
+    # Not yet: a warm task shares its attempt's log and exit-code files, and on Slurm it would
+    # wait in an allocation that 'renew' may replace before it is told to go.
+    warm_tasks = False
     config: specs.SlurmProvider
 
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
@@ -293,7 +315,54 @@ class SlurmProvider(SSHHostsProvider):
                 options.append(f"{flag}={value}")
         if config.gpus_per_node:
             options.append(f"--gpus-per-node={config.gpus_per_node}")
+        # TERM to every step (not the holder) this long before the time limit: each task
+        # saves at one step, and the run goes on in a new allocation ('renew').
+        options.append(f"--signal=TERM@{self.warning_s}")
         return [*options, *config.sbatch, "--wrap=exec sleep infinity"]
+
+    @property
+    def warning_s(self) -> int:
+        """Seconds before the time limit that the steps get TERM (the stop's grace and a
+        margin, at most half the allocation's time): an allocation with less left is not
+        given another attempt."""
+        lead = int(self.spec.timeouts.stop_grace_s) + 30
+        if self.config.time is not None:
+            lead = min(lead, specs.slurm_seconds(self.config.time) // 2)
+        return max(10, min(lead, 65535))
+
+    def renew(self) -> str | None:
+        """Before an attempt: an allocation that ended, was requeued or is near its time
+        limit (``warning_s`` and Slurm's slack) is replaced (``up``: a new one submitted, or
+        the requeued one waited for); what happened, for the run's messages, or None when it
+        can go on.
+
+        Raises:
+            ProviderError: the allocation was one the user attached, and it has ended.
+        """
+        record = self._load()
+        job_id = record.get("job_id")
+        if not job_id:
+            return None
+        job = self.slurm.job(job_id)
+        left = job.left_s if job is not None else None
+        ending = left is not None and left <= self.warning_s + SIGNAL_SLACK_S
+        if job is not None and job.state == "RUNNING" and not ending:
+            return None
+        if job is None or job.ended or job.state == "COMPLETING":
+            why = f"allocation {job_id} ended ({job.state.lower() if job else 'gone'})"
+        elif job.state == "RUNNING":
+            why = f"allocation {job_id} is {left}s from its time limit"
+        else:
+            why = f"allocation {job_id} is {job.state.lower()} again ({job.reason}: requeued)"
+        if record.get("submitted") and (job is None or job.state in ("RUNNING", "COMPLETING")
+                                        or job.ended):
+            if job is not None and not job.ended:
+                self.slurm.cancel(job_id)  # what is left of it cannot hold an attempt
+            self._job = {"job_id": "", "submitted": True}  # 'up' submits a new one
+        self.progress(why)
+        hosts = self.up()
+        nodes = ",".join(h.node or h.name for h in hosts)
+        return f"{why}: going on in allocation {self._job['job_id']} ({nodes})"
 
     def _allocation(self, root: str) -> Job:
         """The cluster's running allocation: the recorded one, else a new one, waited for."""
@@ -444,9 +513,9 @@ class SlurmProvider(SSHHostsProvider):
 
     def describe(self) -> dict[str, Any]:
         root = self.planned_hosts()[0].root
-        task = quote_argv([*srun_argv("JOBID", "NODE", name="orchestrate-…",
-                                      gpus=self.config.gpus_per_node), "python", "-m",
-                           "worker", "…"])
+        task = quote_argv(["sh", "-c", SRUN_BY_WRAPPER, "orchestrate-TASK",
+                           *srun_options("JOBID", "NODE", gpus=self.config.gpus_per_node),
+                           "python", "-m", "worker", "…"])
         return {"slurm": {"where": self.where,
                           "sbatch": quote_argv(["sbatch", "--parsable",
                                                 *self.sbatch_options(root)]),
@@ -459,6 +528,24 @@ class SlurmProvider(SSHHostsProvider):
             how = "submitted by 'up'" if self._job.get("submitted") else "attached"
             notes.append(f"allocation {job} ({how}) {self.where}")
         return notes
+
+    def cloud_check(self) -> CloudCheck:
+        """The doctor's look at the partition before any node is asked (it exists and is up,
+        has the nodes, the time and the GPUs asked for); before 'up' there are no nodes to
+        ask."""
+        try:
+            problems = partition_problems(self.spec, self.config, self.slurm)
+        except OrchestratorError as exc:
+            problems = [Problem("slurm", f"Slurm could not be asked {self.where}: "
+                                f"{exc.message}", exc.fix or "check provider.login and that "
+                                "Slurm's commands work there")]
+        if self.hosts():
+            return CloudCheck(tuple(problems))
+        problems.append(Problem(
+            "slurm", "no allocation yet: the nodes are checked once 'up' has one",
+            f"run 'orchestrate up {self.spec_path.name}' (or 'train'), then the doctor again",
+            blocking=False))
+        return CloudCheck(tuple(problems), tuple(h.name for h in self.planned_hosts()))
 
     def host_health(self, host: Host) -> HostHealth:
         """The node as Slurm sees it: gone with the allocation, unreachable when DOWN or not
@@ -498,3 +585,58 @@ class SlurmProvider(SSHHostsProvider):
         self._job = {}
         self.forget_hosts()
         return DownReport(removed=tuple(removed), notes=tuple(notes))
+
+
+def partition_problems(spec: ClusterSpec, config: specs.SlurmProvider, slurm: Slurm
+                       ) -> list[Problem]:
+    """What ``sinfo`` says of the partition against the spec: it exists and is up, has a
+    node per task, allows the time and has the GPUs per node."""
+    out = slurm.run(["sinfo", "--noheader", "--format=%P|%a|%l|%D|%G"], what="sinfo")
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 4]
+    default = next((r[0].rstrip("*") for r in rows if r[0].endswith("*")), None)
+    name = config.partition or default
+    known = sorted({r[0].rstrip("*") for r in rows})
+    if name is None:
+        return [Problem("slurm", "the cluster has no default partition",
+                        f"set provider.partition to one of: {', '.join(known) or '(none)'}")]
+    mine = [r for r in rows if r[0].rstrip("*") == name]
+    if not mine:
+        return [Problem("slurm", f"partition {name!r} does not exist",
+                        f"set provider.partition to one of: {', '.join(known) or '(none)'}")]
+    problems: list[Problem] = []
+    state = mine[0][1]
+    if state != "up":
+        problems.append(Problem("slurm", f"partition {name} is {state}, not up",
+                                "ask the admins, or choose another provider.partition"))
+    nodes = sum(int(r[3]) for r in mine if r[3].isdigit())
+    if nodes < spec.num_tasks:
+        problems.append(Problem("slurm", f"partition {name} has {nodes} node(s) for "
+                                f"{spec.num_tasks} task(s), one per node",
+                                "lower workers, or choose a larger provider.partition"))
+    limit = mine[0][2]
+    if config.time is not None and limit not in ("infinite", "UNLIMITED", "n/a"):
+        with contextlib.suppress(ValueError):
+            if specs.slurm_seconds(config.time) > specs.slurm_seconds(limit):
+                problems.append(Problem(
+                    "slurm", f"provider.time {config.time} is over partition {name}'s limit "
+                    f"of {limit}", f"set provider.time to {limit} or less: a longer run goes "
+                    "on in a new allocation by itself"))
+    if config.gpus_per_node:
+        counts = [gpu_count(r[4]) for r in mine]
+        if max(counts, default=0) < config.gpus_per_node:
+            problems.append(Problem(
+                "slurm", f"partition {name}'s nodes have {max(counts, default=0)} GPU(s) "
+                f"(GRES {mine[0][4]}), not the {config.gpus_per_node} of "
+                "provider.gpus_per_node", "lower provider.gpus_per_node, or choose a GPU "
+                "partition ('sinfo -o \"%P %G\"' shows them)"))
+    return problems
+
+
+def gpu_count(gres: str) -> int:
+    """GPUs per node in sinfo's GRES column: ``gpu:8``, ``gpu:a100:4(S:0-1)``, ``(null)``."""
+    total = 0
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total

@@ -27,30 +27,36 @@ from orchestrator.remote.base import (
     quote_argv,
 )
 
-# How long a stop waits for the step to be gone once it is cancelled, before it gives up.
-CANCEL_WAIT_S = 30.0
+# How long a stop waits for srun to end once its step is cancelled, before it kills srun.
+CANCEL_WAIT_S = 10.0
+# The srun of a task, started by its launch wrapper: the step's name ends with the wrapper's
+# pid ($PPID of this shell), which is the task's process-group id in its record.
+SRUN_BY_WRAPPER = 'exec srun --job-name="$0-$PPID" "$@"'
 
 
-def step_name(rc_path: str) -> str:
-    """The job-step name of the task whose exit code goes to ``rc_path``: unique per task and
-    attempt, and found again from the task's record alone (``down``, ``--attach``)."""
-    return "orchestrate-" + hashlib.sha256(rc_path.encode()).hexdigest()[:16]
+def step_prefix(rc_path: str) -> str:
+    """The start of the names of the steps of the task whose exit code goes to ``rc_path``."""
+    return "orchestrate-" + hashlib.sha256(rc_path.encode()).hexdigest()[:12]
 
 
-def srun_argv(job_id: str, node: str, *, name: str | None = None,
-              gpus: int = 0) -> list[str]:
-    """The ``srun`` words that run one task on ``node`` of allocation ``job_id``.
+def step_name(handle: TaskHandle) -> str:
+    """The job-step name of a started task: unique per launch (a warm task and the cold one
+    that replaces it share an rc path, not a wrapper), and found again from the task's record
+    alone (``down``, ``--attach``)."""
+    return f"{step_prefix(handle.rc_path)}-{handle.pgid}"
+
+
+def srun_options(job_id: str, node: str, *, gpus: int = 0) -> list[str]:
+    """The ``srun`` options that run one task on ``node`` of allocation ``job_id``.
 
     ``--overlap``: a step shares the node's CPUs, memory and GPUs with the steps there (the
     task, a warm task waiting to take over, a doctor's probe), as it would as a process.
     """
-    argv = ["srun", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
-            "--overlap", "--kill-on-bad-exit=0"]
-    if name is not None:
-        argv.append(f"--job-name={name}")
+    options = [f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
+               "--overlap", "--kill-on-bad-exit=0"]
     if gpus:
-        argv.append(f"--gres=gpu:{gpus}")
-    return argv
+        options.append(f"--gres=gpu:{gpus}")
+    return options
 
 
 class StepRunner(Runner):
@@ -67,7 +73,7 @@ class StepRunner(Runner):
     # -- commands on the node ----------------------------------------------------------
     def _exec(self, script: str, timeout_s: float | None = None,
               input: str | None = None) -> ExecResult:
-        argv = [*srun_argv(self.job_id, self.node), "--quiet", "sh", "-c", script]
+        argv = ["srun", *srun_options(self.job_id, self.node), "--quiet", "sh", "-c", script]
         return self.submit._exec(quote_argv(argv), timeout_s=timeout_s, input=input)
 
     # -- files: on the shared file system, through the submit side ----------------------
@@ -79,8 +85,8 @@ class StepRunner(Runner):
 
     # -- tasks: job steps whose srun client is in a launch wrapper on the submit side ----
     def start(self, spec: LaunchSpec) -> TaskHandle:
-        argv = (*srun_argv(self.job_id, self.node, name=step_name(spec.rc_path),
-                           gpus=self.gpus), *spec.argv)
+        argv = ("sh", "-c", SRUN_BY_WRAPPER, step_prefix(spec.rc_path),
+                *srun_options(self.job_id, self.node, gpus=self.gpus), *spec.argv)
         handle = self.submit.start(replace(spec, argv=argv))
         return TaskHandle(self.host_name, handle.pgid, handle.log_path, handle.rc_path)
 
@@ -95,22 +101,24 @@ class StepRunner(Runner):
         return self.submit.read_log(handle, offset)
 
     def signal(self, handle: TaskHandle, sig: str) -> None:
-        """``sig`` to the task's step (``scancel --signal``), and to its srun client's group."""
-        self._cancel(handle, sig)
-        self.submit.signal(handle, sig)
+        """``sig`` to the task's step (``scancel --signal``), else to its srun client, which
+        passes it on to the step."""
+        if not self._cancel(handle, sig):
+            self.submit.signal(handle, sig)
 
     def _group_alive(self, handle: TaskHandle) -> bool:
         return self.submit.poll(handle).state is TaskState.RUNNING
 
     def stop(self, handle: TaskHandle, grace_s: float = 5.0) -> TaskStatus:
         """TERM the step (every task saves at one step and exits), then cancel it with KILL
-        after ``grace_s``; 0 cancels at once. The srun client ends with its step."""
+        after ``grace_s``; 0 cancels at once. The srun client ends with its step (and is
+        killed if it has not within ``CANCEL_WAIT_S``)."""
         status = self.submit.poll(handle)
         if status.state is not TaskState.RUNNING:
             self._cancel(handle, "KILL")  # a client killed alone leaves its step running
             return status
         if grace_s > 0:
-            self._cancel(handle, "TERM")
+            self.signal(handle, "TERM")
             status = self._ended(handle, grace_s)
             if status.state is not TaskState.RUNNING:
                 return status
@@ -143,19 +151,22 @@ class StepRunner(Runner):
 
     # -- the step, found by its name ----------------------------------------------------
     def steps(self, handle: TaskHandle) -> list[str]:
-        """The ids (``JOB.STEP``) of the task's steps still known to Slurm."""
+        """The ids (``JOB.STEP``) of the task's steps still known to Slurm, in any of the
+        user's allocations (a warm task may wait in one that was since replaced)."""
         listing = self.submit.run(
-            ["squeue", "--noheader", "--steps", f"--jobs={self.job_id}", "--format=%i %j"],
+            ["squeue", "--noheader", "--steps", "--me", "--format=%i %j"],
             check=False, timeout_s=30).stdout
-        name = step_name(handle.rc_path)
+        name = step_name(handle)
         return [words[0] for words in (line.split() for line in listing.splitlines())
                 if len(words) == 2 and words[1] == name]
 
-    def _cancel(self, handle: TaskHandle, sig: str) -> None:
+    def _cancel(self, handle: TaskHandle, sig: str) -> bool:
+        """``sig`` to the task's steps; whether there were any."""
         steps = self.steps(handle)
         if steps:
             self.submit.run(["scancel", "--quiet", f"--signal={sig}", *steps],
                             check=False, timeout_s=30)
+        return bool(steps)
 
     def close(self) -> None:
         """The submit runner is the provider's, shared by every node's runner."""
