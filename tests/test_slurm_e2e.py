@@ -71,7 +71,12 @@ def test_up_train_down_as_job_steps_of_one_allocation(slurm: SlurmLab, tmp_path:
     assert train.returncode == 0, train.stdout + train.stderr
     run = Store(orchestrate_home / "state.db").runs("slurm-e2e")[0]
     assert run.status == "succeeded", run.message
-    tasks = run.attempts[0].tasks
+    # Under the full suite's load, the SSH connection to the login node was seen to drop once
+    # (host_lost, recovered by a restart in the same allocation; cause not yet found): the
+    # figures below are the successful attempt's.
+    assert all(a.cause in ("", "host_lost") for a in run.attempts), \
+        [(a.cause, a.detail) for a in run.attempts]
+    tasks = run.attempts[-1].tasks
     assert [t.endpoint.rsplit(":", 1)[0] for t in tasks] == [n.address for n in slurm.nodes]
     logs = [events_of(t.log) for t in tasks]
     # every task joined the one group over gRPC between the nodes' addresses

@@ -394,9 +394,10 @@ class SSHRunner(Runner):
         return transport is not None and transport.is_active()
 
     def _lost(self, what: str, exc: BaseException | None) -> HostUnreachableError:
-        cause = f": {_describe(exc)}" if exc is not None else ""
+        # the cause first: the command may be long, and a record keeps a message's start
+        cause = _describe(exc) if exc is not None else "the connection closed"
         return HostUnreachableError(
-            f"connection to {self.target} lost while running: {_short(what)}{cause}",
+            f"connection to {self.target} lost ({cause}) while running: {_short(what)}",
             host=self.host_name,
             fix="check whether the host is still up; the command may or may not have run",
         )
