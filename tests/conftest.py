@@ -37,8 +37,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mostly wait (SSH hosts, namespaces, the fake clouds), share the remaining workers."""
     items.sort(key=lambda item: item.get_closest_marker("container") is not None)
     for item in items:
-        if item.get_closest_marker("slurm") is not None:  # the one Slurm cluster: one worker
-            item.add_marker(pytest.mark.xdist_group("slurm"), append=False)
+        if item.get_closest_marker("slurm") is not None:
+            # the one Slurm cluster: one worker; and its trainings are trainings, in a TF lane
+            # (a third training at once on 2 cores starved the other lanes' timings)
+            item.add_marker(pytest.mark.xdist_group(TF_LANE_B), append=False)
         elif item.get_closest_marker("tf") is not None:
             lane = TF_LANE_B if item.path.name in TF_LANE_B_FILES else TF_LANE_A
             item.add_marker(pytest.mark.xdist_group(lane))

@@ -6,7 +6,6 @@ session-scoped fixture ``slurmlab`` (a :class:`SlurmLab`) and the function-scope
 again, restarting a killed slurmd), for tests marked ``slurm``::
 
     @pytest.mark.slurm
-    @pytest.mark.xdist_group("slurm")
     def test_hostname(slurm: SlurmLab) -> None:
         out = slurm.run("srun", "-N3", "hostname", user=slurm.user).stdout
         assert sorted(out.split()) == ["n1", "n2", "n3"]

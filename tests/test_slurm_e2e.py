@@ -21,7 +21,7 @@ from orchestrator.events import Event, parse_line
 from orchestrator.state import Store
 from orchestrator.view import RunView
 
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm]
 
 
 def slurm_spec(tmp_path: Path, lab: SlurmLab, name: str, body: str, *, workers: int = 3,

@@ -15,7 +15,7 @@ import paramiko
 import pytest
 from slurmlab import SlurmLab
 
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm]
 
 
 def ssh(lab: SlurmLab, command: str, timeout: float = 60) -> tuple[int, str, str]:
