@@ -6,13 +6,14 @@ failure stops ALL tasks and relaunches ALL of them from the chief's latest good 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import posixpath
 import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
@@ -295,10 +296,11 @@ class Supervisor:
     def _attempt(self, run_id: str, number: int) -> dict[str, Event]:
         marks = self._marks[number] = {"began": time.time()}
         self._check_stopped(run_id)
-        renewed = self.provider.renew()
-        if renewed:
-            self._say(renewed)
-        self._repair_hosts()
+        with self._provider_says():
+            renewed = self.provider.renew()
+            if renewed:
+                self._say(renewed)
+            self._repair_hosts()
         marks["repaired"] = time.time()
         plan = self._plan(run_id, number)
         if number > 1 or plan.checkpoints.named_by == "job.checkpoint_dir":
@@ -388,7 +390,7 @@ class Supervisor:
             silent = self._stop_all(watched, watch, planned=failure.cause in PLANNED
                                     or failure.saved_step is not None
                                     or failure.cause is Cause.PREEMPTED)
-            failure = self._confirm(failure, silent)
+            failure = self._confirm(failure, silent, watched)
         except BaseException as exc:
             self._abandon(run_id, number, watched, watch, exc)
             raise
@@ -602,9 +604,13 @@ class Supervisor:
             failure.cause, failure.task, failure.host = Cause.PREEMPTED, task, name
             return
 
-    def _confirm(self, failure: AttemptFailed, silent: set[str]) -> AttemptFailed:
+    def _confirm(self, failure: AttemptFailed, silent: set[str],
+                 watched: Sequence[Watched]) -> AttemptFailed:
         """Ask the provider about a lost host (preempted?), and spot code failing the same way.
         ``silent``: hosts that did not answer while the tasks were stopped."""
+        if failure.cause in (Cause.CRASHED, Cause.HUNG, Cause.STARTUP_TIMEOUT,
+                             Cause.HOST_LOST) and watched:
+            self._blame_lost_host(failure, watched)
         # A task that vanished with its whole machine: the connection to its host dropped
         # since the task was last seen running, or the host did not answer when it was being
         # stopped, or does not now. (Asking only now is not enough: a machine that comes back
@@ -637,6 +643,20 @@ class Supervisor:
             self._causes[failure.cause] += 1
         return failure
 
+    def _blame_lost_host(self, failure: AttemptFailed, watched: Sequence[Watched]) -> None:
+        """A task that crashed or stalled because a host went away under the group (a
+        scheduler's node that failed, whose peers' errors came first): the provider says
+        which, and the failure becomes that host's loss, repaired before the relaunch."""
+        lost = self.provider.lost_hosts([w.plan.host for w in watched])
+        if not lost:
+            return
+        self._broken_hosts.update(lost)
+        name = failure.host if failure.host in lost else next(iter(lost))
+        task = next((w.key for w in watched if w.plan.host.name == name), failure.task)
+        seen = failure.detail if task == failure.task else f"{failure.task}: {failure.detail}"
+        failure.detail = f"{name} was lost under {task} ({lost[name]}); {seen}"[:2000]
+        failure.cause, failure.task, failure.host = Cause.HOST_LOST, task, name
+
     def _answers(self, host_name: str) -> bool:
         """Whether a host answers a command now (within ``timeouts.poll_s``)."""
         try:
@@ -649,13 +669,24 @@ class Supervisor:
     def _host(self, name: str) -> Host:
         return next(h for h in self.provider.hosts() if h.name == name)
 
+    @contextlib.contextmanager
+    def _provider_says(self) -> Iterator[None]:
+        """What the provider waits for meanwhile (a scheduler's queue) goes to the run's
+        messages."""
+        before, self.provider.progress = self.provider.progress, self._say
+        try:
+            yield
+        finally:
+            self.provider.progress = before
+
     def _repair_hosts(self) -> None:
         broken, self._broken_hosts = sorted(self._broken_hosts), set()
         for name in broken:
             host = self._host(name)
             self._say(f"repairing {name}: waiting up to {self.spec.timeouts.repair_s:.0f}s")
-            self.provider.repair(host, self.spec.timeouts.repair_s)
-            self._say(f"{name} is back")
+            now = self.provider.repair(host, self.spec.timeouts.repair_s)
+            self._say(f"{name} is back" if now.address == host.address else
+                      f"{name} is back, at {now.address}")
         orphans, self._orphans = self._orphans, []
         for host_name, handle in orphans:
             host = self._host(host_name)

@@ -405,7 +405,7 @@ class AttemptWatch:
                 Cause.HOST_LOST, w.key, f"host {w.plan.host.name} ({w.plan.host.address}) "
                 f"{w.unreachable}", evidence=self._evidence(w), failed_at=w.last_heard,
                 host=w.plan.host.name, before_first_step=not w.reached_step)
-        if not w.ended or w.exit_code == 0:
+        if not w.ended or (w.exit_code == 0 and (w.finished is not None or w.last_event is None)):
             return None
         self.view.tasks[w.key].state = "failed"
         ended_at = min((w.status.ended_at if w.status else None) or time.time(), time.time())
@@ -427,6 +427,10 @@ class AttemptWatch:
             return make(Cause.ENGINE_ERROR, w.key, f"{w.plan.host.name}: the container engine "
                         f"could not start the task: {engine.line}",
                         host=w.plan.host.name, fix=engine.fix)
+        if w.exit_code == 0:  # e.g. Slurm's srun, which says 0 for a task whose node failed
+            return make(Cause.CRASHED, w.key, "exited 0 without the worker reporting the end of "
+                        "its training (its launcher said 0 for a task that did not finish)",
+                        host=w.plan.host.name)
         return _classify(w, make)
 
     def _saved_stop(self, first: AttemptFailed) -> AttemptFailed:

@@ -17,6 +17,7 @@ from helpers import REPO, release_run
 from slurmlab import SlurmLab
 
 from orchestrator.api import Cluster
+from orchestrator.errors import RunFailed
 from orchestrator.events import Event, parse_line
 from orchestrator.state import Store
 from orchestrator.view import RunView
@@ -136,6 +137,98 @@ def test_a_killed_task_restarts_the_group_inside_the_allocation(
         assert second.resumed_from_step and second.resumed_from_step >= 10
         assert our_jobs(slurm) == [job]  # the same allocation: no second trip through the queue
         assert len(set(result.digests.values())) == 1
+    finally:
+        cluster.down()
+    assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
+
+
+@pytest.mark.tf
+def test_a_lost_node_is_replaced_by_a_one_node_allocation_joined_to_the_group(
+        slurm: SlurmLab, tmp_path: Path) -> None:
+    """n2's slurmd and every process on it killed (a node that died): the allocation survives
+    (--no-kill), the task's peers fail first, a step on every node finds n2 gone well before
+    slurmctld marks it DOWN, and the group goes on from the chief's checkpoint with n2's task
+    on n3, a one-node allocation of its own."""
+    path = slurm_spec(tmp_path, slurm, "slurm-node", """\
+        job: {module: examples.digits, epochs: 2, steps_per_epoch: 30, progress_every_steps: 1}
+        checkpoint: {every_steps: 10}
+        retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 5, repair_s: 120}
+        """, workers=2)
+    cluster = Cluster.from_spec(path)
+    cluster.up()
+    (job,) = our_jobs(slurm)
+    n1, n2, n3 = slurm.nodes
+    killed: list[int] = []
+    seen: list[RunView] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        seen[:] = [view]
+        if (event is not None and event.kind == "progress" and event.task == "worker:1"
+                and event.attempt == 1 and event.get("step") >= 12 and not killed):
+            killed.append(event.get("step"))
+            slurm.kill_node(n2.name)
+
+    try:
+        result = cluster.train(listener=listener).wait()
+        assert killed and result.status == "succeeded", \
+            [(a.cause, a.detail) for a in result.attempts]
+        first, *_, last = result.attempts
+        assert (first.cause, first.failed_task) == ("host_lost", "worker:1"), first.detail
+        assert f"node {n2.name}" in first.detail, first.detail
+        assert [t.endpoint.rsplit(":", 1)[0] for t in last.tasks] == [n1.address, n3.address]
+        assert last.resumed_from_step is not None and last.resumed_from_step >= 10
+        # the recovery is measured in phases, the repair (the replacement's queue) among them
+        assert first.recovery_s is not None and "repair" in first.phases, first.phases
+        messages = seen[0].messages
+        assert any("submitted replacement allocation" in m for m in messages), messages
+        assert any(f"runs on node {n3.name}" in m for m in messages), messages
+        jobs = {j["id"]: j for j in our_jobs(slurm)}
+        assert job["id"] in jobs and len(jobs) == 2  # the allocation, and n3's of its own
+        assert len(set(result.digests.values())) == 1
+    finally:
+        report = cluster.down()
+    assert sum("allocation" in r for r in report.removed) == 2, report
+    assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
+
+
+def test_a_lost_node_with_no_node_to_take_its_place_says_what_it_waited_for(
+        slurm: SlurmLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """Every node of the partition in use and one lost: its srun says 0 once slurmctld marks
+    it DOWN (Slurm's way), which is no finished task; the replacement waits in the queue for
+    timeouts.repair_s, saying why, and the run fails naming the node and what it waited for,
+    with the allocation still held for 'train --resume'."""
+    path = slurm_spec(tmp_path, slurm, "slurm-nonode", """\
+        job: {command: sleep 600}
+        retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 2, repair_s: 15}
+        """)
+    cluster = Cluster.from_spec(path)
+    cluster.up()
+    (job,) = our_jobs(slurm)
+    started: list[str] = []
+    seen: list[RunView] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        seen[:] = [view]
+        if event is not None and event.kind == "started":
+            started.append(event.task)
+            if len(started) == 3:
+                slurm.kill_node(slurm.nodes[2].name)
+
+    try:
+        with pytest.raises(RunFailed) as failed:
+            cluster.train(listener=listener).wait()
+        message = failed.value.message
+        assert "node n3 was lost and no node took its place" in message, message
+        assert "did not start within 15s" in message, message
+        assert "timeouts.repair_s" in (failed.value.fix or ""), failed.value.fix
+        (run,) = Store(orchestrate_home / "state.db").runs("slurm-nonode")
+        first = run.attempts[0]
+        assert (first.cause, first.failed_task) == ("host_lost", "worker:2"), first.detail
+        assert any("pending" in m for m in seen[0].messages), seen[0].messages
+        left = [j["id"] for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")]
+        assert left == [job["id"]]  # the replacement was cancelled; the allocation is held
     finally:
         cluster.down()
     assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []

@@ -134,6 +134,12 @@ class Provider(ABC):
             return HostHealth.UNREACHABLE
         return HostHealth.RUNNING
 
+    def lost_hosts(self, hosts: Sequence[Host]) -> dict[str, str]:
+        """After a task failed: which of ``hosts`` the provider finds lost under their tasks
+        (a scheduler's node that stopped answering), by name, with why; default: none known
+        (a lost SSH host shows as its dropped connection)."""
+        return {}
+
     def repair(self, host: Host, deadline_s: float) -> Host:
         """Bring a lost host back under the same index (wait for it, restart or re-create it)
         and prepare it again; returns the host as it is now (its address may change).

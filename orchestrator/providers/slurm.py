@@ -43,6 +43,10 @@ QUEUE_POLL_S = (0.2, 5.0)  # the wait for the allocation: first poll, then doubl
 # slurmctld looks at time limits every 30 s and may send --signal up to 60 s early: an
 # allocation this much past its warning is counted as ending.
 SIGNAL_SLACK_S = 90
+# After a task failed, a step on every node tells a dead one (srun gives up on a node whose
+# slurmd does not answer within Slurm's MessageTimeout, 10 s by default) long before slurmctld
+# marks it DOWN (SlurmdTimeout, 300 s by default).
+PROBE_S = 60
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
 # What a pending job's reason means, and what to do about it (squeue's %r, Slurm's
@@ -273,13 +277,20 @@ class SlurmProvider(SSHHostsProvider):
             with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
                 document = json.loads(self.hosts_file.read_text())
                 self._job = {"job_id": str(document["job_id"]),
-                             "submitted": bool(document["submitted"])}
+                             "submitted": bool(document["submitted"]),
+                             "replacements": [str(j) for j in document.get("replacements", [])],
+                             "lost": [str(n) for n in document.get("lost", [])]}
         return self._job
 
     def _save(self, hosts: Sequence[Host]) -> None:
         for host in hosts:
             self.remember(host)
         self.save_hosts([h.name for h in hosts], extra=self._job)
+
+    def _record(self, **changes: Any) -> None:
+        """Change the allocation's record and write it (with the hosts as they are)."""
+        self._job = {**self._job, **changes}
+        self.save_hosts(list(self.remembered()), extra=self._job)
 
     def adopt(self, job_id: str) -> None:
         """Make the allocation ``job_id`` (one the user holds, e.g. from ``salloc``) the
@@ -303,11 +314,16 @@ class SlurmProvider(SSHHostsProvider):
                 f"submitted", fix=f"run 'orchestrate down {self.spec_path.name}' first")
         self._job = {"job_id": job_id, "submitted": False}
 
-    def sbatch_options(self, root: str) -> list[str]:
-        """What ``up`` asks sbatch for (``plan`` shows it)."""
+    def sbatch_options(self, root: str, *, nodes: int | None = None,
+                       exclude: Sequence[str] = ()) -> list[str]:
+        """What ``up`` asks sbatch for (``plan`` shows it): the allocation of every task, or
+        ``nodes`` others (a lost node's replacement), on none of the nodes ``exclude`` names."""
         config = self.config
-        options = [f"--job-name=orchestrate-{self.spec.name}", f"--nodes={self.spec.num_tasks}",
+        options = [f"--job-name=orchestrate-{self.spec.name}",
+                   f"--nodes={nodes or self.spec.num_tasks}",
                    "--ntasks-per-node=1", "--no-kill", f"--output={root}/slurm-%j.out"]
+        if exclude:
+            options.append(f"--exclude={','.join(exclude)}")
         for flag, value in (("--partition", config.partition), ("--account", config.account),
                             ("--qos", config.qos), ("--time", config.time),
                             ("--constraint", config.constraint)):
@@ -347,7 +363,7 @@ class SlurmProvider(SSHHostsProvider):
         left = job.left_s if job is not None else None
         ending = left is not None and left <= self.warning_s + SIGNAL_SLACK_S
         if job is not None and job.state == "RUNNING" and not ending:
-            return None
+            return self._renew_replacements(job_id)
         if job is None or job.ended or job.state == "COMPLETING":
             why = f"allocation {job_id} ended ({job.state.lower() if job else 'gone'})"
         elif job.state == "RUNNING":
@@ -358,11 +374,32 @@ class SlurmProvider(SSHHostsProvider):
                                         or job.ended):
             if job is not None and not job.ended:
                 self.slurm.cancel(job_id)  # what is left of it cannot hold an attempt
+            self._cancel_replacements()  # the new allocation has a node for every task
             self._job = {"job_id": "", "submitted": True}  # 'up' submits a new one
         self.progress(why)
         hosts = self.up()
         nodes = ",".join(h.node or h.name for h in hosts)
         return f"{why}: going on in allocation {self._job['job_id']} ({nodes})"
+
+    def _renew_replacements(self, job_id: str) -> str | None:
+        """Hosts on a replacement allocation that ended (its own time limit, a scancel) move
+        to a node of the allocation, or a new replacement; what happened, or None."""
+        ended = [h for h in self.hosts() if h.label(JOB_LABEL) not in (None, job_id)
+                 and not self._runs(h.label(JOB_LABEL) or "")]
+        if not ended:
+            return None
+        hosts = {h.name: h for h in self.up()}
+        moved = ", ".join(f"{h.name} on node {hosts[h.name].node}" for h in ended)
+        return f"the replacement allocation of {', '.join(h.name for h in ended)} ended: {moved}"
+
+    def _runs(self, job_id: str) -> bool:
+        job = self.slurm.job(job_id)
+        return job is not None and job.state == "RUNNING"
+
+    def _cancel_replacements(self) -> None:
+        for job_id in self._job.get("replacements", []):
+            self.slurm.cancel(job_id)
+        self._job = {**self._job, "replacements": [], "lost": []}
 
     def _allocation(self, root: str) -> Job:
         """The cluster's running allocation: the recorded one, else a new one, waited for."""
@@ -383,10 +420,12 @@ class SlurmProvider(SSHHostsProvider):
             self.progress(f"submitted allocation {job_id} ({self.spec.num_tasks} node(s)) "
                           f"{self.where}")
         assert job_id is not None
-        return self._wait_running(job_id)
+        return self._wait_running(job_id, self.config.queue_timeout_s, "provider.queue_timeout_s")
 
-    def _wait_running(self, job_id: str) -> Job:
-        deadline = time.monotonic() + self.config.queue_timeout_s
+    def _wait_running(self, job_id: str, timeout_s: float, timeout_field: str) -> Job:
+        """Wait for the job to run, saying why it waits; a job that cannot run (a reason
+        that never clears, or still pending after ``timeout_s``) is cancelled."""
+        deadline = time.monotonic() + timeout_s
         wait, said = QUEUE_POLL_S[0], ""
         while True:
             job = self.slurm.job(job_id)
@@ -409,36 +448,86 @@ class SlurmProvider(SSHHostsProvider):
             if time.monotonic() > deadline:
                 self._cancel_ours(job_id)
                 raise ProviderError(
-                    f"allocation {job_id} did not start within {self.config.queue_timeout_s:.0f}s "
+                    f"allocation {job_id} did not start within {timeout_s:.0f}s "
                     f"({job.reason}: {explain(job.reason)}); it was cancelled",
-                    fix="raise provider.queue_timeout_s, ask for fewer nodes or less time, or "
+                    fix=f"raise {timeout_field}, ask for fewer nodes or less time, or "
                     "try another provider.partition ('sinfo' shows what is free)")
             time.sleep(wait)
             wait = min(2 * wait, QUEUE_POLL_S[1])
 
     def _cancel_ours(self, job_id: str) -> None:
-        if self._job.get("job_id") == job_id and self._job.get("submitted"):
+        replacements = self._job.get("replacements", [])
+        if job_id in replacements:
+            self.slurm.cancel(job_id)
+            self._record(replacements=[j for j in replacements if j != job_id])
+        elif self._job.get("job_id") == job_id and self._job.get("submitted"):
             self.slurm.cancel(job_id)
             self._job = {}
             self.forget_hosts()
 
-    def _hosts_of(self, job: Job, root: str) -> list[Host]:
-        names = self.slurm.hostnames(job.nodes)
-        if len(names) < self.spec.num_tasks:
+    def _node_host(self, name: str, job_id: str, node: str, root: str) -> Host:
+        address = self.slurm.nodes([node]).get(node, {}).get("NodeAddr") or node
+        return Host(name=name, address=address, root=root, ssh=self.login_endpoint(),
+                    labels=((JOB_LABEL, job_id), (NODE_LABEL, node)), node=node,
+                    shared_fs=True)
+
+    def _assign(self, job: Job, root: str, replace_within_s: float) -> list[Host]:
+        """A node per task, the chief's first. A task keeps its node while the node is in its
+        allocation (or replacement) and not lost; the others take the allocation's free nodes
+        in order, then a replacement each (a one-node allocation, waited for up to
+        ``replace_within_s``).
+
+        Raises:
+            ProviderError: a new allocation with too few nodes, or no replacement in time.
+        """
+        names = [f"{self.spec.name}-{i}" for i in range(self.spec.num_tasks)]
+        nodes = self.slurm.hostnames(job.nodes)
+        record = self._load()
+        lost = set(record.get("lost", []))
+        had = self.remembered()
+        kept: dict[str, Host] = {}
+        for name in names:
+            host = had.get(name)
+            owner = host.label(JOB_LABEL) if host is not None else None
+            if host is None or owner is None or host.node in lost:
+                continue
+            if (owner == job.id and host.node in nodes) or (
+                    owner in record.get("replacements", []) and self._runs(owner)):
+                kept[name] = replace(host, root=root)
+        used = {h.node for h in kept.values()}
+        free = [n for n in nodes if n not in lost and n not in used]
+        if not kept and len(free) < len(names):
             raise ProviderError(
-                f"allocation {job.id} has {len(names)} node(s) ({job.nodes}) for "
+                f"allocation {job.id} has {len(nodes)} node(s) ({job.nodes}) for "
                 f"{self.spec.num_tasks} task(s), one per node",
                 fix="attach an allocation with at least as many nodes, or lower workers")
-        names = names[: self.spec.num_tasks]
-        nodes = self.slurm.nodes(names)
-        hosts = []
-        for i, name in enumerate(names):
-            address = nodes.get(name, {}).get("NodeAddr") or name
-            hosts.append(Host(name=f"{self.spec.name}-{i}", address=address, root=root,
-                              ssh=self.login_endpoint(),
-                              labels=((JOB_LABEL, job.id), (NODE_LABEL, name)),
-                              node=name, shared_fs=True))
+        hosts: list[Host] = []
+        for name in names:
+            if name in kept:
+                hosts.append(kept[name])
+            elif free:
+                hosts.append(self._node_host(name, job.id, free.pop(0), root))
+            else:
+                # Not a lost node while it is in the allocation; one Slurm took out and
+                # returned to service (ReturnToService) may be the replacement.
+                others = [n for n in (*nodes, *(h.node for h in kept.values()),
+                                      *(h.node for h in hosts)) if n]
+                hosts.append(self._replacement(name, root, sorted(set(others)),
+                                               replace_within_s))
         return hosts
+
+    def _replacement(self, name: str, root: str, exclude: Sequence[str],
+                     within_s: float) -> Host:
+        """A one-node allocation for ``name``'s task, on none of ``exclude``."""
+        job_id = self.slurm.submit(self.sbatch_options(root, nodes=1, exclude=exclude))
+        self._record(replacements=[*self._job.get("replacements", []), job_id])
+        self.progress(f"{name}: submitted replacement allocation {job_id} (1 node, not "
+                      f"{','.join(exclude)}) {self.where}")
+        job = self._wait_running(job_id, within_s, "timeouts.repair_s")
+        node = self.slurm.hostnames(job.nodes)[0]
+        self._record(lost=[n for n in self._job.get("lost", []) if n != node])
+        self.progress(f"{name}: replacement allocation {job_id} runs on node {node}")
+        return self._node_host(name, job_id, node, root)
 
     # -- up / hosts / down -----------------------------------------------------------------
     def up(self) -> list[Host]:
@@ -448,12 +537,76 @@ class SlurmProvider(SSHHostsProvider):
         self.upload()
         submit = self.submit_host()
         self.claim_root(submit)
-        job = self._allocation(submit.root)
-        hosts = self._hosts_of(job, submit.root)
-        self._save(hosts)
-        self._check_shared(hosts, submit.root)
+        hosts = self._place(submit.root, self.config.queue_timeout_s)
         self._prepare(submit, hosts)
         return hosts
+
+    def _place(self, root: str, replace_within_s: float) -> list[Host]:
+        """The allocation, a node per task, recorded; a node new to a task is checked to see
+        the root."""
+        had = self.remembered()
+        hosts = self._assign(self._allocation(root), root, replace_within_s)
+        self._save(hosts)
+        moved = [h for h in hosts if had.get(h.name) is None or had[h.name].labels != h.labels]
+        self._check_shared(moved or hosts, root)
+        return hosts
+
+    def lost_hosts(self, hosts: Sequence[Host]) -> dict[str, str]:
+        """After a task failed: the nodes of ``hosts`` lost under their tasks. Slurm's view
+        (DOWN, not responding, taken out of the allocation) and a step on every node of a
+        running allocation (one whose slurmd is gone fails within Slurm's MessageTimeout, long
+        before slurmctld marks it DOWN); a node is not blamed for its allocation's end."""
+        nodes = [h for h in hosts if h.node and h.label(JOB_LABEL)]
+        try:
+            jobs = {j: self.slurm.job(j) for j in {h.label(JOB_LABEL) or "" for h in nodes}}
+            members = {j: set(self.slurm.hostnames(job.nodes)) for j, job in jobs.items()
+                       if job is not None and job.state == "RUNNING"}
+            states = self.slurm.nodes([h.node or "" for h in nodes])
+        except OrchestratorError:
+            return {}  # Slurm does not answer: nothing to tell about one node
+        live = [h for h in nodes if h.label(JOB_LABEL) in members]
+
+        def probe(host: Host) -> str | None:
+            state = states.get(host.node or "", {}).get("State", "")
+            if host.node not in members[host.label(JOB_LABEL) or ""]:
+                return f"Slurm took node {host.node} out of allocation {host.label(JOB_LABEL)}"
+            if state.endswith("*") or "DOWN" in state or "FAIL" in state:
+                return f"Slurm has node {host.node} {state}"
+            try:
+                result = self.runner(host).run("true", check=False, timeout_s=PROBE_S)
+            except OrchestratorError:
+                return None  # the submit side did not answer: not the node's doing
+            said = (result.stderr or result.stdout).strip().splitlines()
+            return None if result.ok else \
+                f"a step on node {host.node} failed: {said[0] if said else result.exit_code}"
+
+        found = fan_out(live, probe, name_of=lambda h: h.name).values()
+        lost = {name: why for name, why in found.items() if why}
+        if lost:
+            by_name = {h.name: h for h in hosts}
+            self._record(lost=sorted({*self._load().get("lost", []),
+                                      *(by_name[n].node or "" for n in lost)}))
+        return lost
+
+    def repair(self, host: Host, deadline_s: float) -> Host:
+        """A lost node's task goes to a replacement: a free node of the allocation, else a
+        one-node allocation waited for up to ``deadline_s`` (the queue's reason said meanwhile).
+        A node that is not lost (it answers a step) stays.
+
+        Raises:
+            ProviderError: no replacement ran within ``deadline_s`` (it is cancelled).
+        """
+        lost = self._load().get("lost", [])
+        if host.node not in lost and self.host_health(host) is HostHealth.RUNNING:
+            return host
+        self._record(lost=sorted({*lost, host.node or ""} - {""}))
+        self.progress(f"{host.name}: node {host.node} is lost; its task goes to another node")
+        try:
+            hosts = self._place(self.submit_host().root, deadline_s)
+        except ProviderError as exc:
+            raise ProviderError(f"{host.name}'s node {host.node} was lost and no node took its "
+                                f"place: {exc.message}", fix=exc.fix) from None
+        return next(h for h in hosts if h.name == host.name)
 
     def _check_shared(self, hosts: Sequence[Host], root: str) -> None:
         """Every node sees the root's marker, which was written on the submit side."""
@@ -553,8 +706,8 @@ class SlurmProvider(SSHHostsProvider):
         job_id = host.label(JOB_LABEL)
         try:
             job = self.slurm.job(job_id) if job_id else None
-            if job is None or job.ended:
-                return HostHealth.GONE
+            if job is None or job.ended or host.node not in self.slurm.hostnames(job.nodes):
+                return HostHealth.GONE  # with its allocation, or taken out of it (--no-kill)
             node = self.slurm.nodes([host.node or ""]).get(host.node or "", {})
         except OrchestratorError:
             return HostHealth.UNREACHABLE
@@ -577,6 +730,11 @@ class SlurmProvider(SSHHostsProvider):
                 removed.append(f"allocation {job_id} (scancel {self.where})")
         elif job_id:
             notes.append(f"allocation {job_id} is yours ('up --attach'): left running")
+        for replacement in record.get("replacements", []):
+            job = self.slurm.job(replacement)
+            if job is not None and not job.ended:
+                self.slurm.cancel(replacement)
+                removed.append(f"replacement allocation {replacement} (scancel {self.where})")
         try:
             done, text = self.remove_root(self.submit_host())
         except OrchestratorError as exc:
