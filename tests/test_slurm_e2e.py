@@ -150,7 +150,9 @@ def test_a_lost_node_is_replaced_by_a_one_node_allocation_joined_to_the_group(
     slurmctld marks it DOWN, and the group goes on from the chief's checkpoint with n2's task
     on n3, a one-node allocation of its own."""
     path = slurm_spec(tmp_path, slurm, "slurm-node", """\
-        job: {module: examples.digits, epochs: 2, steps_per_epoch: 30, progress_every_steps: 1}
+        job: {module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 30,
+              progress_every_steps: 1}
+        env: {DIGITS_PACE_S: "0.2"}
         checkpoint: {every_steps: 10}
         retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
         timeouts: {stop_grace_s: 5, repair_s: 120}
@@ -271,6 +273,51 @@ def test_slurms_sigterm_to_the_steps_saves_every_task_at_one_step(
         assert len(set(result.digests.values())) == 1
     finally:
         cluster.down()
+
+
+@pytest.mark.tf
+def test_a_requeued_allocation_is_followed_not_taken_for_its_end(
+        slurm: SlurmLab, tmp_path: Path) -> None:
+    """``scontrol requeue`` (as PreemptMode=REQUEUE does): Slurm ends every step, the holder
+    job goes back to PENDING and runs again; train waits for that same job and goes on."""
+    path = slurm_spec(tmp_path, slurm, "slurm-requeue", """\
+        job: {module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 30,
+              progress_every_steps: 1}
+        env: {DIGITS_PACE_S: "0.3"}
+        checkpoint: {every_steps: 10}
+        retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 5}
+        """, workers=2)
+    cluster = Cluster.from_spec(path)
+    cluster.up()
+    (job,) = our_jobs(slurm)
+    requeued: list[int] = []
+    answers: list[str] = []
+    seen: list[RunView] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        seen[:] = [view]
+        if (event is not None and event.kind == "progress" and event.attempt == 1
+                and event.get("step") >= 12 and not requeued):
+            requeued.append(event.get("step"))
+            said = slurm.run("scontrol", "requeue", job["id"], user=slurm.user, check=False)
+            requeued.append(said.returncode)
+            answers.append(f"{said.stdout}{said.stderr} {slurm.squeue()}")
+
+    try:
+        result = cluster.train(listener=listener).wait()
+        assert requeued[1:] == [0], answers  # scontrol requeue said yes
+        assert result.status == "succeeded", [(a.cause, a.detail) for a in result.attempts]
+        assert len(result.attempts) == 2, (answers, seen[0].messages)
+        messages = seen[0].messages
+        assert any(f"allocation {job['id']} is pending again" in m for m in messages), messages
+        assert [j["id"] for j in our_jobs(slurm)] == [job["id"]]  # the same job, not a new one
+        assert result.attempts[-1].resumed_from_step is not None
+        assert result.attempts[-1].resumed_from_step >= 10
+        assert len(set(result.digests.values())) == 1
+    finally:
+        cluster.down()
+    assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
 
 
 @pytest.mark.tf
