@@ -386,6 +386,46 @@ def test_doctor_checks_the_partition_before_any_node(slurm: SlurmLab, tmp_path: 
         assert any("no allocation yet" in p.message and not p.blocking for p in report.problems)
 
 
+@pytest.mark.tf
+def test_doctor_checks_every_node_of_the_allocation_through_a_step(
+        slurm: SlurmLab, tmp_path: Path) -> None:
+    """After 'up': each node's Python and TensorFlow and the task ports between the nodes,
+    through steps; the nodes as Slurm sees them (an attached allocation without the GPUs the
+    spec asks for is refused, naming the node)."""
+    path = slurm_spec(tmp_path, slurm, "slurm-nodes", "job: {module: examples.digits}\n")
+    cluster = Cluster.from_spec(path)
+    cluster.up()
+    try:
+        report = cluster.doctor(tensorflow="always")
+        assert report.ok, report.problems
+        assert not any("no allocation yet" in p.message for p in report.problems)
+        assert sorted(h.address for h in report.hosts) == sorted(n.address for n in slurm.nodes)
+        assert all(h.reachable and h.python_version == sys.version.split()[0]
+                   and h.tf_version for h in report.hosts), report.to_dict()["hosts"]
+        assert len(report.links) == 6 and all(link.ok for link in report.links), report.links
+        # the checkpoint directory is one every node sees: the chief's marker, read on the others
+        assert [h.fact("storage", "sees_chief_marker", "ok") for h in report.hosts
+                if h.fact("storage", "sees_chief_marker")] == [True, True]
+    finally:
+        cluster.down()
+    held = slurm.run("sbatch", "--parsable", "-N3", "--wrap", "sleep 300",
+                     user=slurm.user).stdout.strip()
+    text = slurm_spec(tmp_path, slurm, "slurm-nodes", "job: {module: examples.digits}\n",
+                      provider_extra="  gpus_per_node: 1\n").read_text()
+    path.write_text(text)
+    cluster = Cluster.from_spec(path)
+    cluster.up(attach=held)
+    try:
+        report = cluster.doctor(tensorflow="never")
+        found = [p for p in report.problems if "'s node n" in p.message
+                 and "not the 1 of provider.gpus_per_node" in p.message]
+        assert len(found) == 3 and all(p.blocking for p in found), report.problems
+        assert "slurm-nodes-0's node n1 has 0 GPU(s) (GRES (null))" in found[0].message
+        assert "salloc --gpus-per-node" in found[0].fix
+    finally:
+        cluster.down()
+
+
 def test_up_says_why_it_waits_in_the_queue_and_gives_up_at_its_timeout(
         slurm: SlurmLab, tmp_path: Path, orchestrate_home: Path) -> None:
     blocker = slurm.run("sbatch", "--parsable", "-N3", "--exclusive", "--wrap", "sleep 300",

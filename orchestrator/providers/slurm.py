@@ -692,13 +692,49 @@ class SlurmProvider(SSHHostsProvider):
             problems = [Problem("slurm", f"Slurm could not be asked {self.where}: "
                                 f"{exc.message}", exc.fix or "check provider.login and that "
                                 "Slurm's commands work there")]
-        if self.hosts():
+        hosts = self.hosts()
+        if hosts:
+            try:
+                problems += self.node_problems(hosts)
+            except OrchestratorError as exc:
+                problems.append(Problem("slurm", f"the allocation's nodes could not be asked "
+                                        f"{self.where}: {exc.message}", exc.fix or
+                                        "check that Slurm's commands work there"))
             return CloudCheck(tuple(problems))
         problems.append(Problem(
             "slurm", "no allocation yet: the nodes are checked once 'up' has one",
             f"run 'orchestrate up {self.spec_path.name}' (or 'train'), then the doctor again",
             blocking=False))
         return CloudCheck(tuple(problems), tuple(h.name for h in self.planned_hosts()))
+
+    def node_problems(self, hosts: Sequence[Host]) -> list[Problem]:
+        """The allocation's nodes as Slurm sees them: still in their allocation, not down,
+        with the GPUs (GRES) ``gpus_per_node`` asks for; an allocation 'up --attach' adopted
+        may have been made without them."""
+        problems: list[Problem] = []
+        jobs = {j: self.slurm.job(j) for j in {h.label(JOB_LABEL) or "" for h in hosts} if j}
+        gone = sorted(j for j, job in jobs.items() if job is None or job.ended)
+        if gone:
+            problems.append(Problem(
+                "slurm", f"allocation {', '.join(gone)} has ended",
+                f"run 'orchestrate up {self.spec_path.name}' (train does it by itself)"))
+        nodes = self.slurm.nodes([h.node or "" for h in hosts])
+        for host in hosts:
+            fields = nodes.get(host.node or "", {})
+            state = fields.get("State", "unknown")
+            if state.endswith("*") or any(s in state for s in ("DOWN", "FAIL")):
+                problems.append(Problem(
+                    "slurm", f"{host.name}'s node {host.node} is {state}",
+                    "train gives its task another node; or ask the admins about the node",
+                    hosts=(host.name,), blocking=False))
+            have = gpu_count(fields.get("Gres", ""))
+            if self.config.gpus_per_node and have < self.config.gpus_per_node:
+                problems.append(Problem(
+                    "slurm", f"{host.name}'s node {host.node} has {have} GPU(s) (GRES "
+                    f"{fields.get('Gres') or '(null)'}), not the {self.config.gpus_per_node} of "
+                    "provider.gpus_per_node", "attach an allocation on GPU nodes (salloc "
+                    "--gpus-per-node=N), or lower provider.gpus_per_node", hosts=(host.name,)))
+        return problems
 
     def host_health(self, host: Host) -> HostHealth:
         """The node as Slurm sees it: gone with the allocation, unreachable when DOWN or not
