@@ -288,7 +288,9 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
     if "upload" in document:
         up = document["upload"]
         largest = ", ".join(f"{e['path']} {human_bytes(e['bytes'])}" for e in up["largest"])
-        sends = f"{up['files']} file(s), {human_bytes(up['bytes'])} to each host"
+        where = "once, to the cluster's shared root" if document["provider"] == "slurm" else \
+            "to each host"
+        sends = f"{up['files']} file(s), {human_bytes(up['bytes'])} {where}"
         say(f"  upload     {up['dir']}: " + (f"'up' refuses it: {up['refused']}" if up["refused"]
                                              else sends) + (f" (largest: {largest})" if largest else ""))
         if up["secrets_left_out_count"]:

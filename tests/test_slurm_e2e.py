@@ -445,12 +445,19 @@ def test_up_attach_adopts_your_allocation_and_down_leaves_it_running(
         slurm: SlurmLab, tmp_path: Path, orchestrate_home: Path) -> None:
     held = slurm.run("sbatch", "--parsable", "-N3", "--wrap", "sleep 300",
                      user=slurm.user).stdout.strip()
-    path = slurm_spec(tmp_path, slurm, "slurm-attach", "job: {module: examples.digits}\n")
+    path = slurm_spec(tmp_path, slurm, "slurm-attach", "job: {module: examples.digits}\n",
+                      provider_extra="  setup: ['echo \"$(hostname)\" >> setup-ran']\n")
     up = cli("up", str(path), "--attach", held, home=orchestrate_home, timeout=120)
     assert up.returncode == 0, up.stdout + up.stderr
     for node in slurm.nodes:
         assert node.address in up.stdout
     assert [j["id"] for j in our_jobs(slurm)] == [held]  # nothing submitted
+    # setup ran once, as a step on the first node, in the synced code; not again on a second up
+    ran = Path(Cluster.from_spec(path).provider.hosts()[0].root) / "code" / "setup-ran"
+    assert ran.read_text() == "n1\n"
+    again = cli("up", str(path), home=orchestrate_home, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert ran.read_text() == "n1\n"
     bad = cli("up", str(path), "--attach", "999999", home=orchestrate_home, timeout=120)
     assert bad.returncode != 0 and "job 999999 is not in Slurm's queue" in bad.stderr
     down = cli("down", str(path), home=orchestrate_home, timeout=120)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,6 +93,12 @@ def test_plan_shows_the_sbatch_and_srun_lines_and_one_shared_checkpoint_dir(tmp_
     assert len({t.host.machine for t in built.tasks}) == 3  # a node each: one port each is fine
     assert all(t.cwd.endswith("/code") for t in built.tasks)  # the synced code, not this machine's
     assert json.loads(built.tasks[1].env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
+    shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "plan", str(path)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO,
+                           env={**os.environ, "ORCHESTRATE_HOME": str(tmp_path / "home")})
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "once, to the cluster's shared root" in shown.stdout  # not once per node
+    assert "sbatch --parsable" in shown.stdout and "--no-kill" in shown.stdout
 
 
 def test_a_task_step_is_named_from_its_record_alone() -> None:

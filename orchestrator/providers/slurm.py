@@ -12,7 +12,6 @@ shares (the cluster's root, checked by ``up``), written once from the submit sid
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 import shlex
@@ -22,20 +21,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import worker as worker_package
 from orchestrator import paths
 from orchestrator import spec as specs
 from orchestrator.errors import OrchestratorError, ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
 from orchestrator.problems import Problem
 from orchestrator.providers.base import CloudCheck, DownReport, HostHealth
-from orchestrator.providers.ssh_hosts import SETUP_STAMP, SSHHostsProvider
+from orchestrator.providers.ssh_hosts import SSHHostsProvider
 from orchestrator.remote.base import Runner, quote_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.local import LocalRunner
 from orchestrator.remote.slurm import SRUN_BY_WRAPPER, StepRunner, srun_options
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import sync_dir
 from orchestrator.spec import ClusterSpec
 
 JOB_LABEL, NODE_LABEL = "slurm_job", "slurm_node"
@@ -628,26 +625,10 @@ class SlurmProvider(SSHHostsProvider):
                 "(your home on most clusters; NFS, Lustre, GPFS)")
 
     def _prepare(self, submit: Host, hosts: Sequence[Host]) -> None:
-        runner = self.submit_runner
-        workdir = specs.workdir_of(self.spec, self.spec_path)
-        code_changed = sync_dir(runner, str(workdir), paths.code_dir(submit.root),
-                                self.config.sync_excludes,
-                                allowed_secrets=self.upload().allowed_secrets)
-        sync_dir(runner, str(Path(worker_package.__file__).parent),
-                 f"{paths.lib_dir(submit.root)}/worker", ("__pycache__", "*.pyc"))
-        setup = self.config.setup
-        if not setup:
-            return
-        stamp = hashlib.sha256("\n".join(setup).encode()).hexdigest()
-        stamp_path = shlex.quote(f"{submit.root}/{SETUP_STAMP}")
-        current = runner.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
-        if current == stamp and not code_changed:
-            return
-        code_dir = shlex.quote(paths.code_dir(submit.root))
-        node = self.runner(hosts[0])  # the nodes' environment (modules, CUDA), not the login's
-        for command in setup:
-            node.run(f"cd {code_dir} && {command}", timeout_s=3600)
-        runner.run(f"echo {stamp} > {stamp_path}")
+        """Sync once from the submit side; setup runs as a step on the first node (the nodes'
+        environment, modules and CUDA, not the login node's)."""
+        code_changed, _ = self.sync_code(self.submit_runner, submit.root)
+        self.run_setup(self.submit_runner, self.runner(hosts[0]), submit.root, code_changed)
 
     def hosts(self) -> list[Host]:
         """The nodes of the recorded allocation (none before 'up')."""

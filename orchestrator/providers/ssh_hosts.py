@@ -319,23 +319,34 @@ class SSHHostsProvider(Provider):
         """
         runner = self.runner(host)
         self.claim_root(host)
+        code_changed, lib_changed = self.sync_code(runner, host.root)
+        return self.run_setup(runner, runner, host.root, code_changed) or code_changed \
+            or lib_changed
+
+    def sync_code(self, runner: Runner, root: str) -> tuple[bool, bool]:
+        """Sync the workdir and the worker package under ``root``; whether each changed."""
         workdir = specs.workdir_of(self.spec, self.spec_path)
-        code_changed = sync_dir(runner, str(workdir), paths.code_dir(host.root),
+        code_changed = sync_dir(runner, str(workdir), paths.code_dir(root),
                                 self.config.sync_excludes,
                                 allowed_secrets=self.upload().allowed_secrets)
         lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent),
-                               f"{paths.lib_dir(host.root)}/worker", ("__pycache__", "*.pyc"))
+                               f"{paths.lib_dir(root)}/worker", ("__pycache__", "*.pyc"))
+        return code_changed, lib_changed
+
+    def run_setup(self, files: Runner, runner: Runner, root: str, code_changed: bool) -> bool:
+        """Run ``setup`` through ``runner`` when it or the code changed since it last ran (its
+        stamp under ``root``, read and written through ``files``); whether it ran."""
         setup = self.config.setup
         stamp = hashlib.sha256("\n".join(setup).encode()).hexdigest()
-        stamp_path = shlex.quote(f"{host.root}/{SETUP_STAMP}")
-        current = runner.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
+        stamp_path = shlex.quote(f"{root}/{SETUP_STAMP}")
+        current = files.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
         if not setup or (current == stamp and not code_changed):
-            return code_changed or lib_changed
-        code_dir = shlex.quote(paths.code_dir(host.root))
+            return False
+        code_dir = shlex.quote(paths.code_dir(root))
         for command in setup:
             # Setup commands are the user's own shell, run as written in the synced code dir.
             runner.run(f"cd {code_dir} && {command}", timeout_s=3600)
-        runner.run(f"echo {stamp} > {stamp_path}")
+        files.run(f"echo {stamp} > {stamp_path}")
         return True
 
     def prepare_all(self, hosts: Sequence[Host]) -> None:
