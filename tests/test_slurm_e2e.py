@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,52 @@ def test_up_train_down_as_job_steps_of_one_allocation(slurm: SlurmLab, tmp_path:
     down = cli("down", str(path), home=orchestrate_home)
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"allocation {job['id']}" in down.stdout
+    assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
+
+
+@pytest.mark.tf
+def test_training_outlives_its_controller_and_train_attach_takes_it_over(
+        slurm: SlurmLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """The controller SIGKILLed mid-run: the steps' sruns run on in their wrappers on the login
+    node, 'train --attach' watches the same attempt to its end, and 'logs' reads every task."""
+    path = slurm_spec(tmp_path, slurm, "slurm-reattach", """\
+        job: {module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 30,
+              progress_every_steps: 1}
+        env: {DIGITS_PACE_S: "0.2"}
+        checkpoint: {every_steps: 10}
+        """, workers=2)
+    up = cli("up", str(path), home=orchestrate_home)
+    assert up.returncode == 0, up.stdout + up.stderr
+    store = Store(orchestrate_home / "state.db")
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain"], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home)})
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            runs = store.runs("slurm-reattach")
+            tasks = runs[0].attempts[0].tasks if runs and runs[0].attempts else []
+            if len(tasks) == 2 and any(e.kind == "progress" for e in events_of(tasks[0].log)):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no step within 300 s: {store.runs('slurm-reattach')}")
+    finally:
+        controller.kill()
+        controller.wait()
+    try:
+        attach = cli("train", str(path), "--attach", "--plain", home=orchestrate_home)
+        assert attach.returncode == 0, attach.stdout + attach.stderr
+        (run,) = store.runs("slurm-reattach")
+        assert run.status == "succeeded" and len(run.attempts) == 1, run.message
+        logs = cli("logs", "slurm-reattach", home=orchestrate_home)
+        assert logs.returncode == 0, logs.stderr
+        for task in ("worker:0", "worker:1"):
+            assert f"[{task}]" in logs.stdout, logs.stdout[-2000:]
+    finally:
+        down = cli("down", str(path), home=orchestrate_home)
+    assert down.returncode == 0, down.stdout + down.stderr
     assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
 
 
