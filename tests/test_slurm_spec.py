@@ -14,7 +14,7 @@ from orchestrator import plan as planning
 from orchestrator import spec
 from orchestrator.errors import SpecError
 from orchestrator.providers import for_spec
-from orchestrator.providers.slurm import NEVER, REASONS, explain
+from orchestrator.providers.slurm import NEVER, REASONS, SlurmProvider, explain
 from orchestrator.remote.base import TaskHandle
 from orchestrator.remote.slurm import srun_options, step_name, step_prefix
 
@@ -87,6 +87,13 @@ def test_plan_shows_the_sbatch_and_srun_lines_and_one_shared_checkpoint_dir(tmp_
                  "--partition=main", "--time=2:00:00", "--gpus-per-node=2", "--exclusive"):
         assert part in sbatch
     assert "--overlap" in creates["slurm"]["srun"] and "--gres=gpu:2" in creates["slurm"]["srun"]
+    # a replacement node's allocation: one node, not the group's, the user's own --exclude kept
+    assert isinstance(provider, SlurmProvider)
+    loaded_x = loaded.model_copy(update={"provider": loaded.provider.model_copy(
+        update={"sbatch": ("--exclusive", "--exclude=bad1")})})
+    one = SlurmProvider(loaded_x, path).sbatch_options("/r", nodes=1, exclude=("n1", "n2"))
+    assert "--nodes=1" in one and "--exclude=bad1,n1,n2" in one
+    assert sum(o.startswith("--exclude") for o in one) == 1 and "--exclusive" in one
     hosts = provider.planned_hosts()
     built = planning.build(loaded, hosts, run_id="r1", python="python3", local_workdir=str(REPO))
     assert built.checkpoints.shared and len(set(built.checkpoints.dirs.values())) == 1

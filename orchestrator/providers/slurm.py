@@ -319,8 +319,11 @@ class SlurmProvider(SSHHostsProvider):
         options = [f"--job-name=orchestrate-{self.spec.name}",
                    f"--nodes={nodes or self.spec.num_tasks}",
                    "--ntasks-per-node=1", "--no-kill", f"--output={root}/slurm-%j.out"]
-        if exclude:
-            options.append(f"--exclude={','.join(exclude)}")
+        extra = [o for o in config.sbatch if not o.startswith("--exclude=")]
+        excluded = [*(o.split("=", 1)[1] for o in config.sbatch if o.startswith("--exclude=")),
+                    *exclude]  # the user's own --exclude and the group's nodes, in one option
+        if excluded:
+            options.append(f"--exclude={','.join(excluded)}")
         for flag, value in (("--partition", config.partition), ("--account", config.account),
                             ("--qos", config.qos), ("--time", config.time),
                             ("--constraint", config.constraint)):
@@ -331,7 +334,7 @@ class SlurmProvider(SSHHostsProvider):
         # TERM to every step (not the holder) this long before the time limit: each task
         # saves at one step, and the run goes on in a new allocation ('renew').
         options.append(f"--signal=TERM@{self.warning_s}")
-        return [*options, *config.sbatch, "--wrap=exec sleep infinity"]
+        return [*options, *extra, "--wrap=exec sleep infinity"]
 
     @property
     def warning_s(self) -> int:
@@ -374,6 +377,7 @@ class SlurmProvider(SSHHostsProvider):
             self._cancel_replacements()  # the new allocation has a node for every task
             self._job = {"job_id": "", "submitted": True}  # 'up' submits a new one
         self.progress(why)
+        self._job = {**self._job, "lost": []}  # what runs again runs on nodes Slurm found fit
         hosts = self.up()
         nodes = ",".join(h.node or h.name for h in hosts)
         return f"{why}: going on in allocation {self._job['job_id']} ({nodes})"
