@@ -398,8 +398,10 @@ def is_this_machine(host: Host) -> bool:
 
 
 def _addresses(host: Host) -> list[str]:
-    """Every address this machine knows for ``host``: the tasks' and the SSH one."""
-    return list(dict.fromkeys([host.address, *([host.ssh.address] if host.ssh else [])]))
+    """Every address this machine knows for ``host``: the tasks' and the SSH one (not for a
+    scheduler's node, whose ``ssh`` reaches the login node)."""
+    ssh = [host.ssh.address] if host.ssh and host.node is None else []
+    return list(dict.fromkeys([host.address, *ssh]))
 
 
 def _endpoint(address: str, port: int) -> str:

@@ -454,7 +454,9 @@ class SlurmProvider(SSHHostsProvider):
                     fix=f"raise {timeout_field}, ask for fewer nodes or less time, or "
                     "try another provider.partition ('sinfo' shows what is free)")
             time.sleep(wait)
-            wait = min(2 * wait, QUEUE_POLL_S[1])
+            # a job that starts at once is seen within a second; a long wait costs few calls
+            cap = 1.0 if time.monotonic() < deadline - timeout_s + 30 else QUEUE_POLL_S[1]
+            wait = min(2 * wait, cap)
 
     def _cancel_ours(self, job_id: str) -> None:
         replacements = self._job.get("replacements", [])

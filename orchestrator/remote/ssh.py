@@ -306,10 +306,18 @@ class SSHRunner(Runner):
         deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         with self._slots, self._session() as chan:
             try:
-                chan.exec_command("sh -c " + shlex.quote(script))
-                if input is not None:
+                # No EOF may follow the command's end: paramiko sends a channel's EOF after it
+                # lets go of the channel's lock, so the transport thread may have answered the
+                # host's CLOSE first, and OpenSSH drops the whole connection on an EOF for a
+                # channel it freed (paramiko#1115). So a command without input reads
+                # /dev/null, and one with input reads its stdin to the end before it exits.
+                if input is None:
+                    chan.exec_command("sh -c " + shlex.quote(script) + " </dev/null")
+                else:
+                    chan.exec_command("sh -c " + shlex.quote(
+                        f"( {script}\n); rc=$?; cat >/dev/null; exit $rc"))
                     chan.sendall(input.encode())
-                chan.shutdown_write()
+                    chan.shutdown_write()
                 out, err = _collect(chan, deadline)
             except _Timeout:
                 raise RemoteError(
