@@ -95,6 +95,7 @@ class Supervisor:
         self._bad_ports: set[tuple[str, int]] = set()
         self._broken_hosts: set[str] = set()
         self._orphans: list[tuple[str, TaskHandle]] = []  # tasks left on unreachable hosts
+        self._launched: list[Watched] = []  # the tasks of the attempt started so far
         self._last_prestep_failure = ""
         self._chief_host: Host | None = None
         self._layout: CheckpointLayout | None = None
@@ -307,9 +308,21 @@ class Supervisor:
             self._restore_checkpoint(plan)  # a script's own directory may hold a checkpoint
         marks["checkpoint_ready"] = time.time()
         self.store.start_attempt(run_id, number, [])  # _launch adds each task as it starts
-        watched = self._launch(run_id, plan)
-        marks["started"] = time.time()
-        return self._supervise(run_id, number, plan, watched)
+        self._launched = []
+        try:
+            watched = self._launch(run_id, plan)
+            marks["started"] = time.time()
+            return self._supervise(run_id, number, plan, watched)
+        except BaseException as exc:
+            # _launch and _supervise end the attempt on whatever stops them; a Ctrl-C that
+            # lands between the two (seen under load) is ended here, with the tasks started.
+            try:
+                unended = self.store.attempts(run_id)[number - 1].status == "running"
+            except Exception:  # the store failing: nothing can be recorded
+                unended = False
+            if unended:
+                self._abandon(run_id, number, list(self._launched), None, exc)
+            raise
 
     def _reattach(self, run_id: str, attempt: AttemptRecord) -> dict[str, Event]:
         """Watch a running attempt that another (dead) controller started."""
@@ -435,8 +448,9 @@ class Supervisor:
             w = Watched(task, went.get(task.key) or self._start(runner, task), runner)
             with lock:
                 started[task.key] = w
+                self._launched = in_order()
                 self.store.update_attempt(run_id, plan.attempt,
-                                          tasks=[x.record(self.launcher) for x in in_order()])
+                                          tasks=[x.record(self.launcher) for x in self._launched])
             return w
 
         pool = ThreadPoolExecutor(max_workers=min(32, len(plan.tasks)))

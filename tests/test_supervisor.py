@@ -244,3 +244,23 @@ def test_backoff_waits_in_proportion_to_its_delay(failures: int, cause: str, low
         assert low - 1e-9 <= wait <= high + 1e-9
     spread = {round(backoff(failures, Cause(cause), 0.2, 1.0), 6) for _ in range(50)}
     assert max(spread) <= high + 1e-9 and min(spread) >= low - 1e-9
+
+
+def test_a_ctrl_c_between_the_launch_and_the_watch_still_ends_the_attempt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C lands between the bytecodes of one step and the next (seen under load: after
+    every task had started, before the watch began); no real part can aim it there, so the
+    watch is made to raise it as it is entered. Every task started is stopped and recorded."""
+    s, path = make(tmp_path, "import time\ntime.sleep(60)\n")
+    sup, store, run_id = supervise(s, path, [])
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sup, "_supervise", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sup.run(run_id)
+    (attempt,) = store.attempts(run_id)
+    assert attempt.status == "cancelled" and len(attempt.tasks) == 2
+    assert all(live_group_members(t.pgid) == [] for t in attempt.tasks)
+    assert store.get_run(run_id).status == "cancelled"
