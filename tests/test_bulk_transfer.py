@@ -326,13 +326,16 @@ MIB = 256  # the checkpoint's size
 RATE_MBIT = 160  # the chief's link to the controller: 20 MB/s, so one pull takes ~13 s
 POLL_S = 4
 EVERY = 300  # one checkpoint, early; training goes on (paced) until the pull is done
+# After the last step each task saves 256 MiB as the model and hashes it, printing nothing:
+# under a full suite's load that was once over 60 s, and the watchdog called it hung.
+HANG_S = 180
 BODY = f"""\
 name: bulk
 job: {{module: tests.workloads.big_state, epochs: 1, steps_per_epoch: {2 * EVERY - 1},
        progress_every_steps: 1}}
 checkpoint: {{every_steps: {EVERY}}}
 retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
-timeouts: {{stop_grace_s: 1, poll_s: {POLL_S}, hang_s: 60, startup_s: 180}}
+timeouts: {{stop_grace_s: 1, poll_s: {POLL_S}, hang_s: {HANG_S}, startup_s: 180}}
 env: {{BIG_STATE_MIB: "{MIB}", BIG_STATE_PACE_FROM: "{EVERY}", BIG_STATE_PACE_S: "0.2"}}
 """
 CACHES = "  sync_excludes: [.mypy_cache, .ruff_cache, .pytest_cache]\n"
