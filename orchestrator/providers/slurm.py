@@ -107,6 +107,12 @@ class Job:
         return self.state in ENDED
 
 
+def node_down(state: str) -> bool:
+    """Whether scontrol's node State says the node cannot run steps: not responding (a
+    trailing '*'), DOWN or FAIL (also as part of MIXED+..., ALLOCATED+...)."""
+    return state.endswith("*") or "DOWN" in state or "FAIL" in state
+
+
 def explain(reason: str) -> str:
     """A pending job's reason in words (the reason itself when it is not a known one)."""
     return REASONS.get(reason) or NEVER.get(reason) or reason
@@ -573,7 +579,7 @@ class SlurmProvider(SSHHostsProvider):
             state = states.get(host.node or "", {}).get("State", "")
             if host.node not in members[host.label(JOB_LABEL) or ""]:
                 return f"Slurm took node {host.node} out of allocation {host.label(JOB_LABEL)}"
-            if state.endswith("*") or "DOWN" in state or "FAIL" in state:
+            if node_down(state):
                 return f"Slurm has node {host.node} {state}"
             try:
                 result = self.runner(host).run("true", check=False, timeout_s=PROBE_S)
@@ -709,7 +715,7 @@ class SlurmProvider(SSHHostsProvider):
         for host in hosts:
             fields = nodes.get(host.node or "", {})
             state = fields.get("State", "unknown")
-            if state.endswith("*") or any(s in state for s in ("DOWN", "FAIL")):
+            if node_down(state):
                 problems.append(Problem(
                     "slurm", f"{host.name}'s node {host.node} is {state}",
                     "train gives its task another node; or ask the admins about the node",
@@ -735,7 +741,7 @@ class SlurmProvider(SSHHostsProvider):
         except OrchestratorError:
             return HostHealth.UNREACHABLE
         state = node.get("State", "")
-        if state.endswith("*") or any(s in state for s in ("DOWN", "FAIL")):
+        if node_down(state):
             return HostHealth.UNREACHABLE
         return HostHealth.RUNNING
 
