@@ -209,8 +209,8 @@ class Cluster:
             if attach is not None:
                 self.provider.adopt(attach)
             hosts = self.provider.up()
-            if self.spec.container is not None:
-                containers.pull_all(hosts, self.provider.runner, self.spec.container)
+            if self.spec.engine_container is not None:
+                containers.pull_all(hosts, self.provider.runner, self.spec.engine_container)
         except BaseException as exc:
             self._record("failed" if isinstance(exc, Exception) else "interrupted", known)
             raise
@@ -279,8 +279,8 @@ class Cluster:
             "checkpoints": _checkpoints_entry(plan),
             "stop": _stop_entry(self.spec),
             "gpus": asdict(GpuDescription.of(self.spec.job)),
-            **({"container": _container_entry(self.spec.container)}
-               if self.spec.container is not None else {}),
+            **({"container": _container_entry(self.spec.engine_container)}
+               if self.spec.engine_container is not None else {}),
             **({"upload": upload_of(self.workdir, self.spec.provider).to_dict()}
                if isinstance(self.spec.provider, specs.SSHHosts) else {}),
             **({"secrets": [{"name": name, "set": name in os.environ}
@@ -443,8 +443,8 @@ class Cluster:
         runtimes = {task.launcher for run in self.store.runs(self.name, limit=50)
                     for attempt in run.attempts for task in attempt.tasks
                     if task.launcher in containers.RUNTIMES}
-        if self.spec.container is not None:
-            runtimes.add(self.spec.container.runtime)
+        if self.spec.engine_container is not None:
+            runtimes.add(self.spec.engine_container.runtime)
         if not runtimes:
             return []
         machines = one_per_machine(self.provider.hosts())

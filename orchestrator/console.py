@@ -309,11 +309,22 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
         say(f"  cwd        {t['cwd']}")
         say(f"  command    {t['command']}")
         say(f"  log        {t['log']}")
+    kube = (document["creates"] or {}).get("kubernetes")
+    if kube is not None:
+        say("\nThe JobSet 'train' applies (kubectl apply -f accepts it as it is):" if "manifest"
+            in kube else f"\n'up' would refuse: {kube.get('refused')}")
+        if "manifest" in kube:
+            console.print(json.dumps(kube["manifest"], indent=2), markup=False, highlight=False,
+                          soft_wrap=True)
     say("\n(--json adds every task's environment)")
 
 
 def _hosts_text(document: dict[str, Any]) -> str:
     creates = document["creates"]
+    if creates and "kubernetes" in creates:
+        kube = creates["kubernetes"]
+        return (f"one JobSet {kube['jobset']} of {kube['pods']} pod(s) per attempt, in "
+                f"{kube['where']}; its manifest is below")
     if creates and "slurm" in creates:
         slurm = creates["slurm"]
         return (f"one Slurm allocation, driven {slurm['where']}: {slurm['sbatch']}\n"

@@ -275,8 +275,8 @@ def examine(
                                                  outside.probing),
                       name_of=lambda m: m.name)
     exposed = outside.problems(spec)
-    engines, engine_problems = (({}, []) if spec.container is None else
-                                _engines(spec.container, live, runner))
+    engines, engine_problems = (({}, []) if spec.engine_container is None else
+                                _engines(spec.engine_container, live, runner))
     checks = [_host_check(m, errors.get(m.name), answers) for m in machines]
     checks = [replace(c, facts={**c.facts, "container": engines[c.name]})
               if c.name in engines else c for c in checks]

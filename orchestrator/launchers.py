@@ -129,7 +129,20 @@ class ContainerLauncher(ProcessLauncher):
         return containers.state_letters(words)
 
 
-LAUNCHERS: dict[str, type[Launcher]] = {ProcessLauncher.kind: ProcessLauncher}
+class PodLauncher(ProcessLauncher):
+    """A task that is a pod of the attempt's group (a Kubernetes JobSet): the provider starts
+    every task at once (``Provider.start_group``); the pod's runner polls it from the pod
+    watch, reads its log through the API and stops it by deleting it with the grace."""
+
+    kind = "pod"
+
+    def start(self, runner: Runner, task: TaskPlan) -> TaskHandle:
+        raise StateError(f"task {task.key} is a pod of its attempt's JobSet: the provider "
+                         "starts the group, not the launcher", fix="report this as a bug")
+
+
+LAUNCHERS: dict[str, type[Launcher]] = {ProcessLauncher.kind: ProcessLauncher,
+                                        PodLauncher.kind: PodLauncher}
 
 
 def launcher_named(kind: str) -> Launcher:
@@ -149,8 +162,10 @@ def launcher_named(kind: str) -> Launcher:
 
 
 def launcher_for(spec: ClusterSpec) -> Launcher:
-    """The launcher a spec's tasks start with: in a container of ``spec.container``'s image,
-    else a plain process group."""
+    """The launcher a spec's tasks start with: a pod on Kubernetes, else in a container of
+    ``spec.container``'s image, else a plain process group."""
+    if spec.provider.kind == "kubernetes":  # the image is the pods'
+        return PodLauncher()
     if spec.container is not None:
         return ContainerLauncher(spec.container.runtime, spec.container)
     return ProcessLauncher()

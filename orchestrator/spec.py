@@ -553,7 +553,145 @@ class SlurmProvider(SSHHosts):
         return options
 
 
-Provider = Annotated[LocalProvider | StaticProvider | GcpProvider | SlurmProvider,
+# Kubernetes names: a DNS-1123 label (namespaces, container ports' names), a subdomain
+# (most objects), a label key's name part and a label value.
+K8S_LABEL_RE = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+K8S_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+K8S_LABEL_KEY_RE = (r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
+                    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+K8S_LABEL_VALUE_RE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+# A resource quantity as the API server parses it: 500m, 2, 1.5, 16Gi, 1e3.
+K8S_QUANTITY_RE = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([numkMGTPE]|[KMGTPE]i|[eE][+-]?[0-9]+)?$"
+GKE_SPOT_LABEL = "cloud.google.com/gke-spot"
+
+
+class KubernetesToleration(Model):
+    """A taint the pods tolerate (Kubernetes' own field, in snake case)."""
+
+    key: str | None = Field(default=None, pattern=K8S_LABEL_KEY_RE)
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = Field(default=None, pattern=K8S_LABEL_VALUE_RE)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, ge=0, le=10**9)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KubernetesToleration:
+        if self.operator == "Exists" and self.value:
+            raise Invalid("a toleration with operator Exists has no value",
+                          fix="remove value, or use operator: Equal")
+        if self.key is None and self.operator == "Equal":
+            raise Invalid("a toleration without a key must use operator: Exists (it then "
+                          "tolerates every taint)", fix="add key, or set operator: Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise Invalid("toleration_seconds applies to effect NoExecute only",
+                          fix="set effect: NoExecute, or remove toleration_seconds")
+        return self
+
+
+class KubernetesResources(Model):
+    """What each pod asks for besides its GPUs: requested, and memory also its limit."""
+
+    cpu: str | None = Field(default=None, pattern=K8S_QUANTITY_RE,
+                            description="CPU request per pod (8, 7500m).")
+    memory: str | None = Field(default=None, pattern=K8S_QUANTITY_RE,
+                               description="Memory request and limit per pod (60Gi).")
+
+
+class KubernetesVolume(Model):
+    """A ReadWriteMany PersistentVolumeClaim (Filestore, NFS, gcsfuse CSI) every pod mounts:
+    the cluster's run directories, checkpoints among them, live there."""
+
+    claim: str = Field(pattern=K8S_SUBDOMAIN_RE, max_length=253,
+                       description="The claim's name, in provider.namespace.")
+    sub_path: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$", max_length=1024,
+        description="The directory of the volume the cluster uses; default: "
+        "orchestrate/CLUSTER.")
+
+    @field_validator("sub_path")
+    @classmethod
+    def _relative(cls, value: str | None) -> str | None:
+        if value is not None and ".." in value.split("/"):
+            raise Invalid(f"{value!r} leaves the volume", fix="give a path inside it, without '..'")
+        return value
+
+
+class KubernetesProvider(Model):
+    """A Kubernetes cluster with the JobSet API (GKE): every attempt is one JobSet, a pod per
+    task, in container.image; 'down' deletes every object the tool made there."""
+
+    kind: Literal["kubernetes"] = "kubernetes"
+    kubeconfig: str | None = Field(
+        default=None, description="The kubeconfig file; default: $KUBECONFIG, else ~/.kube/config.")
+    context: str | None = Field(default=None, min_length=1, max_length=253,
+                                description="Its context; default: its current context.")
+    namespace: str = Field(default="default", pattern=K8S_LABEL_RE,
+                           description="Where every object of the cluster is made.")
+    service_account: str | None = Field(
+        default=None, pattern=K8S_SUBDOMAIN_RE, max_length=253,
+        description="The pods' service account (Workload Identity for gs:// checkpoints).")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pods need "
+        "(cloud.google.com/gke-accelerator: nvidia-h100-80gb).")
+    tolerations: tuple[KubernetesToleration, ...] = ()
+    gpus_per_pod: int = Field(default=0, ge=0, le=16)
+    gpu_resource: str = Field(default="nvidia.com/gpu", pattern=K8S_LABEL_KEY_RE,
+                              description="The extended resource the GPUs are counted in.")
+    resources: KubernetesResources = Field(default_factory=KubernetesResources)
+    spot: bool = Field(default=False, description=f"Run on spot nodes ({GKE_SPOT_LABEL}).")
+    queue: str | None = Field(default=None, pattern=K8S_LABEL_RE,
+                              description="A Kueue LocalQueue: the JobSet waits for its quota.")
+    image_pull_secrets: tuple[str, ...] = Field(
+        default=(), description="Secrets in the namespace that pull container.image.")
+    volume: KubernetesVolume | None = Field(
+        default=None, description="Shared storage for the runs: checkpoints and the final "
+        "model (a pod's own disk is gone with the pod).")
+    sync_excludes: tuple[str, ...] = Field(
+        default=(".git", "__pycache__", "*.pyc", ".venv", "outputs"),
+        description="Glob patterns left out of the code 'up' puts in a ConfigMap (1 MiB).")
+    run_as_user: int | None = Field(
+        default=None, ge=0, le=2**31 - 1,
+        description="The uid the tasks run as (the pods' securityContext); default: the image's.")
+    run_as_group: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    fs_group: int | None = Field(
+        default=None, ge=0, le=2**31 - 1,
+        description="The group that owns provider.volume in the pods (writable by the tasks).")
+
+    @field_validator("kubeconfig")
+    @classmethod
+    def _local_path(cls, value: str | None) -> str | None:
+        return None if value is None else check_local_path(value)
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if not re.fullmatch(K8S_LABEL_KEY_RE, key) or len(key.rsplit("/", 1)[-1]) > 63:
+                raise Invalid(f"{key!r} is not a label key",
+                              fix="write [PREFIX/]NAME: NAME up to 63 letters, digits, '-', "
+                                  "'_' or '.', PREFIX a DNS subdomain")
+            if not re.fullmatch(K8S_LABEL_VALUE_RE, value):
+                raise Invalid(f"{key}: {value!r} is not a label value",
+                              fix="write up to 63 letters, digits, '-', '_' or '.', starting "
+                                  "and ending with a letter or digit (quote it: 'true')")
+        if GKE_SPOT_LABEL in labels:
+            raise Invalid(f"{GKE_SPOT_LABEL} is set by provider.spot",
+                          fix="remove it from node_selector and set spot: true")
+        return labels
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secret_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            if not re.fullmatch(K8S_SUBDOMAIN_RE, name) or len(name) > 253:
+                raise Invalid(f"{name!r} is not a Secret's name",
+                              fix="write the name of a Secret of type "
+                                  "kubernetes.io/dockerconfigjson in provider.namespace")
+        return names
+
+
+Provider = Annotated[LocalProvider | StaticProvider | GcpProvider | SlurmProvider
+                     | KubernetesProvider,
                      Field(discriminator="kind")]
 
 
@@ -957,6 +1095,12 @@ class ClusterSpec(Model):
     def num_tasks(self) -> int:
         return self.workers + (1 if self.separate_chief else 0)
 
+    @property
+    def engine_container(self) -> Container | None:
+        """The image a host's container engine (docker, podman) runs the tasks in; None
+        without ``container``, and on Kubernetes, where the pods are of the image."""
+        return None if isinstance(self.provider, KubernetesProvider) else self.container
+
 
 def is_reserved_env(key: str) -> bool:
     """True for an env key the orchestrator sets in every task over the spec's value."""
@@ -1119,6 +1263,7 @@ def parse(text: str, *, file: str = "<spec>", base_dir: Path | None = None) -> C
         raise _spec_error(exc.errors()[0], lines, file, len(exc.errors())) from None
     _check_host_count(spec, file, lines)
     _check_machines(spec, file, lines)
+    _check_kubernetes(spec, file, lines)
     if base_dir is not None:
         _check_paths(spec, base_dir, file, lines)
     return spec
@@ -1331,8 +1476,8 @@ def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None
     """What plan.build refuses that the spec alone decides, so that 'validate' refuses it too:
     loopback addresses across machines, two tasks pinning one port of a machine, and a port
     range too small for the tasks that share a machine (TF's gRPC binds every address)."""
-    if isinstance(spec.provider, GcpProvider | SlurmProvider):
-        return  # a VM, or a node, per task: one port each
+    if isinstance(spec.provider, GcpProvider | SlurmProvider | KubernetesProvider):
+        return  # a VM, a node or a pod per task: one port each
     if isinstance(spec.provider, LocalProvider):
         _check_port_range(spec, spec.num_tasks, 0, file, lines)
         return
@@ -1362,6 +1507,40 @@ def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None
                 pinned[port] = i
         in_range = sum(1 for p in pinned if spec.ports.start <= p <= spec.ports.end)
         _check_port_range(spec, len(indices) - len(pinned), in_range, file, lines)
+
+
+def _check_kubernetes(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
+    """On Kubernetes every task is a pod of ``container.image``, and what must outlive a pod
+    (checkpoints, the final model) is on ``provider.volume``."""
+    if not isinstance(spec.provider, KubernetesProvider):
+        return
+
+    def refuse(field: str, message: str, fix: str) -> NoReturn:
+        raise SpecError(message, file=file, field=field,
+                        line=_nearest_line(lines, field.split(".")), fix=fix)
+
+    if spec.container is None:
+        refuse("container", "provider.kind kubernetes runs every task in a pod of an image, and "
+               "there is no container.image", "add 'container: {image: REGISTRY/PATH:TAG}' "
+               "(the image built from docker/, see docker/README.md)")
+    if spec.container.options:
+        refuse("container.options", "container.options are `docker run` options, which a pod "
+               "does not take", "remove them; set what pods need in provider.resources, "
+               "provider.node_selector or provider.tolerations")
+    if spec.provider.volume is None:
+        refuse("provider.volume", "nothing on Kubernetes keeps the checkpoints and the final "
+               "model: a pod's own disk is gone with the pod", "add 'volume: {claim: NAME}' "
+               "under provider: a ReadWriteMany PersistentVolumeClaim in provider.namespace "
+               "(Filestore, NFS, or the gcsfuse CSI driver)")
+    if spec.checkpoint.dir is not None and not is_url(spec.checkpoint.dir):
+        refuse("checkpoint.dir", f"{spec.checkpoint.dir!r} is a path on the hosts, and pods "
+               "see none of the hosts' files", "remove it (checkpoints go to provider.volume) "
+               "or give a gs://BUCKET/PATH URL")
+    named = spec.job.checkpoint_dir if isinstance(spec.job, CommandJob) else None
+    if named is not None and not is_url(named):
+        refuse("job.checkpoint_dir", f"{named!r} is in the pod's own files (its code directory "
+               "is read-only and gone with the pod)", "remove it: the job checkpoints to "
+               "$ORCHESTRATE_CHECKPOINT_DIR, on provider.volume; or give a gs:// URL")
 
 
 def _check_port_range(spec: ClusterSpec, tasks: int, taken: int, file: str,

@@ -436,6 +436,15 @@ class Supervisor:
         it runs, so that 'down' finds it whatever happens next. If a start fails or a Ctrl-C
         comes, the starts under way end, then every task started is stopped and the attempt
         recorded as ended, before the error goes on."""
+        group = self.provider.start_group(plan)
+        if group is not None:  # the scheduler started every task at once (one JobSet)
+            watched = [Watched(task, handle, self.provider.runner(task.host))
+                       for task, handle in zip(plan.tasks, group, strict=True)]
+            self._launched = watched
+            self.store.update_attempt(run_id, plan.attempt,
+                                      tasks=[w.record(self.launcher) for w in watched])
+            self._say(f"attempt {plan.attempt}: submitted {len(watched)} tasks as one group")
+            return watched
         went = self._warm.go(plan) if self._warm is not None else {}
         started: dict[str, Watched] = {}
         lock = threading.Lock()
@@ -790,7 +799,7 @@ class Supervisor:
 
     def _worker(self, host: Host) -> WorkerCommand:
         return WorkerCommand(self.provider.python(host), paths.lib_dir(host.root),
-                             self.spec.container)
+                             self.spec.engine_container)
 
     def _moved(self, link: str, count: int) -> None:
         self.view.checkpoint_bytes[link] = self.view.checkpoint_bytes.get(link, 0) + count

@@ -14,7 +14,7 @@ from orchestrator.remote import netns
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-pytest_plugins = ["hostlab", "slurmlab"]
+pytest_plugins = ["hostlab", "slurmlab", "podlab", "kubecluster"]
 
 
 # The tests that train TensorFlow run in two lanes, each one test at a time on one xdist worker:
@@ -94,11 +94,12 @@ def orchestrate_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
 
 
 # What a developer's shell may set that would change what the tests see: the terminal's
-# (rich's colour and width), the Keras backend, a container engine's remote. Each test runs
-# as from a clean environment, however the suite was started.
+# (rich's colour and width), the Keras backend, a container engine's remote, a kubeconfig.
+# Each test runs as from a clean environment, however the suite was started.
 USER_ENVIRONMENT = ("FORCE_COLOR", "NO_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE",
                     "TTY_INTERACTIVE", "COLUMNS", "LINES", "KERAS_BACKEND", "TF_USE_LEGACY_KERAS",
-                    "CONTAINER_HOST", "CONTAINER_CONNECTION", "DOCKER_HOST", "CONTAINERS_CONF")
+                    "CONTAINER_HOST", "CONTAINER_CONNECTION", "DOCKER_HOST", "CONTAINERS_CONF",
+                    "KUBECONFIG")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""Where hosts come from (`local`, `static`, `gcp`, `slurm`): one module each, by provider.kind."""
+"""Where hosts come from (`local`, `static`, `gcp`, `slurm`, `kubernetes`): one module each,
+by provider.kind."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ REGISTRY: dict[str, Registered] = {
     "static": Registered(specs.StaticProvider, "orchestrator.providers.static:StaticProvider"),
     "gcp": Registered(specs.GcpProvider, "orchestrator.providers.gcp.provider:GcpProvider"),
     "slurm": Registered(specs.SlurmProvider, "orchestrator.providers.slurm:SlurmProvider"),
+    "kubernetes": Registered(specs.KubernetesProvider,
+                             "orchestrator.providers.kubernetes.provider:KubernetesProvider"),
 }
 
 

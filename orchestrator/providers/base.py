@@ -9,13 +9,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import OrchestratorError, ProviderError
 from orchestrator.hosts import Host
 from orchestrator.problems import Problem
-from orchestrator.remote.base import Runner
+from orchestrator.remote.base import Runner, TaskHandle
 from orchestrator.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from orchestrator.plan import ClusterPlan
 
 
 class HostHealth(enum.Enum):
@@ -158,6 +161,16 @@ class Provider(ABC):
             waited += min(5.0, deadline_s)
         self.up()
         return next(h for h in self.hosts() if h.name == host.name)
+
+    def start_group(self, plan: ClusterPlan) -> list[TaskHandle] | None:
+        """Start every task of ``plan`` at once, where the scheduler starts a group as one
+        object (a Kubernetes JobSet), and return their handles in the plan's order; None
+        (the default): each task is started on its own host by the launcher.
+
+        Raises:
+            ProviderError: the group could not be submitted; nothing of it is left running.
+        """
+        return None
 
     def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
         """(address, port) pairs of the spec's range already taken; default: none known."""

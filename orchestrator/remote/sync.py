@@ -29,7 +29,8 @@ ALWAYS_EXCLUDED = (".git", "__pycache__", "*.pyc", ".venv", STAMP)
 # A pattern with a slash matches the last components of a path (``.config/gcloud`` at any depth);
 # one without matches any file or directory name.
 SECRET_EXCLUDES = (
-    ".ssh", ".orchestrate", ".aws", ".azure", ".gnupg", ".kube", ".docker/config.json",
+    ".ssh", ".orchestrate", ".aws", ".azure", ".gnupg", ".kube", "kubeconfig*", "*.kubeconfig",
+    ".docker/config.json",
     ".config/gcloud", ".config/gh", ".netrc", ".git-credentials", ".pypirc", ".npmrc",
     ".vault-token", ".boto", ".env", ".env.*", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx",
     "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "credentials.json",
@@ -201,6 +202,33 @@ def survey(local_dir: str, excludes: Sequence[str], *, allowed_secrets: Sequence
     largest = sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:LARGEST_SHOWN]
     return Upload(str(root), files, total, tuple(largest), tuple(left_out[:SECRETS_SHOWN]),
                   len(left_out), complete, max_bytes, tuple(allowed_secrets))
+
+
+def files_of(local_dir: str, excludes: Sequence[str], *,
+             max_bytes: int) -> dict[str, tuple[bytes, int]]:
+    """The regular files an upload of ``local_dir`` holds (secrets left out, as ``survey``),
+    read: relative path -> (bytes, mode). Links and empty directories are not carried.
+
+    Raises:
+        RemoteError: ``local_dir`` is not a directory, a file cannot be read, or the files
+            are over ``max_bytes``.
+    """
+    root = _directory(local_dir)
+    out: dict[str, tuple[bytes, int]] = {}
+    total = 0
+    for rel in _walk(root, PurePosixPath(), _patterns(excludes), (), []):
+        path = root / rel
+        try:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            total += st.st_size
+            if total > max_bytes:
+                raise too_large(local_dir, total, max_bytes, complete=False)
+            out[rel.as_posix()] = (path.read_bytes(), stat.S_IMODE(st.st_mode))
+        except OSError as exc:
+            raise _unreadable(path, exc) from None
+    return out
 
 
 def too_large(local_dir: str, size: int, max_bytes: int, *, complete: bool = True,

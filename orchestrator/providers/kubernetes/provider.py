@@ -1,0 +1,478 @@
+"""provider.kind kubernetes: a cluster with the JobSet API (GKE), reached with a kubeconfig.
+
+``up`` checks the cluster (the JobSet CRD, the namespace, what these credentials may do, the
+claim of ``provider.volume``) and puts the code in ConfigMaps; ``train`` submits one JobSet
+per attempt (``start_group``) and watches its pods; ``down`` deletes every object the tool
+made, found by its labels. Manifests: ``manifests.py``; the API, watch and logs:
+``client.py``; a task's pod as a host: ``runner.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import shlex
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from orchestrator import paths
+from orchestrator import plan as planning
+from orchestrator.errors import ProviderError, RemoteError
+from orchestrator.files import PRIVATE_DIR, write_atomic
+from orchestrator.hosts import Host
+from orchestrator.plan import ClusterPlan
+from orchestrator.problems import Problem
+from orchestrator.providers.base import CloudCheck, DownReport, HostHealth, Provider
+from orchestrator.providers.kubernetes import manifests
+from orchestrator.providers.kubernetes.client import (
+    JOBSET_GROUP,
+    JOBSET_VERSION,
+    JOBSETS,
+    Kube,
+    KubeError,
+    LogFollower,
+    PodState,
+    PodWatch,
+)
+from orchestrator.providers.kubernetes.runner import COMMAND_ROLE, PodRef, PodRunner, command_pod
+from orchestrator.remote.base import ExecResult, Runner, TaskHandle
+from orchestrator.remote.sync import files_of
+from orchestrator.spec import ClusterSpec
+from orchestrator.spec import KubernetesProvider as KubernetesConfig
+
+# What the tool does, by resource: 'up' asks the API server whether these credentials may.
+NEEDED = (
+    *((verb, "jobsets", "jobset.x-k8s.io") for verb in ("create", "get", "list", "delete")),
+    *((verb, "pods", "") for verb in ("create", "get", "list", "watch", "delete")),
+    ("get", "pods/log", ""),
+    *((verb, resource, "") for resource in ("secrets", "configmaps")
+      for verb in ("create", "get", "list", "delete")),
+    ("get", "persistentvolumeclaims", ""),
+)
+COMMAND_TIMEOUT_S = 300.0  # a command pod: scheduling and an image pull, then the command
+GONE_WAIT_S = 120.0  # how long the previous attempt's JobSet may take to go
+FETCH_MAX_BYTES = 64 << 20  # a file read back through a pod's log
+
+
+class KubernetesProvider(Provider):
+    """One JobSet per attempt in ``provider.namespace``; see the module docstring."""
+
+    kind = "kubernetes"
+    warm_tasks = False  # a warm task would be a second pod per task: not yet
+
+    def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
+        super().__init__(spec, spec_path)
+        if not isinstance(spec.provider, KubernetesConfig):
+            raise ProviderError(f"provider.kind is {spec.provider.kind!r}, not kubernetes")
+        self.config = spec.provider
+        self._kube: Kube | None = None
+        self._watch: PodWatch | None = None
+        self._followers: dict[str, LogFollower] = {}
+        self._runners: dict[str, PodRunner] = {}
+        self._lock = threading.Lock()
+        self.state_path = paths.hosts_cache(spec.name, self.kind)
+
+    # -- the API -------------------------------------------------------------------------
+    @property
+    def kube(self) -> Kube:
+        with self._lock:
+            if self._kube is None:
+                self._kube = Kube(self.config)
+            return self._kube
+
+    def watch(self) -> PodWatch:
+        """The pods of the cluster, watched from the first call on."""
+        kube = self.kube
+        with self._lock:
+            if self._watch is None:
+                self._watch = PodWatch(kube, manifests.selector(self.spec.name)).start()
+        if not self._watch.synced.wait(30):
+            raise ProviderError(f"cannot list the cluster's pods {kube.where}: "
+                                f"{self._watch.error or 'no answer'}",
+                                fix="check that the cluster is up and these credentials work")
+        return self._watch
+
+    def close(self) -> None:
+        with self._lock:
+            watch, self._watch = self._watch, None
+            followers, self._followers = list(self._followers.values()), {}
+            kube, self._kube = self._kube, None
+        for follower in followers:
+            follower.stop()
+        if watch is not None:
+            watch.stop()
+        if kube is not None:
+            kube.close()
+
+    # -- hosts ---------------------------------------------------------------------------
+    def hosts(self) -> list[Host]:
+        return manifests.hosts(self.spec)
+
+    def python(self, host: Host) -> str:
+        assert self.spec.container is not None  # the spec requires it on kubernetes
+        return self.spec.container.python
+
+    def runner(self, host: Host) -> Runner:
+        with self._lock:
+            if host.name not in self._runners:
+                self._runners[host.name] = PodRunner(self, host.name)
+            return self._runners[host.name]
+
+    def describe(self) -> dict[str, Any]:
+        """What ``train`` applies, as ``plan`` shows it: the first attempt's JobSet, with the
+        ConfigMaps 'up' would make of the code as it is now (read here, nothing is sent)."""
+        where = (f"namespace {self.config.namespace}, context "
+                 f"{self.config.context or '(the kubeconfig current one)'}")
+        out: dict[str, Any] = {"where": where, "jobset": manifests.jobset_name(self.spec.name),
+                               "pods": self.spec.num_tasks}
+        try:
+            code, lib = (m for _, m in self._code_maps())
+            plan = planning.build(self.spec, self.hosts(), run_id="next-run",
+                                  python=self.python(self.hosts()[0]), local_workdir="")
+            out["manifest"] = manifests.jobset(self.spec, plan, code=code, lib=lib,
+                                               secrets=self.spec.secrets)
+        except (ProviderError, RemoteError) as exc:
+            out["refused"] = str(exc)
+        return {"kubernetes": out}
+
+    # -- up ------------------------------------------------------------------------------
+    def up(self) -> list[Host]:
+        problems = self.cluster_problems()
+        blocking = [p for p in problems if p.blocking]
+        if blocking:
+            first = blocking[0]
+            more = f" (and {len(blocking) - 1} more: see 'orchestrate doctor')" \
+                if len(blocking) > 1 else ""
+            raise ProviderError(f"{first.message}{more}", fix=first.fix)
+        code, lib = self._put_code()
+        self.state_path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        write_atomic(self.state_path, json.dumps({
+            "server": self.kube.server, "context": self.kube.context,
+            "namespace": self.config.namespace, "code": code.name, "lib": lib.name,
+            "code_items": [list(i) for i in code.items],
+            "lib_items": [list(i) for i in lib.items]}))
+        return self.hosts()
+
+    def cluster_problems(self) -> list[Problem]:
+        """What keeps the cluster from running the job, as the doctor reports it."""
+        kube = self.kube
+        found: list[Problem] = []
+        versions = kube.jobset_versions()
+        if versions is None:
+            found.append(Problem(
+                "kubernetes", f"the JobSet API is not installed {kube.where}",
+                "install JobSet (kubectl apply --server-side -f the manifests of a JobSet "
+                "release, v0.8 or later): see the README's Kubernetes section"))
+        elif JOBSET_VERSION not in versions:
+            found.append(Problem(
+                "kubernetes", f"the JobSet CRD serves {', '.join(versions) or 'no version'}, "
+                f"not {JOBSET_VERSION}", "upgrade JobSet to v0.8 or later"))
+        namespace = kube.call(f"read namespace {kube.namespace}", kube.core.read_namespace,
+                              kube.namespace, missing_ok=True) if self._may_read_namespaces() \
+            else {}
+        if namespace is None:
+            found.append(Problem("kubernetes", f"namespace {kube.namespace} does not exist "
+                                 f"{kube.where}", f"kubectl create namespace {kube.namespace}, "
+                                 "or set provider.namespace"))
+            return found
+        denied = [f"{verb} {resource}" for verb, resource, group in NEEDED
+                  if not kube.allowed(verb, resource, group)[0]]
+        if denied:
+            found.append(Problem(
+                "kubernetes", f"these credentials may not {', '.join(denied)} in namespace "
+                f"{kube.namespace}", "ask for a Role with these verbs there (the README's "
+                "Kubernetes section has one) and a RoleBinding to you"))
+        if self.config.volume is not None:
+            found += self._volume_problems(self.config.volume.claim)
+        return found
+
+    def _may_read_namespaces(self) -> bool:
+        return self.kube.allowed("get", "namespaces")[0]
+
+    def _volume_problems(self, claim: str) -> list[Problem]:
+        kube = self.kube
+        pvc = kube.call(f"read PersistentVolumeClaim {claim}",
+                        kube.core.read_namespaced_persistent_volume_claim, claim, kube.namespace,
+                        missing_ok=True)
+        if pvc is None:
+            return [Problem("kubernetes", f"provider.volume.claim: no PersistentVolumeClaim "
+                            f"{claim} in namespace {kube.namespace}", "create a ReadWriteMany "
+                            "claim (Filestore, NFS, gcsfuse CSI) and name it here")]
+        modes = pvc.get("spec", {}).get("accessModes") or []
+        if "ReadWriteMany" not in modes:
+            return [Problem("kubernetes", f"PersistentVolumeClaim {claim} is "
+                            f"{', '.join(modes) or 'of no access mode'}: every pod must mount "
+                            "it at once (ReadWriteMany)", "use a ReadWriteMany claim "
+                            "(Filestore, NFS, the gcsfuse CSI driver)")]
+        return []
+
+    def cloud_check(self) -> CloudCheck:
+        """The cluster's problems. The pods are made per attempt, so there is no host to ask
+        before 'train' (each pod's Python, TensorFlow and links show in its first events)."""
+        unmade = tuple(h.name for h in self.hosts())
+        try:
+            return CloudCheck(problems=tuple(self.cluster_problems()), unprovisioned=unmade)
+        except ProviderError as exc:
+            return CloudCheck(problems=(Problem("kubernetes", exc.message, exc.fix or ""),),
+                              unprovisioned=unmade)
+
+    def _code_maps(self) -> list[tuple[dict[str, Any], manifests.Files]]:
+        """The ConfigMaps of the workdir and of the worker package, as 'up' makes them.
+
+        Raises:
+            ProviderError: the workdir is over what a ConfigMap holds.
+        """
+        import worker
+
+        workdir = (Path(self.spec_path).parent / self.spec.workdir).resolve()
+        try:
+            code = files_of(str(workdir), self.config.sync_excludes,
+                            max_bytes=manifests.CONFIGMAP_MAX_BYTES)
+        except RemoteError as exc:
+            raise ProviderError(f"the workdir {workdir} is over the 1 MiB a ConfigMap holds",
+                                fix="leave data and outputs out with provider.sync_excludes, "
+                                    "or put the code in container.image") from exc
+        package = Path(worker.__file__).parent
+        lib = {f"worker/{path}": blob for path, blob in files_of(
+            str(package), ("__pycache__", "*.pyc"),
+            max_bytes=manifests.CONFIGMAP_MAX_BYTES).items()}
+        return [manifests.configmap(self.spec.name, content, self.config.namespace, files)
+                for content, files in (("code", code), ("lib", lib))]
+
+    def _put_code(self) -> tuple[manifests.Files, manifests.Files]:
+        """The ConfigMaps of the workdir and of the worker package, made if missing (their
+        names are their content's hash: one that exists holds the same files)."""
+        kube = self.kube
+        made = []
+        for manifest, mounted in self._code_maps():
+            try:
+                kube.call(f"create ConfigMap {mounted.name}",
+                          kube.core.create_namespaced_config_map, kube.namespace, manifest)
+            except KubeError as exc:
+                if exc.code != 409:
+                    raise
+            made.append(mounted)
+        return made[0], made[1]
+
+    def _files(self) -> tuple[manifests.Files, manifests.Files]:
+        try:
+            state = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            raise ProviderError(f"cluster {self.spec.name} is not up on Kubernetes",
+                                fix="run 'orchestrate up' first") from None
+        return (manifests.Files(state["code"], tuple(tuple(i) for i in state["code_items"])),
+                manifests.Files(state["lib"], tuple(tuple(i) for i in state["lib_items"])))
+
+    # -- an attempt ----------------------------------------------------------------------
+    def start_group(self, plan: ClusterPlan) -> list[TaskHandle] | None:
+        """The attempt's Secret and JobSet, once the previous attempt's JobSet is gone."""
+        kube = self.kube
+        code, lib = self._files()
+        names = [key for key in self.spec.secrets if key in plan.chief.env]
+        values = {key: plan.chief.env[key] for key in names}
+        plain = ClusterPlan(**{**plan.__dict__, "tasks": tuple(
+            type(t)(**{**t.__dict__, "env": {k: v for k, v in t.env.items() if k not in values}})
+            for t in plan.tasks)})
+        jobset = manifests.jobset(self.spec, plain, code=code, lib=lib, secrets=names)
+        self._remove_jobset(wait=True)
+        if names:
+            secret = manifests.secret(self.spec.name, kube.namespace, values,
+                                      run_id=plan.run_id, attempt=plan.attempt)
+            kube.call(f"delete Secret {manifests.secret_name(self.spec.name)}",
+                      kube.core.delete_namespaced_secret, manifests.secret_name(self.spec.name),
+                      kube.namespace, missing_ok=True)
+            kube.call("create the attempt's Secret", kube.core.create_namespaced_secret,
+                      kube.namespace, secret)
+        kube.call(f"create JobSet {jobset['metadata']['name']}",
+                  kube.custom.create_namespaced_custom_object, JOBSET_GROUP, JOBSET_VERSION,
+                  kube.namespace, JOBSETS, jobset)
+        self.watch()
+        return [PodRef(plan.run_id, plan.attempt, t.role, t.index).handle(t.host.name)
+                for t in plan.tasks]
+
+    def _remove_jobset(self, *, wait: bool, grace_s: int | None = None) -> bool:
+        """Delete the cluster's JobSet (its Jobs and pods go with it); whether there was one."""
+        kube = self.kube
+        name = manifests.jobset_name(self.spec.name)
+        gone = kube.call(f"delete JobSet {name}", kube.custom.delete_namespaced_custom_object,
+                         JOBSET_GROUP, JOBSET_VERSION, kube.namespace, JOBSETS, name,
+                         propagation_policy="Foreground", grace_period_seconds=grace_s,
+                         missing_ok=True)
+        if gone is None or not wait:
+            return gone is not None
+        deadline = time.monotonic() + GONE_WAIT_S
+        while time.monotonic() < deadline:
+            if kube.call(f"read JobSet {name}", kube.custom.get_namespaced_custom_object,
+                         JOBSET_GROUP, JOBSET_VERSION, kube.namespace, JOBSETS, name,
+                         missing_ok=True) is None:
+                return True
+            time.sleep(0.5)
+        raise ProviderError(f"JobSet {name} of the previous attempt is still there after "
+                            f"{GONE_WAIT_S:.0f}s {kube.where}",
+                            fix=f"kubectl -n {kube.namespace} get jobset {name} -o yaml shows "
+                                "what holds it (a finalizer); delete it, then train again")
+
+    def pod(self, ref: PodRef) -> PodState | None:
+        return self.watch().find({manifests.CLUSTER_LABEL: self.spec.name, **ref.labels()})
+
+    def follower(self, ref: PodRef) -> LogFollower | None:
+        """The log follower of the task's pod, started once its container started."""
+        found = self.pod(ref)
+        if found is None:
+            return None
+        with self._lock:
+            follower = self._followers.get(found.name)
+        if follower is not None:
+            return follower
+        if not any(s.get("state", {}).get("running") or s.get("state", {}).get("terminated")
+                   for s in found.pod.get("status", {}).get("containerStatuses") or []):
+            return None
+        follower = LogFollower(self.kube, found.name, manifests.CONTAINER,
+                               lambda: self._terminated(found.name))
+        with self._lock:
+            if found.name in self._followers:
+                return self._followers[found.name]
+            self._followers[found.name] = follower
+        return follower.start()
+
+    def _terminated(self, name: str) -> bool:
+        state = self.watch().pods.get(name)
+        if state is None or state.deleted:
+            return True
+        return any(s.get("state", {}).get("terminated")
+                   for s in state.pod.get("status", {}).get("containerStatuses") or [])
+
+    def read_log(self, ref: PodRef) -> bytes:
+        """The whole log of the task's pod, as the API server has it now."""
+        found = self.pod(ref)
+        if found is None or found.deleted:
+            return b""
+        kube = self.kube
+        response = kube.stream(kube.core.read_namespaced_pod_log, found.name, kube.namespace,
+                               container=manifests.CONTAINER, timeout_s=60)
+        try:
+            return bytes(response.data)
+        finally:
+            response.release_conn()
+
+    def delete_pod(self, ref: PodRef, grace_s: int | None) -> None:
+        found = self.pod(ref)
+        if found is None or found.deleted:
+            return
+        kube = self.kube
+        kube.call(f"delete pod {found.name}", kube.core.delete_namespaced_pod, found.name,
+                  kube.namespace, grace_period_seconds=grace_s, missing_ok=True)
+
+    # -- a command "on a host": a pod of its own -----------------------------------------
+    def run_pod(self, script: str, *, timeout_s: float | None = None,
+                input: str | None = None) -> ExecResult:
+        """``script`` in a pod of the image with the cluster's volume; its log is stdout."""
+        assert self.spec.container is not None
+        kube = self.kube
+        _, lib = self._files()
+        pod = command_pod(self.spec.name, kube.namespace, self.spec.container.image,
+                          paths.lib_dir(manifests.ROOT), script, lib, self.config, input)
+        name = pod["metadata"]["name"]
+        watch = self.watch()
+        kube.call(f"create pod {name}", kube.core.create_namespaced_pod, kube.namespace, pod)
+        deadline = time.monotonic() + max(timeout_s or 0, COMMAND_TIMEOUT_S)
+        try:
+            version = watch.version
+            while True:
+                state = watch.pods.get(name)
+                for status in (state.pod.get("status", {}).get("containerStatuses") or []
+                               if state else []):
+                    ended = status.get("state", {}).get("terminated")
+                    if ended is not None:
+                        log = self._pod_log(name)
+                        return ExecResult(int(ended.get("exitCode", 1)), log, "")
+                if state is not None and state.deleted:
+                    raise RemoteError(f"command pod {name} was deleted before it ended")
+                if time.monotonic() > deadline:
+                    raise RemoteError(f"command pod {name} did not end within "
+                                      f"{deadline - time.monotonic() + (timeout_s or 0):.0f}s",
+                                      fix=f"kubectl -n {kube.namespace} describe pod {name}")
+                version = watch.wait(version, 1.0)
+        finally:
+            kube.call(f"delete pod {name}", kube.core.delete_namespaced_pod, name,
+                      kube.namespace, grace_period_seconds=0, missing_ok=True)
+
+    def _pod_log(self, name: str) -> str:
+        kube = self.kube
+        response = kube.stream(kube.core.read_namespaced_pod_log, name, kube.namespace,
+                               container=manifests.CONTAINER, timeout_s=60)
+        try:
+            return bytes(response.data).decode(errors="replace")
+        finally:
+            response.release_conn()
+
+    def fetch_file(self, remote_path: str, local_path: str) -> None:
+        """A file of the volume, read back through a command pod's log."""
+        out = self.run_pod(f"head -c {FETCH_MAX_BYTES + 1} {_quote(remote_path)} | base64 -w0")
+        if not out.ok:
+            raise RemoteError(f"cannot read {remote_path} on the volume: {out.stdout[-500:]}")
+        data = base64.b64decode(out.stdout.strip() or b"")
+        if len(data) > FETCH_MAX_BYTES:
+            raise RemoteError(f"{remote_path} is over {FETCH_MAX_BYTES >> 20} MiB",
+                              fix="read it from provider.volume directly")
+        Path(local_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(local_path).write_bytes(data)
+
+    def host_health(self, host: Host) -> HostHealth:
+        """A pod's host is the cluster: it answers while the API server does."""
+        try:
+            self.kube.call("ask the API server for its version",
+                           self.kube.core.get_api_resources)
+        except ProviderError:
+            return HostHealth.UNREACHABLE
+        return HostHealth.RUNNING
+
+    def repair(self, host: Host, deadline_s: float) -> Host:
+        """A lost pod needs no repair: the next JobSet makes a new one."""
+        return host
+
+    # -- down ----------------------------------------------------------------------------
+    def down(self) -> DownReport:
+        kube = self.kube
+        selector = manifests.selector(self.spec.name)
+        removed: list[str] = []
+        listing = kube.call("list the cluster's JobSets",
+                            kube.custom.list_namespaced_custom_object, JOBSET_GROUP,
+                            JOBSET_VERSION, kube.namespace, JOBSETS, label_selector=selector,
+                            missing_ok=True) or {}
+        for item in listing.get("items", []):
+            name = item["metadata"]["name"]
+            kube.call(f"delete JobSet {name}", kube.custom.delete_namespaced_custom_object,
+                      JOBSET_GROUP, JOBSET_VERSION, kube.namespace, JOBSETS, name,
+                      propagation_policy="Foreground", missing_ok=True)
+            removed.append(f"JobSet {name}")
+        for kind, lister, deleter in (
+                ("Pod", kube.core.list_namespaced_pod, kube.core.delete_namespaced_pod),
+                ("Secret", kube.core.list_namespaced_secret, kube.core.delete_namespaced_secret),
+                ("ConfigMap", kube.core.list_namespaced_config_map,
+                 kube.core.delete_namespaced_config_map)):
+            items = kube.call(f"list the cluster's {kind}s", lister, kube.namespace,
+                              label_selector=selector).get("items", [])
+            for item in items:
+                name = item["metadata"]["name"]
+                is_command = item["metadata"].get("labels", {}).get(
+                    manifests.ROLE_LABEL) == COMMAND_ROLE
+                kube.call(f"delete {kind} {name}", deleter, name, kube.namespace,
+                          grace_period_seconds=0 if is_command else None, missing_ok=True)
+                if kind != "Pod":
+                    removed.append(f"{kind} {name}")
+        with contextlib.suppress(OSError):
+            self.state_path.unlink()
+        return DownReport(removed=tuple(removed))
+
+    def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
+        return set()  # every pod has an address of its own
+
+
+def _quote(text: str) -> str:
+    return shlex.quote(text)
+

@@ -1,0 +1,216 @@
+"""A task's pod, as the watch loop sees a host: its status from the pod watch, its output from
+a log follower, its stop by deleting it; a command "on the host" is a pod of its own.
+
+A pod of the attempt's JobSet is named by the Job controller (``<job>-<random>``), so a task
+is found by its labels: the cluster, the run, the attempt, its role and its JobSet index. Its
+handle carries them (``PodRef``), so a later controller (``--attach``, ``down``, ``logs``)
+finds it from the record alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.errors import RemoteError
+from orchestrator.paths import lib_dir
+from orchestrator.providers.kubernetes import manifests
+from orchestrator.remote.base import (
+    POLL_LOG_MAX,
+    ExecResult,
+    LaunchSpec,
+    LogPoll,
+    Runner,
+    TaskHandle,
+    TaskState,
+    TaskStatus,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.providers.kubernetes.provider import KubernetesProvider
+
+REF_PREFIX = "pod:"
+COMMAND_ROLE = "command"  # a one-off pod's role label: a command on "the host"
+STOP_WAIT_S = 30.0  # after the grace: how long the kubelet may take to report the pod gone
+
+
+@dataclass(frozen=True)
+class PodRef:
+    """A task's pod by its labels: ``pod:RUN:ATTEMPT:ROLE:INDEX`` in its handle's paths."""
+
+    run_id: str
+    attempt: int
+    role: str
+    index: int
+
+    def text(self) -> str:
+        return f"{REF_PREFIX}{self.run_id}:{self.attempt}:{self.role}:{self.index}"
+
+    @classmethod
+    def of(cls, handle: TaskHandle) -> PodRef:
+        words = handle.log_path.removeprefix(REF_PREFIX).split(":")
+        if not handle.log_path.startswith(REF_PREFIX) or len(words) != 4 or \
+                not words[1].isdigit() or not words[3].isdigit():
+            raise RemoteError(f"{handle.log_path!r} names no pod", host=handle.host)
+        return cls(words[0], int(words[1]), words[2], int(words[3]))
+
+    def labels(self) -> dict[str, str]:
+        return {manifests.RUN_LABEL: self.run_id, manifests.ATTEMPT_LABEL: str(self.attempt),
+                manifests.ROLE_LABEL: self.role, manifests.JOB_INDEX_KEY: str(self.index)}
+
+    def handle(self, host: str) -> TaskHandle:
+        return TaskHandle(host, self.attempt, self.text(), self.text())
+
+
+def container_state(pod: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The task container's state: ("waiting" | "running" | "terminated" | "", its fields)."""
+    for status in pod.get("status", {}).get("containerStatuses") or []:
+        if status.get("name") == manifests.CONTAINER:
+            for kind, fields in (status.get("state") or {}).items():
+                return kind, dict(fields or {})
+    return "", {}
+
+
+def _epoch(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+class PodRunner(Runner):
+    """One task's pod, through the provider's API client, pod watch and log followers."""
+
+    def __init__(self, provider: KubernetesProvider, host_name: str) -> None:
+        super().__init__(host_name)
+        self.provider = provider
+
+    # -- a command on "the host": a pod of the image -------------------------------------
+    def _exec(self, script: str, timeout_s: float | None = None,
+              input: str | None = None) -> ExecResult:
+        return self.provider.run_pod(script, timeout_s=timeout_s, input=input)
+
+    def put_file(self, local_path: str, remote_path: str, mode: int | None = None) -> None:
+        raise RemoteError("files reach pods through the code ConfigMaps and the volume, not "
+                          "one by one", host=self.host_name)
+
+    def get_file(self, remote_path: str, local_path: str) -> None:
+        self.provider.fetch_file(remote_path, local_path)
+
+    # -- the task's pod ------------------------------------------------------------------
+    def start(self, spec: LaunchSpec) -> TaskHandle:
+        raise RemoteError("a task's pod is started by its JobSet", host=self.host_name)
+
+    def poll(self, handle: TaskHandle) -> TaskStatus:
+        return self._status(handle, status=True) or TaskStatus(TaskState.RUNNING)
+
+    def poll_log(self, handle: TaskHandle, offset: int, *, status: bool = True,
+                 limit: int = POLL_LOG_MAX) -> LogPoll:
+        """The pod's status (an exit only once its log is read to the end), then its log's
+        bytes from ``offset``, from memory: no request to the API server."""
+        got = self._status(handle, status=status)
+        follower = self.provider.follower(PodRef.of(handle))
+        if follower is None:
+            return LogPoll(got, b"", offset)
+        data, next_offset, more = follower.read(offset, limit)
+        if got is not None and got.state is TaskState.EXITED and (
+                more or not follower.ended.is_set()):
+            got = TaskStatus(TaskState.RUNNING) if status else None  # its last lines first
+        return LogPoll(got, data, next_offset, more)
+
+    def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
+        data = self.provider.read_log(PodRef.of(handle))
+        return data[offset:], len(data)
+
+    def _status(self, handle: TaskHandle, *, status: bool) -> TaskStatus | None:
+        found = self.provider.pod(PodRef.of(handle))
+        if found is None:  # not made yet by the Job controller: still starting
+            return TaskStatus(TaskState.RUNNING) if status else None
+        kind, fields = container_state(found.pod)
+        if kind == "terminated":
+            return TaskStatus(TaskState.EXITED, int(fields.get("exitCode", 1)),
+                              _epoch(fields.get("finishedAt")))
+        if found.deleted or found.pod.get("status", {}).get("phase") in ("Failed", "Succeeded"):
+            return TaskStatus(TaskState.LOST)  # gone (its node lost, evicted) with no exit code
+        return TaskStatus(TaskState.RUNNING) if status else None
+
+    def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
+        """'R' while the pod's container runs (a pod has no stopped processes to see)."""
+        found = self.provider.pod(PodRef.of(handle))
+        if found is None or found.deleted:
+            return ""
+        kind, _ = container_state(found.pod)
+        return "R" if kind == "running" else ""
+
+    def signal(self, handle: TaskHandle, sig: str) -> None:
+        """TERM: delete the pod with its grace (the kubelet sends SIGTERM, then SIGKILL);
+        KILL: delete it at once."""
+        grace = None if sig == "TERM" else 0
+        self.provider.delete_pod(PodRef.of(handle), grace)
+
+    def stop(self, handle: TaskHandle, grace_s: float = 5.0) -> TaskStatus:
+        """Delete the pod with ``grace_s`` (0: SIGKILL at once), and wait until it ended."""
+        ref = PodRef.of(handle)
+        current = self._status(handle, status=True)
+        if current is not None and current.state is not TaskState.RUNNING:
+            return current
+        self.provider.delete_pod(ref, math.ceil(grace_s))
+        deadline = time.monotonic() + grace_s + STOP_WAIT_S
+        while time.monotonic() < deadline:
+            found = self.provider.pod(ref)
+            if found is None or found.deleted or container_state(found.pod)[0] == "terminated":
+                break
+            self.provider.watch().wait(self.provider.watch().version, 0.5)
+        got = self._status(handle, status=True)
+        return got if got is not None else TaskStatus(TaskState.LOST)
+
+
+def command_pod(provider_name: str, namespace: str, image: str, python_lib: str,
+                script: str, files: manifests.Files | None, config: Any,
+                input: str | None) -> dict[str, Any]:
+    """A one-off pod that runs ``script`` in the image with the cluster's volume."""
+    name = f"{provider_name}-cmd-{uuid.uuid4().hex[:8]}"
+    env = [{"name": "PYTHONPATH", "value": python_lib}]
+    if input is not None:
+        env.append({"name": "ORCHESTRATE_INPUT", "value": input})
+        script = f'printf %s "$ORCHESTRATE_INPUT" | ( {script} )'
+    mounts = [{"name": "runs", "mountPath": f"{manifests.ROOT}/runs",
+               **({"subPath": config.volume.sub_path or f"orchestrate/{provider_name}"}
+                  if config.volume is not None else {})}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "runs", **({"persistentVolumeClaim": {"claimName": config.volume.claim}}
+                            if config.volume is not None else {"emptyDir": {}})}]
+    if files is not None:
+        mounts.append({"name": "lib", "mountPath": lib_dir(manifests.ROOT), "readOnly": True})
+        volumes.append(files.volume("lib"))
+    pod: dict[str, Any] = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": manifests.labels(provider_name,
+                                                **{manifests.ROLE_LABEL: COMMAND_ROLE})},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
+            "enableServiceLinks": False,
+            "containers": [{"name": manifests.CONTAINER, "image": image,
+                            "command": ["sh", "-c", script], "workingDir": "/",
+                            "env": env, "volumeMounts": mounts}],
+            "volumes": volumes,
+        },
+    }
+    if config.node_selector:
+        pod["spec"]["nodeSelector"] = dict(config.node_selector)
+    if config.service_account:
+        pod["spec"]["serviceAccountName"] = config.service_account
+    if config.image_pull_secrets:
+        pod["spec"]["imagePullSecrets"] = [{"name": s} for s in config.image_pull_secrets]
+    security = manifests.security_context(config)
+    if security:
+        pod["spec"]["securityContext"] = security
+    return pod

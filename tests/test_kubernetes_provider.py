@@ -1,0 +1,338 @@
+"""The kubernetes provider against the fake API server (tests/fake_kube.py), over HTTP with the
+official client: what 'up' checks and makes, the attempt's Secret and JobSet, the pod watch
+and the log follower (through dropped streams and a compacted history), 'down', and the
+errors a user reads. No controller runs here: the pods are written into the fake's store as
+the Job controller and the kubelet would (tests/test_kubernetes_e2e.py runs real ones)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_kube import FakeKube
+
+from orchestrator import providers
+from orchestrator import spec as specs
+from orchestrator.errors import ProviderError
+from orchestrator.plan import build
+from orchestrator.providers.kubernetes import manifests
+from orchestrator.providers.kubernetes.client import KubeError, LogFollower
+from orchestrator.providers.kubernetes.provider import KubernetesProvider
+from orchestrator.providers.kubernetes.runner import PodRef
+from orchestrator.remote.base import TaskState
+
+SPEC = """\
+name: demo
+workers: {workers}
+job: {{module: m}}
+container: {{image: registry.test/orchestrate-worker:1}}
+secrets: [WANDB_API_KEY]
+provider:
+  kind: kubernetes
+  kubeconfig: {kubeconfig}
+  namespace: ml
+  volume: {{claim: shared}}
+"""
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeKube]:
+    with FakeKube(bookmark_interval_s=0.2) as server:
+        server.store.create("namespaces", {"metadata": {"name": "ml"}})
+        server.store.create("persistentvolumeclaims", {
+            "metadata": {"name": "shared"}, "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "resources": {"requests": {"storage": "10Gi"}}}}, namespace="ml")
+        yield server
+
+
+def make_provider(tmp_path: Path, fake: FakeKube, workers: int = 2,
+                  extra: str = "") -> KubernetesProvider:
+    kubeconfig = fake.write_kubeconfig(tmp_path / "kubeconfig")
+    project = tmp_path / "project"
+    project.mkdir(exist_ok=True)
+    (project / "m.py").write_text("def build_model():\n    pass\n")
+    (project / "data.bin").write_bytes(bytes(range(256)))
+    (project / "dev.kubeconfig").write_text("a kubeconfig is never uploaded")
+    path = project / "spec.yaml"
+    path.write_text(SPEC.format(workers=workers, kubeconfig=kubeconfig) + extra)
+    provider = providers.for_spec(specs.load(path), path)
+    assert isinstance(provider, KubernetesProvider)
+    return provider
+
+
+@pytest.fixture
+def provider(tmp_path: Path, fake: FakeKube) -> Iterator[KubernetesProvider]:
+    made = make_provider(tmp_path, fake)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_up_puts_the_code_in_configmaps_and_is_idempotent(provider: KubernetesProvider,
+                                                          fake: FakeKube) -> None:
+    hosts = provider.up()
+    assert [h.name for h in hosts] == ["demo-worker-0-0", "demo-worker-1-0"]
+    maps = {m["metadata"]["name"]: m for m in fake.store.list("configmaps", "ml")}
+    code = next(m for name, m in maps.items() if name.startswith("demo-code-"))
+    lib = next(m for name, m in maps.items() if name.startswith("demo-lib-"))
+    assert code["immutable"] is True and lib["metadata"]["labels"]["orchestrate/cluster"] == "demo"
+    assert "def build_model" in "".join(code["data"].values())
+    assert base64.b64decode(next(iter(code["binaryData"].values()))) == bytes(range(256))
+    assert any(key.endswith("worker_indexed.py") for key in lib["data"])
+    assert not any("kubeconfig" in key for key in code.get("data", {}))
+    provider.up()
+    assert len(fake.store.list("configmaps", "ml")) == 2  # the same content: nothing new
+
+
+@pytest.mark.parametrize(("breaks", "says", "fix"), [
+    (lambda fake: fake.store.delete("customresourcedefinitions", "jobsets.jobset.x-k8s.io"),
+     "the JobSet API is not installed", "install JobSet"),
+    (lambda fake: fake.store.delete("namespaces", "ml"), "namespace ml does not exist",
+     "kubectl create namespace ml"),
+    (lambda fake: fake.forbid("create", "jobsets"), "may not create jobsets", "Role"),
+    (lambda fake: fake.store.delete("persistentvolumeclaims", "shared", "ml"),
+     "no PersistentVolumeClaim shared", "ReadWriteMany"),
+])
+def test_up_refuses_a_cluster_that_cannot_run_the_job(
+        provider: KubernetesProvider, fake: FakeKube, breaks: Callable[[FakeKube], Any],
+        says: str, fix: str) -> None:
+    breaks(fake)
+    with pytest.raises(ProviderError) as err:
+        provider.up()
+    assert says in err.value.message
+    assert fix in (err.value.fix or "")
+    assert fake.store.list("configmaps", "ml") == []  # nothing made
+
+
+def test_a_claim_that_not_every_pod_can_mount_is_refused(provider: KubernetesProvider,
+                                                         fake: FakeKube) -> None:
+    fake.store.delete("persistentvolumeclaims", "shared", "ml")
+    fake.store.create("persistentvolumeclaims", {"metadata": {"name": "shared"}, "spec": {
+        "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}},
+        namespace="ml")
+    problems = provider.cloud_check().problems
+    assert [p.message for p in problems] == [
+        "PersistentVolumeClaim shared is ReadWriteOnce: every pod must mount it at once "
+        "(ReadWriteMany)"]
+
+
+def test_the_kubeconfig_and_its_context_are_explained(tmp_path: Path, fake: FakeKube) -> None:
+    provider = make_provider(tmp_path, fake, extra="  context: nope\n")
+    with pytest.raises(ProviderError) as err:
+        provider.up()
+    assert "context 'nope'" in err.value.message and "fake" in (err.value.fix or "")
+    (tmp_path / "kubeconfig").unlink()
+    with pytest.raises(ProviderError, match="no kubeconfig at"):
+        make_provider_without_kubeconfig(tmp_path).up()
+
+
+def make_provider_without_kubeconfig(tmp_path: Path) -> KubernetesProvider:
+    path = tmp_path / "project" / "spec.yaml"
+    provider = providers.for_spec(specs.load(path), path)
+    assert isinstance(provider, KubernetesProvider)
+    return provider
+
+
+def test_calls_retry_what_the_server_asks_to_and_explain_the_rest(
+        provider: KubernetesProvider, fake: FakeKube) -> None:
+    slept: list[float] = []
+    provider.kube.sleep = slept.append
+    fake.fail_next("get", "persistentvolumeclaims", 503, times=2)
+    fake.fail_next("get", "persistentvolumeclaims", 429, retry_after=3)
+    assert provider.cloud_check().problems == ()
+    assert len(slept) == 3 and slept[-1] == 3.0  # Retry-After is honoured
+    fake.forbid("get", "persistentvolumeclaims")
+    what = "read PersistentVolumeClaim shared"
+    with pytest.raises(KubeError) as err:
+        provider.kube.call(what, provider.kube.core.read_namespaced_persistent_volume_claim,
+                           "shared", "ml")
+    assert err.value.code == 403 and err.value.reason == "Forbidden"
+    assert 'cannot get resource "persistentvolumeclaims"' in err.value.message
+    assert "namespace ml" in (err.value.fix or "")
+
+
+def plan_of(provider: KubernetesProvider, attempt: int = 1, secret: str = "s3cr3t") -> Any:
+    plan = build(provider.spec, provider.hosts(), run_id="r1", attempt=attempt,
+                 python="python3", local_workdir="/")
+    tasks = tuple(type(t)(**{**t.__dict__, "env": {**t.env, "WANDB_API_KEY": secret}})
+                  for t in plan.tasks)
+    return type(plan)(**{**plan.__dict__, "tasks": tasks})
+
+
+def test_an_attempt_is_one_jobset_and_its_secret(provider: KubernetesProvider,
+                                                 fake: FakeKube) -> None:
+    provider.up()
+    handles = provider.start_group(plan_of(provider))
+    assert handles is not None and [h.host for h in handles] == ["demo-worker-0-0",
+                                                                 "demo-worker-1-0"]
+    assert PodRef.of(handles[1]) == PodRef("r1", 1, "worker", 1)
+    jobset = fake.store.get("jobsets", "demo", "ml")
+    assert jobset["metadata"]["labels"]["orchestrate/attempt"] == "1"
+    secret = fake.store.get("secrets", "demo-secrets", "ml")
+    assert base64.b64decode(secret["data"]["WANDB_API_KEY"]) == b"s3cr3t"
+    assert "s3cr3t" not in json.dumps(jobset)
+    # the next attempt replaces both, once the previous JobSet is gone
+    provider.start_group(plan_of(provider, attempt=2, secret="n3w"))
+    assert fake.store.get("jobsets", "demo", "ml")["metadata"]["labels"][
+        "orchestrate/attempt"] == "2"
+    assert base64.b64decode(fake.store.get("secrets", "demo-secrets", "ml")["data"][
+        "WANDB_API_KEY"]) == b"n3w"
+
+
+def write_pod(fake: FakeKube, ref: PodRef, name: str, state: dict[str, Any] | None = None,
+              phase: str = "Running") -> dict[str, Any]:
+    """A pod of the attempt as the Job controller makes it (its labels), with a status as the
+    kubelet reports it."""
+    labels = manifests.labels("demo", **ref.labels())
+    labels[manifests.JOB_INDEX_KEY] = str(ref.index)
+    pod = fake.store.create("pods", {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"nodeName": "node-1", "containers": [{"name": "task", "image": "i"}]}},
+        namespace="ml")
+    return set_state(fake, name, state or {"running": {"startedAt": "2026-11-25T10:00:00Z"}},
+                     phase, pod)
+
+
+def set_state(fake: FakeKube, name: str, state: dict[str, Any], phase: str,
+              pod: dict[str, Any] | None = None) -> dict[str, Any]:
+    pod = pod or fake.store.get("pods", name, "ml")
+    pod["status"] = {"phase": phase, "containerStatuses": [{"name": "task", "state": state}]}
+    return fake.store.update_status("pods", pod, "ml")
+
+
+def cri_log(path: Path, lines: list[str], start: datetime) -> None:
+    with path.open("a") as f:
+        for i, line in enumerate(lines):
+            stamp = (start + timedelta(microseconds=i)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            f.write(f"{stamp} stdout F {line}\n")
+
+
+def test_a_pods_status_and_log_come_from_the_watch_and_the_follower(
+        provider: KubernetesProvider, fake: FakeKube, tmp_path: Path) -> None:
+    provider.up()
+    ref = PodRef("r1", 1, "worker", 0)
+    handle = ref.handle("demo-worker-0-0")
+    runner = provider.runner(provider.hosts()[0])
+    assert runner.poll(handle).state is TaskState.RUNNING  # no pod yet: still starting
+    write_pod(fake, ref, "demo-worker-0-abcde")
+    log = tmp_path / "task.log"
+    start = datetime.now(timezone.utc)
+    cri_log(log, ["one", "two"], start)
+    fake.store.set_log_source("ml", "demo-worker-0-abcde", "task", log)
+    calls = len(fake.requests)
+    got = eventually(lambda: runner.poll_log(handle, 0).data == b"one\ntwo\n")
+    assert got
+    assert runner.poll_log(handle, 4).data == b"two\n"
+    polls_cost = len(fake.requests) - calls
+    assert polls_cost <= 3  # the log stream and a reconnect at most: polls are from memory
+    # the streams drop and come back: nothing is lost or read twice
+    fake.drop_watches(abrupt=True)
+    follower = provider.follower(ref)
+    assert follower is not None
+    follower.drop_stream()
+    eventually(lambda: follower.streams >= 2)
+    cri_log(log, ["three"], start + timedelta(seconds=1))
+    eventually(lambda: runner.poll_log(handle, 0).data == b"one\ntwo\nthree\n")
+    # the container ends: the exit shows once its log is read to the end
+    cri_log(log, ["last words"], start + timedelta(seconds=2))
+    set_state(fake, "demo-worker-0-abcde", {"terminated": {
+        "exitCode": 3, "reason": "Error", "finishedAt": "2026-11-25T10:01:00Z"}}, "Failed")
+    polled = eventually(lambda: (p := runner.poll_log(handle, 0)).status is not None
+                        and p.status.state is TaskState.EXITED and p)
+    assert polled.status.exit_code == 3
+    assert polled.data.endswith(b"last words\n")
+
+
+def test_the_watch_survives_a_compacted_history_and_sees_deletions(
+        provider: KubernetesProvider, fake: FakeKube) -> None:
+    provider.up()
+    watch = provider.watch()
+    ref = PodRef("r1", 1, "worker", 1)
+    write_pod(fake, ref, "demo-worker-1-xyz12")
+    eventually(lambda: provider.pod(ref) is not None)
+    fake.compact()
+    fake.drop_watches()  # the watch comes back with a version the server no longer has: 410
+    fake.store.delete("pods", "demo-worker-1-xyz12", "ml", grace_period_seconds=0)
+    found = eventually(lambda: (p := provider.pod(ref)) is not None and p.deleted and p)
+    assert found.name == "demo-worker-1-xyz12"
+    runner = provider.runner(provider.hosts()[1])
+    assert runner.poll(ref.handle("demo-worker-1-0")).state is TaskState.LOST
+    assert watch.error is None or "410" not in watch.error
+
+
+def test_stop_deletes_the_pod_with_the_grace(provider: KubernetesProvider,
+                                             fake: FakeKube) -> None:
+    provider.up()
+    ref = PodRef("r1", 1, "worker", 0)
+    write_pod(fake, ref, "demo-worker-0-stop1")
+    eventually(lambda: provider.pod(ref) is not None)
+    deleted: list[dict[str, Any]] = []
+
+    def kubelet(pod: dict[str, Any]) -> None:  # the container saves and exits 75 on TERM
+        deleted.append(pod)
+        set_state(fake, pod["metadata"]["name"], {"terminated": {
+            "exitCode": 75, "reason": "Error", "finishedAt": "2026-11-25T10:02:00Z"}}, "Failed")
+        fake.store.finish_pod_deletion("ml", pod["metadata"]["name"])
+
+    fake.store.register_pod_terminator(kubelet)
+    status = provider.runner(provider.hosts()[0]).stop(ref.handle("demo-worker-0-0"), 60)
+    assert deleted[0]["metadata"]["deletionGracePeriodSeconds"] == 60
+    assert (status.state, status.exit_code) == (TaskState.EXITED, 75)
+
+
+def test_down_deletes_what_the_tool_made_and_nothing_else(provider: KubernetesProvider,
+                                                          fake: FakeKube) -> None:
+    provider.up()
+    provider.start_group(plan_of(provider))
+    write_pod(fake, PodRef("r1", 1, "worker", 0), "demo-worker-0-down1")
+    fake.store.create("configmaps", {"metadata": {"name": "theirs", "labels": {
+        "orchestrate/cluster": "demo"}}, "data": {"a": "b"}}, namespace="ml")
+    fake.store.create("secrets", {"metadata": {"name": "other-team"}}, namespace="ml")
+    report = provider.down()
+    assert "JobSet demo" in report.removed
+    assert fake.store.list("jobsets", "ml") == []
+    assert [m["metadata"]["name"] for m in fake.store.list("configmaps", "ml")] == ["theirs"]
+    assert [s["metadata"]["name"] for s in fake.store.list("secrets", "ml")] == ["other-team"]
+    assert fake.store.list("pods", "ml") == []
+    assert not provider.state_path.exists()
+
+
+def test_a_follower_skips_the_lines_it_had_when_it_follows_again(
+        provider: KubernetesProvider, fake: FakeKube, tmp_path: Path) -> None:
+    """Lines at the same instant, and a stream that drops between them."""
+    provider.up()
+    write_pod(fake, PodRef("r1", 1, "worker", 0), "demo-worker-0-same1")
+    log = tmp_path / "same.log"
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    log.write_text(f"{stamp} stdout F a\n{stamp} stdout F b\n")
+    fake.store.set_log_source("ml", "demo-worker-0-same1", "task", log)
+    follower = LogFollower(provider.kube, "demo-worker-0-same1", "task", lambda: False).start()
+    try:
+        eventually(lambda: bytes(follower.data) == b"a\nb\n")
+        follower.drop_stream()  # followed again from before the stamp: a and b come again
+        eventually(lambda: follower.streams >= 2)
+        with log.open("a") as f:
+            f.write(f"{stamp} stdout F c\n")
+        eventually(lambda: bytes(follower.data) == b"a\nb\nc\n")
+        time.sleep(0.2)  # and nothing more comes
+        assert bytes(follower.data) == b"a\nb\nc\n"
+    finally:
+        follower.stop()
