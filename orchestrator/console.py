@@ -27,7 +27,7 @@ TASK_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bri
                 "bright_magenta")
 STATE_STYLES = {"starting": "dim", "connected": "cyan", "training": "green", "running": "green",
                 "finished": "bold green", "failed": "bold red", "error": "bold red",
-                "lost": "bold magenta"}
+                "lost": "bold magenta", "waiting": "yellow"}
 NOTEBOOK_PRE = ("<pre style=\"white-space:pre;overflow-x:auto;line-height:1.25;"
                 "font-family:Menlo,'DejaVu Sans Mono',consolas,monospace\">{code}</pre>")
 

@@ -51,6 +51,10 @@ class Launcher(ABC):
                        timeout_s: float) -> str:
         """State letters of the task's processes ('T' = stopped); empty when none is left."""
 
+    def waiting(self, runner: Runner, handle: TaskHandle) -> str | None:
+        """Why the task has not started yet, as its scheduler says (``Runner.waiting``)."""
+        return runner.waiting(handle)
+
     def engine_failure(self, host: Host, exit_code: int | None,
                        output: str) -> containers.EngineFailure | None:
         """Whether a task that exited ``exit_code`` with ``output`` and no event never started

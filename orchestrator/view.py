@@ -25,6 +25,7 @@ class TaskView:
     last_event: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     replicas: int | None = None  # this task's own (one per GPU it uses), once it connected
+    waiting: str = ""  # why it has not started, as its scheduler says ("" when nothing says)
 
 
 @dataclass

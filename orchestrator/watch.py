@@ -53,6 +53,7 @@ SETTLE_S = 3.0  # how long peers' secondary errors wait for the primary failure 
 # so is every task at least every STATUS_EVERY_S (a group whose leftovers keep writing).
 POLL_QUIET_S = 1.0
 STATUS_EVERY_S = 5.0
+WAITING_EVERY_S = 2.0  # how often a task not started yet is asked why (a scheduler's reason)
 DRAIN_READS = 8  # polls' worth of log (POLL_LOG_MAX each) read after the tasks were stopped
 
 
@@ -122,6 +123,7 @@ class Watched:
     last_event: Event | None = None
     checkpoint_step: int | None = None
     stopped: Event | None = None  # the task saved at a step on a SIGTERM, and exits
+    waiting: str = ""  # why it has not started yet, as its scheduler last said
 
     def __post_init__(self) -> None:
         if self.drops_alive < 0:  # started (or found) running: as of now
@@ -185,6 +187,7 @@ class AttemptWatch:
         self._pool = ThreadPoolExecutor(max_workers=len(watched) + 2,
                                         thread_name_prefix="orchestrate-poll")
         self._first_failure_seen: float | None = None
+        self._waiting_at = float("-inf")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -199,6 +202,7 @@ class AttemptWatch:
             if all(w.ended and w.exit_code == 0 for w in self.watched):
                 return {w.key: w.finished or Event("finished", w.key, 0, 0.0, {})
                         for w in self.watched}
+            self._check_waiting()
             self._check_startup()
             self._check_hang()
             time.sleep(self.interval_s)
@@ -449,6 +453,31 @@ class AttemptWatch:
             exit_code=w.exit_code, evidence=self._evidence(w), failed_at=first.failed_at,
             host=w.plan.host.name, saved_step=saved[-1] if saved else first.saved_step)
 
+    def _check_waiting(self) -> None:
+        """Every ``WAITING_EVERY_S``, ask why the tasks not started yet wait (a scheduler's
+        reason); a new reason goes to the run's messages and the task's view."""
+        now = time.monotonic()
+        if now - self._waiting_at < WAITING_EVERY_S:
+            return
+        self._waiting_at = now
+        for w in self.watched:
+            if w.reached_step or w.ended or w.unreachable is not None:
+                continue
+            try:
+                reason = self.launcher.waiting(w.runner, w.handle) or ""
+            except RemoteError:
+                continue
+            if reason == w.waiting:
+                continue
+            w.waiting = reason
+            task = self.view.tasks.get(w.key)
+            if task is not None:
+                task.waiting = reason
+                task.state = "waiting" if reason else "starting"
+            if reason:
+                self.view.messages.append(f"{w.key} is waiting: {reason}")
+            self.listener(self.view, None)
+
     def _check_startup(self) -> None:
         late = [w.key for w in self.watched if not w.reached_step]
         if late and time.time() - self.started > self.spec.timeouts.startup_s:
@@ -458,7 +487,9 @@ class AttemptWatch:
                 Cause.HOST_LOST if culprit in self._lost_keys() else Cause.STARTUP_TIMEOUT,
                 culprit,
                 f"{', '.join(late)} did not reach the first step within "
-                f"{self.spec.timeouts.startup_s:.0f}s" + self._stuck_text(stuck),
+                f"{self.spec.timeouts.startup_s:.0f}s" + self._stuck_text(stuck)
+                + "".join(f"; {w.key} was waiting: {w.waiting}" for w in self.watched
+                          if w.waiting and not w.reached_step)[:1500],
                 evidence=self._evidence(self._by_key(culprit)), failed_at=self.started,
                 before_first_step=True, host=self._by_key(culprit).plan.host.name,
             )

@@ -6,18 +6,22 @@ checkpoints on a ReadWriteMany claim."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import REPO
-from kubecluster import FakeCluster
+from kubecluster import FakeCluster, wait_for
 
 from orchestrator.api import Cluster
 from orchestrator.providers.kubernetes import manifests
+from orchestrator.state import Store
 
 IMAGE = "registry.test/orchestrate-worker:1"
 pytestmark = pytest.mark.tf
@@ -124,3 +128,164 @@ retry: {max_restarts: 2, backoff_initial_s: 0}
     assert len(set(result.digests.values())) == 1
     jobsets = cluster.store.list("jobsets", "ml")
     assert [j["metadata"]["labels"]["orchestrate/attempt"] for j in jobsets] == ["2"]
+
+
+def test_a_pod_no_node_can_hold_says_why_and_starts_once_one_can(
+        kube_cluster_factory: Callable[..., FakeCluster], tmp_path: Path) -> None:
+    cluster = kube_cluster_factory(images={IMAGE})
+    path = k8s_spec(cluster, tmp_path, """\
+  gpus_per_pod: 1
+job: {module: digits, epochs: 1, steps_per_epoch: 20, progress_every_steps: 5}
+""", workers=2)
+    api = Cluster.from_spec(path)
+    said: list[str] = []
+
+    def add_gpus_once_told(view: Any, event: Any) -> None:
+        new = [m for m in view.messages if "is waiting" in m and m not in said]
+        said.extend(new)
+        if new and len([m for m in said if "is waiting" in m]) == 1:
+            waiting = {t.state for t in view.tasks.values()}
+            assert "waiting" in waiting
+            for node in ("node-1", "node-2", "node-3"):
+                cluster.set_gpus(node, 1)  # the autoscaler's new nodes, in effect
+
+    try:
+        api.up()
+        result = api.train(listener=add_gpus_once_told).wait()
+    finally:
+        api.provider.close()
+    assert result.status == "succeeded" and len(result.attempts) == 1
+    assert said, "the wait was never explained"
+    assert "no node can take its pod: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu" \
+        in said[0]
+    assert "provider.gpus_per_pod" in said[0]  # and the fix
+
+
+def test_a_spot_preemption_saves_every_task_at_one_step_and_loses_none(
+        kube_cluster_factory: Callable[..., FakeCluster], tmp_path: Path) -> None:
+    cluster = kube_cluster_factory(images={IMAGE})
+    path = k8s_spec(cluster, tmp_path, """\
+job: {module: digits, epochs: 4, steps_per_epoch: 30, progress_every_steps: 5}
+checkpoint: {every_steps: 50}
+timeouts: {stop_grace_s: 30}
+""")
+    api = Cluster.from_spec(path)
+    preempted: list[str] = []
+
+    def preempt_at_step_35(view: Any, event: Any) -> None:
+        if not preempted and event is not None and event.kind == "progress" and \
+                event.task == "worker:0" and (event.get("step") or 0) >= 35:
+            pod = next(p for p in cluster.store.list("pods", "ml") if p["metadata"][
+                "annotations"].get(manifests.JOB_INDEX_KEY) == "2"
+                and p.get("status", {}).get("phase") == "Running")
+            preempted.append(pod["spec"]["nodeName"])
+            threading.Thread(target=cluster.preempt_node, args=(preempted[0], 15),
+                             daemon=True).start()
+
+    try:
+        api.up()
+        result = api.train(listener=preempt_at_step_35).wait()
+    finally:
+        api.provider.close()
+    assert preempted
+    assert result.status == "succeeded"
+    first, second = result.attempts
+    assert first.cause == "preempted", first.detail
+    assert second.resumed_from_step == first.last_step  # saved at the step every task had
+    assert first.steps_lost == 0
+    assert len(set(result.digests.values())) == 1
+
+
+def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ORCHESTRATE_HOME": str(home)})
+
+
+def test_training_outlives_its_controller_and_train_attach_takes_it_over(
+        kube_cluster_factory: Callable[..., FakeCluster], tmp_path: Path,
+        orchestrate_home: Path) -> None:
+    """The controller SIGKILLed mid-run: the pods train on; 'train --attach' finds them from
+    the attempt's record through the API and watches them to the end; 'logs' and 'down' go
+    through the API too."""
+    cluster = kube_cluster_factory(images={IMAGE})
+    path = k8s_spec(cluster, tmp_path, """\
+job: {module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 30,
+      progress_every_steps: 1}
+env: {DIGITS_PACE_S: "0.2"}
+checkpoint: {every_steps: 10}
+""", workers=2)
+    project = path.parent
+    shutil.copytree(REPO / "examples", project / "examples",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (project / "tests" / "workloads").mkdir(parents=True)
+    for name in ("__init__.py", "pace.py", "paced_digits.py"):
+        shutil.copy(REPO / "tests" / "workloads" / name, project / "tests" / "workloads" / name)
+    store = Store(orchestrate_home / "state.db")
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain"], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home)})
+
+    def training() -> bool:
+        for pod in cluster.store.list("pods", "ml"):
+            log = cluster.store.log_source("ml", pod["metadata"]["name"], "task", False)
+            if log is not None and log.exists() and '"progress"' in log.read_text(errors="replace"):
+                return True
+        return False
+
+    try:
+        wait_for(training, 300, "a step in a pod's log", cluster)
+    finally:
+        controller.kill()
+        controller.wait()
+    attach = cli("train", str(path), "--attach", "--plain", home=orchestrate_home)
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    (run,) = store.runs("k8s-e2e")
+    assert run.status == "succeeded" and len(run.attempts) == 1, run.message
+    logs = cli("logs", "k8s-e2e", home=orchestrate_home)
+    assert logs.returncode == 0, logs.stderr
+    for task in ("worker:0", "worker:1"):
+        assert f"[{task}]" in logs.stdout, logs.stdout[-2000:]
+    down = cli("down", str(path), home=orchestrate_home)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert cluster.store.list("jobsets", "ml") == []
+
+
+def test_a_lost_node_restarts_the_group_on_the_nodes_left(
+        kube_cluster_factory: Callable[..., FakeCluster], tmp_path: Path) -> None:
+    """A node gone with its pod (nothing reports for it): the peers fail, the group restarts
+    from the chief's checkpoint, and the new JobSet's pods go to the nodes still Ready."""
+    cluster = kube_cluster_factory(images={IMAGE})
+    path = k8s_spec(cluster, tmp_path, """\
+job: {module: digits, epochs: 4, steps_per_epoch: 30, progress_every_steps: 5}
+checkpoint: {every_steps: 10}
+retry: {max_restarts: 3, backoff_initial_s: 0}
+timeouts: {collective_s: 20}
+""")
+    api = Cluster.from_spec(path)
+    lost: list[str] = []
+
+    def lose_a_node_at_step_35(view: Any, event: Any) -> None:
+        if not lost and event is not None and event.kind == "progress" and \
+                event.task == "worker:0" and (event.get("step") or 0) >= 35:
+            pod = next(p for p in cluster.store.list("pods", "ml") if p["metadata"][
+                "annotations"].get(manifests.JOB_INDEX_KEY) == "1"
+                and p.get("status", {}).get("phase") == "Running")
+            lost.append(pod["spec"]["nodeName"])
+            cluster.lose_node(lost[0])
+
+    try:
+        api.up()
+        result = api.train(listener=lose_a_node_at_step_35).wait()
+    finally:
+        api.provider.close()
+    assert lost
+    assert result.status == "succeeded"
+    assert result.attempts[0].cause in ("crashed", "host_lost"), result.attempts[0].detail
+    assert result.attempts[-1].resumed_from_step is not None
+    assert result.attempts[-1].resumed_from_step >= 30
+    now = cluster.store.list("pods", "ml", label_selector="orchestrate/attempt="
+                             + str(len(result.attempts)))
+    assert now and lost[0] not in {p["spec"]["nodeName"] for p in now}
+    assert len(set(result.digests.values())) == 1

@@ -231,6 +231,12 @@ class Runner(ABC):
         data, next_offset = self.read_log(handle, offset)
         return LogPoll(got, data, next_offset)
 
+    def waiting(self, handle: TaskHandle) -> str | None:
+        """Why a task that has not started yet waits, as its scheduler says it (a pod that no
+        node can hold, an image that cannot be pulled), with what to do; None when nothing
+        holds it up that anyone reports (the default: a process starts at once)."""
+        return None
+
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         """State letters of the task's processes ('T' = stopped); empty when none is left."""
         return self.run(probe_argv(python, "states", str(handle.pgid)),

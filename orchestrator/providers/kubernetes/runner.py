@@ -75,6 +75,48 @@ def container_state(pod: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "", {}
 
 
+# A container waiting for one of these will not start without a change.
+STUCK_WAITING = {
+    "ErrImagePull": "check container.image, and that the nodes may pull it "
+                    "(provider.image_pull_secrets, or the node pool's service account)",
+    "ImagePullBackOff": "check container.image, and that the nodes may pull it "
+                        "(provider.image_pull_secrets, or the node pool's service account)",
+    "InvalidImageName": "fix container.image",
+    "CreateContainerConfigError": "create what the pod refers to (a Secret or ConfigMap), "
+                                  "or report it as a bug if the tool made the reference",
+    "CreateContainerError": "see 'kubectl describe pod' for the runtime's message",
+}
+
+
+def pod_waiting(pod: dict[str, Any]) -> str | None:
+    """Why ``pod`` is not running, with the fix: unschedulable, or its container stuck."""
+    for condition in pod.get("status", {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
+                and condition.get("reason") == "Unschedulable":
+            message = str(condition.get("message") or "")
+            return f"no node can take its pod: {message} ({_scheduling_fix(message)})"
+    kind, fields = container_state(pod)
+    reason = str(fields.get("reason") or "")
+    if kind == "waiting" and reason in STUCK_WAITING:
+        message = str(fields.get("message") or "")
+        return f"its container cannot start: {reason}: {message} (fix: {STUCK_WAITING[reason]})"
+    return None
+
+
+def _scheduling_fix(message: str) -> str:
+    fixes = []
+    if "Insufficient" in message:
+        fixes.append("ask for less (provider.gpus_per_pod, provider.resources) or add nodes "
+                     "that have it: a cluster autoscaler may be adding them now")
+    if "node affinity/selector" in message:
+        fixes.append("check provider.node_selector against the nodes' labels")
+    if "untolerated taint" in message:
+        fixes.append("add the taint to provider.tolerations, or set provider.spot")
+    if "persistentvolumeclaim" in message.lower():
+        fixes.append("check provider.volume.claim")
+    return "fix: " + "; ".join(fixes or ["see 'kubectl describe pod' and the nodes"])
+
+
 def _epoch(stamp: str | None) -> float | None:
     if not stamp:
         return None
@@ -139,6 +181,12 @@ class PodRunner(Runner):
         if found.deleted or found.pod.get("status", {}).get("phase") in ("Failed", "Succeeded"):
             return TaskStatus(TaskState.LOST)  # gone (its node lost, evicted) with no exit code
         return TaskStatus(TaskState.RUNNING) if status else None
+
+    def waiting(self, handle: TaskHandle) -> str | None:
+        """What keeps the task's pod from running: the scheduler's reason, or its
+        container's, with the fix; None while it is merely on its way."""
+        found = self.provider.pod(PodRef.of(handle))
+        return None if found is None or found.deleted else pod_waiting(found.pod)
 
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         """'R' while the pod's container runs (a pod has no stopped processes to see)."""
