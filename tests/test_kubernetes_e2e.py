@@ -56,6 +56,26 @@ provider:
     return path
 
 
+def at_step(cluster: FakeCluster, step: int, index: int,
+            act: Callable[[dict[str, Any]], None]) -> tuple[Callable[[Any, Any], None],
+                                                           list[dict[str, Any]]]:
+    """A listener that, once the chief reports ``step``, calls ``act`` with the running pod of
+    worker ``index`` (once), and the list of the pods it acted on."""
+    acted: list[dict[str, Any]] = []
+
+    def listener(view: Any, event: Any) -> None:
+        if acted or event is None or event.kind != "progress" or event.task != "worker:0" \
+                or (event.get("step") or 0) < step:
+            return
+        pod = next(p for p in cluster.store.list("pods", "ml") if p["metadata"][
+            "annotations"].get(manifests.JOB_INDEX_KEY) == str(index)
+            and p.get("status", {}).get("phase") == "Running")
+        acted.append(pod)
+        act(pod)
+
+    return listener, acted
+
+
 def test_up_train_down_with_a_jobset_of_three_pods(
         kube_cluster_factory: Callable[..., FakeCluster], tmp_path: Path) -> None:
     cluster = kube_cluster_factory(images={IMAGE})
@@ -104,20 +124,11 @@ checkpoint: {every_steps: 10}
 retry: {max_restarts: 2, backoff_initial_s: 0}
 """)
     api = Cluster.from_spec(path)
-    killed: list[str] = []
-
-    def kill_at_step_35(view: Any, event: Any) -> None:
-        if not killed and event is not None and event.kind == "progress" and \
-                event.task == "worker:0" and (event.get("step") or 0) >= 35:
-            pod = next(p for p in cluster.store.list("pods", "ml") if p["metadata"][
-                "labels"].get("orchestrate/role") == "worker" and p["metadata"]["annotations"][
-                manifests.JOB_INDEX_KEY] == "1" and p.get("status", {}).get("phase") == "Running")
-            killed.append(pod["metadata"]["name"])
-            cluster.kill_container(pod["metadata"]["name"], "ml")
-
+    listener, killed = at_step(cluster, 35, 1, lambda pod: cluster.kill_container(
+        pod["metadata"]["name"], "ml"))
     try:
         api.up()
-        result = api.train(listener=kill_at_step_35).wait()
+        result = api.train(listener=listener).wait()
     finally:
         api.provider.close()
     assert killed
@@ -170,21 +181,11 @@ checkpoint: {every_steps: 50}
 timeouts: {stop_grace_s: 30}
 """)
     api = Cluster.from_spec(path)
-    preempted: list[str] = []
-
-    def preempt_at_step_35(view: Any, event: Any) -> None:
-        if not preempted and event is not None and event.kind == "progress" and \
-                event.task == "worker:0" and (event.get("step") or 0) >= 35:
-            pod = next(p for p in cluster.store.list("pods", "ml") if p["metadata"][
-                "annotations"].get(manifests.JOB_INDEX_KEY) == "2"
-                and p.get("status", {}).get("phase") == "Running")
-            preempted.append(pod["spec"]["nodeName"])
-            threading.Thread(target=cluster.preempt_node, args=(preempted[0], 15),
-                             daemon=True).start()
-
+    listener, preempted = at_step(cluster, 35, 2, lambda pod: threading.Thread(
+        target=cluster.preempt_node, args=(pod["spec"]["nodeName"], 15), daemon=True).start())
     try:
         api.up()
-        result = api.train(listener=preempt_at_step_35).wait()
+        result = api.train(listener=listener).wait()
     finally:
         api.provider.close()
     assert preempted
@@ -264,20 +265,11 @@ retry: {max_restarts: 3, backoff_initial_s: 0}
 timeouts: {collective_s: 20}
 """)
     api = Cluster.from_spec(path)
-    lost: list[str] = []
-
-    def lose_a_node_at_step_35(view: Any, event: Any) -> None:
-        if not lost and event is not None and event.kind == "progress" and \
-                event.task == "worker:0" and (event.get("step") or 0) >= 35:
-            pod = next(p for p in cluster.store.list("pods", "ml") if p["metadata"][
-                "annotations"].get(manifests.JOB_INDEX_KEY) == "1"
-                and p.get("status", {}).get("phase") == "Running")
-            lost.append(pod["spec"]["nodeName"])
-            cluster.lose_node(lost[0])
-
+    listener, lost = at_step(cluster, 35, 1, lambda pod: cluster.lose_node(
+        pod["spec"]["nodeName"]))
     try:
         api.up()
-        result = api.train(listener=lose_a_node_at_step_35).wait()
+        result = api.train(listener=listener).wait()
     finally:
         api.provider.close()
     assert lost
@@ -287,5 +279,5 @@ timeouts: {collective_s: 20}
     assert result.attempts[-1].resumed_from_step >= 30
     now = cluster.store.list("pods", "ml", label_selector="orchestrate/attempt="
                              + str(len(result.attempts)))
-    assert now and lost[0] not in {p["spec"]["nodeName"] for p in now}
+    assert now and lost[0]["spec"]["nodeName"] not in {p["spec"]["nodeName"] for p in now}
     assert len(set(result.digests.values())) == 1
