@@ -36,7 +36,12 @@ from orchestrator.errors import PlanError, ProviderError
 from orchestrator.hosts import Host
 from orchestrator.paths import code_dir, lib_dir
 from orchestrator.plan import ClusterPlan, Role, TaskPlan
-from orchestrator.spec import GKE_SPOT_LABEL, ClusterSpec, KubernetesProvider
+from orchestrator.spec import (
+    GKE_SPOT_LABEL,
+    ClusterSpec,
+    KubernetesProvider,
+    KubernetesToleration,
+)
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -243,14 +248,10 @@ def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPl
     mounts: list[dict[str, Any]] = [
         {"name": "code", "mountPath": code_dir(ROOT), "readOnly": True},
         {"name": "lib", "mountPath": lib_dir(ROOT), "readOnly": True},
-        {"name": "runs", "mountPath": f"{ROOT}/runs",
-         **({"subPath": config.volume.sub_path or f"orchestrate/{spec.name}"}
-            if config.volume is not None else {})},
+        runs_mount(spec.name, config),
     ]
     volumes: list[dict[str, Any]] = [
-        code.volume("code"), lib.volume("lib"),
-        {"name": "runs", **({"persistentVolumeClaim": {"claimName": config.volume.claim}}
-                            if config.volume is not None else {"emptyDir": {}})},
+        code.volume("code"), lib.volume("lib"), runs_volume(config),
     ]
     if gpus:  # NCCL's buffers: the default 64 MiB /dev/shm is too small
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -297,6 +298,19 @@ def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPl
     return {"metadata": {"labels": pod_labels}, "spec": pod}
 
 
+def runs_mount(cluster: str, config: KubernetesProvider) -> dict[str, Any]:
+    """Where a pod sees the runs' directories: ``ROOT/runs``, the claim's ``sub_path``."""
+    return {"name": "runs", "mountPath": f"{ROOT}/runs",
+            **({"subPath": config.volume.sub_path or f"orchestrate/{cluster}"}
+               if config.volume is not None else {})}
+
+
+def runs_volume(config: KubernetesProvider) -> dict[str, Any]:
+    """The volume of ``runs_mount``: ``provider.volume``'s claim."""
+    return {"name": "runs", **({"persistentVolumeClaim": {"claimName": config.volume.claim}}
+                               if config.volume is not None else {"emptyDir": {}})}
+
+
 def security_context(config: KubernetesProvider) -> dict[str, Any]:
     """The pods' ``securityContext``: who the tasks run as, and the volume's group."""
     return {key: value for key, value in (("runAsUser", config.run_as_user),
@@ -304,7 +318,7 @@ def security_context(config: KubernetesProvider) -> dict[str, Any]:
                                           ("fsGroup", config.fs_group)) if value is not None}
 
 
-def _toleration(t: Any) -> dict[str, Any]:
+def _toleration(t: KubernetesToleration) -> dict[str, Any]:
     out: dict[str, Any] = {"operator": t.operator}
     for field, key in (("key", "key"), ("value", "value"), ("effect", "effect"),
                        ("toleration_seconds", "tolerationSeconds")):

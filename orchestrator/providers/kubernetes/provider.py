@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import shlex
 import threading
@@ -274,9 +275,9 @@ class KubernetesProvider(Provider):
         code, lib = self._files()
         names = [key for key in self.spec.secrets if key in plan.chief.env]
         values = {key: plan.chief.env[key] for key in names}
-        plain = ClusterPlan(**{**plan.__dict__, "tasks": tuple(
-            type(t)(**{**t.__dict__, "env": {k: v for k, v in t.env.items() if k not in values}})
-            for t in plan.tasks)})
+        plain = dataclasses.replace(plan, tasks=tuple(
+            dataclasses.replace(t, env={k: v for k, v in t.env.items() if k not in values})
+            for t in plan.tasks))
         jobset = manifests.jobset(self.spec, plain, code=code, lib=lib, secrets=names)
         self._remove_jobset(wait=True)
         if names:
@@ -379,7 +380,8 @@ class KubernetesProvider(Provider):
         name = pod["metadata"]["name"]
         watch = self.watch()
         kube.call(f"create pod {name}", kube.core.create_namespaced_pod, kube.namespace, pod)
-        deadline = time.monotonic() + max(timeout_s or 0, COMMAND_TIMEOUT_S)
+        limit_s = max(timeout_s or 0, COMMAND_TIMEOUT_S)
+        deadline = time.monotonic() + limit_s
         try:
             version = watch.version
             while True:
@@ -393,8 +395,7 @@ class KubernetesProvider(Provider):
                 if state is not None and state.deleted:
                     raise RemoteError(f"command pod {name} was deleted before it ended")
                 if time.monotonic() > deadline:
-                    raise RemoteError(f"command pod {name} did not end within "
-                                      f"{deadline - time.monotonic() + (timeout_s or 0):.0f}s",
+                    raise RemoteError(f"command pod {name} did not end within {limit_s:.0f}s",
                                       fix=f"kubectl -n {kube.namespace} describe pod {name}")
                 version = watch.wait(version, 1.0)
         finally:

@@ -29,6 +29,7 @@ from orchestrator.remote.base import (
     TaskState,
     TaskStatus,
 )
+from orchestrator.spec import KubernetesProvider as KubernetesConfig
 
 if TYPE_CHECKING:
     from orchestrator.providers.kubernetes.provider import KubernetesProvider
@@ -220,7 +221,7 @@ class PodRunner(Runner):
 
 
 def command_pod(provider_name: str, namespace: str, image: str, python_lib: str,
-                script: str, files: manifests.Files | None, config: Any,
+                script: str, files: manifests.Files | None, config: KubernetesConfig,
                 input: str | None) -> dict[str, Any]:
     """A one-off pod that runs ``script`` in the image with the cluster's volume."""
     name = f"{provider_name}-cmd-{uuid.uuid4().hex[:8]}"
@@ -228,12 +229,8 @@ def command_pod(provider_name: str, namespace: str, image: str, python_lib: str,
     if input is not None:
         env.append({"name": "ORCHESTRATE_INPUT", "value": input})
         script = f'printf %s "$ORCHESTRATE_INPUT" | ( {script} )'
-    mounts = [{"name": "runs", "mountPath": f"{manifests.ROOT}/runs",
-               **({"subPath": config.volume.sub_path or f"orchestrate/{provider_name}"}
-                  if config.volume is not None else {})}]
-    volumes: list[dict[str, Any]] = [
-        {"name": "runs", **({"persistentVolumeClaim": {"claimName": config.volume.claim}}
-                            if config.volume is not None else {"emptyDir": {}})}]
+    mounts = [manifests.runs_mount(provider_name, config)]
+    volumes = [manifests.runs_volume(config)]
     if files is not None:
         mounts.append({"name": "lib", "mountPath": lib_dir(manifests.ROOT), "readOnly": True})
         volumes.append(files.volume("lib"))
