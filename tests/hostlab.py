@@ -257,8 +257,41 @@ def ensure_tools(acl: bool = False) -> None:
         subprocess.run(install, env=env, capture_output=True, check=True)
 
 
+@contextlib.contextmanager
+def cleaning() -> Iterator[None]:
+    """Hold the cleaners' lock: one clean_stale (of any lab) at a time on this machine, since
+    two that found the same stale user raced in userdel ("cannot remove entry ... from
+    /etc/passwd" for the one that came second). The lock is on the temp directory itself,
+    so it leaves nothing behind."""
+    fd = os.open(tempfile.gettempdir(), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _delete_user(user: str) -> None:
+    """userdel -f ``user``, which someone else may have deleted meanwhile."""
+    try:
+        _with_retries("userdel", "-f", user)
+    except LabError:
+        if _user_exists(user):
+            raise
+
+
+def _user_exists(user: str) -> bool:
+    return any(line.split(":", 1)[0] == user
+               for line in Path("/etc/passwd").read_text().splitlines())
+
+
 def clean_stale() -> None:
     """Remove what labs of processes that no longer exist left behind, by exact name and pid."""
+    with cleaning():
+        _clean_stale()
+
+
+def _clean_stale() -> None:
     for namespace in _lab_names(_cmd("ip", "netns", "list", check=False).stdout):
         _kill_namespace(namespace)
         _cmd("ip", "netns", "del", namespace, check=False)
@@ -267,7 +300,7 @@ def clean_stale() -> None:
     users = [line.split(":", 1)[0] for line in Path("/etc/passwd").read_text().splitlines()]
     for user in _lab_names("\n".join(users)):
         _kill(_login_pids(user))
-        _with_retries("userdel", "-f", user)
+        _delete_user(user)
     for entry in Path(tempfile.gettempdir()).iterdir():
         match = STALE_DIR.match(entry.name)
         if match and not _pid_alive(int(match.group(1))):
@@ -929,7 +962,7 @@ class HostLab:
     def _delete_users(self) -> None:
         for user in self.created["user"]:
             _kill(_login_pids(user))
-            _with_retries("userdel", "-f", user)
+            _delete_user(user)
 
     def _delete_paths(self) -> None:
         """Remove the directories the lab made, newest first: the private ones with what tests

@@ -212,17 +212,18 @@ def clean_stale() -> None:
     """Kill the shims of pod labs whose process is gone and remove their directories
     (hostlab's clean_stale, run by HostLab.start, removes their namespaces and what runs
     there)."""
-    for entry in Path(tempfile.gettempdir()).iterdir():
-        match = STALE_DIR.match(entry.name)
-        if not match or hostlab._pid_alive(int(match.group(1))):
-            continue
-        for _ in range(50):
-            pids = _pids_naming(str(entry))
-            if not pids:
-                break
-            hostlab._kill(pids)
-            time.sleep(0.02)
-        shutil.rmtree(entry, ignore_errors=True)
+    with hostlab.cleaning():
+        for entry in Path(tempfile.gettempdir()).iterdir():
+            match = STALE_DIR.match(entry.name)
+            if not match or hostlab._pid_alive(int(match.group(1))):
+                continue
+            for _ in range(50):
+                pids = _pids_naming(str(entry))
+                if not pids:
+                    break
+                hostlab._kill(pids)
+                time.sleep(0.02)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def unavailable() -> str | None:

@@ -167,17 +167,18 @@ def _free_port() -> int:
 def clean_stale() -> None:
     """Stop what slurm labs of processes that no longer exist left running here, and remove
     their directories (hostlab's clean_stale does their namespaces, users, /etc/netns)."""
-    for entry in Path(tempfile.gettempdir()).iterdir():
-        match = STALE_DIR.match(entry.name)
-        if not match or hostlab._pid_alive(int(match.group(1))):
-            continue
-        for _ in range(20):
-            pids = _pids_naming(str(entry))
-            if not pids:
-                break
-            _kill_all(pids)
-            time.sleep(0.05)
-        shutil.rmtree(entry, ignore_errors=True)
+    with hostlab.cleaning():
+        for entry in Path(tempfile.gettempdir()).iterdir():
+            match = STALE_DIR.match(entry.name)
+            if not match or hostlab._pid_alive(int(match.group(1))):
+                continue
+            for _ in range(20):
+                pids = _pids_naming(str(entry))
+                if not pids:
+                    break
+                _kill_all(pids)
+                time.sleep(0.05)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def unavailable() -> str | None:

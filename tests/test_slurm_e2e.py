@@ -375,11 +375,13 @@ def test_a_time_limit_saves_every_task_and_goes_on_in_a_new_allocation(
     path = slurm_spec(tmp_path, slurm, "slurm-time", """\
         job: {module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 40,
               progress_every_steps: 1}
-        env: {DIGITS_PACE_S: "1.5"}
+        env: {DIGITS_PACE_S: "3"}
         checkpoint: {every_steps: 1000}
         retry: {max_restarts: 4, backoff_initial_s: 0.5, backoff_max_s: 2}
         timeouts: {stop_grace_s: 5}
         """, provider_extra="  time: '3'\n").read_text()
+    # 80 steps at 3 s cannot end inside the 3-minute allocation however fast the machine:
+    # the TERM before its limit always comes first (at 1.5 s a fast run once finished first).
     path_file = tmp_path / "cluster.yaml"
     path_file.write_text(path.replace("partition: main", "partition: short"))
     cluster = Cluster.from_spec(path_file)
