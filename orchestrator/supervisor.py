@@ -310,7 +310,8 @@ class Supervisor:
         self.store.start_attempt(run_id, number, [])  # _launch adds each task as it starts
         self._launched = []
         try:
-            watched = self._launch(run_id, plan)
+            with self._provider_says():  # what the launch waits for (a group's deletion)
+                watched = self._launch(run_id, plan)
             marks["started"] = time.time()
             return self._supervise(run_id, number, plan, watched)
         except BaseException as exc:

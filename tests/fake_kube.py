@@ -189,6 +189,8 @@ def now_rfc3339() -> str:
 def status_body(code: int, reason: str, message: str, details: Json | None = None) -> Json:
     body: Json = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                   "message": message, "reason": reason, "code": code}
+    if not reason:
+        del body["reason"]  # StatusReasonUnknown is "" and omitted, as the real server does
     if details is not None:
         body["details"] = details
     return body
@@ -1280,13 +1282,17 @@ class FakeKube:
 
     def __init__(self, address: tuple[str, int] = ("127.0.0.1", 0), *, jobset_crd: bool = True,
                  history: int = 1000, bookmark_interval_s: float = 1.0, user: str = "alice",
-                 log_poll_s: float = 0.05) -> None:
+                 log_poll_s: float = 0.05, kubelet_dial_s: float = 1.0) -> None:
         self.store = Store(history=history, jobset_crd=jobset_crd)
         self.token = secrets.token_urlsafe(24)
         self.user = user
         # The real server sends a bookmark about once a minute; tests want them sooner.
         self.bookmark_interval_s = bookmark_interval_s
         self.log_poll_s = log_poll_s
+        # How long the server tries to reach a dead node's kubelet before it answers 500 (the
+        # real kubelet client's dial timeout is 30 s; "no route to host" comes sooner).
+        self.kubelet_dial_s = kubelet_dial_s
+        self._dead_kubelets: dict[str, str] = {}  # node -> the address the server dials
         self.requests: list[Request] = []
         self._address = address
         self._server: ThreadingHTTPServer | None = None
@@ -1295,6 +1301,30 @@ class FakeKube:
         self._failures: list[_Failure] = []
         self._forbidden: set[tuple[str, str, str | None]] = set()
         self._closing = threading.Event()
+
+    # -- kubelets --
+
+    def kubelet_down(self, node: str, address: str) -> None:
+        """The node's kubelet stops answering: a pod log request for a pod bound to it waits
+        ``kubelet_dial_s`` and fails with 500, as the real server's proxy to the kubelet does."""
+        with self._lock:
+            self._dead_kubelets[node] = address
+
+    def kubelet_up(self, node: str) -> None:
+        with self._lock:
+            self._dead_kubelets.pop(node, None)
+
+    def dial_kubelet(self, node: str, path: str) -> None:
+        """Raises what the server answers when it cannot reach ``node``'s kubelet for
+        ``path`` (e.g. ``/containerLogs/NS/POD/C``): an error that is not an API status, so
+        500 with no reason and the Go error as the message."""
+        with self._lock:
+            address = self._dead_kubelets.get(node)
+        if address is None:
+            return
+        time.sleep(self.kubelet_dial_s)
+        raise KubeError(500, "", f'Get "https://{address}:10250{path}": dial tcp {address}:10250: '
+                                 "i/o timeout")
 
     # -- lifecycle --
 
@@ -1859,6 +1889,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not pod["spec"].get("nodeName"):
             self._text(200, "")  # the real server answers an unscheduled pod with an empty log
             return
+        self.fake.dial_kubelet(pod["spec"]["nodeName"],
+                               f"/containerLogs/{route.namespace}/{route.name}/{container}")
         if not previous:
             waiting = _container_state(pod, container).get("waiting")
             if waiting is not None:

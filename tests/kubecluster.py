@@ -47,7 +47,9 @@ the store reports, and every ``poll_s``), and talks to the store's internal API:
   FailedJobs without a failurePolicy, with "(first failed job: ...)" as JobSet writes it), success
   policy (All/Any, targetReplicatedJobs) -> Completed, terminalState, the active Jobs of a
   finished JobSet deleted (Foreground), conditions and events as JobSet emits them.
-- node lifecycle: ``lose_node`` (the processes are gone and nothing reports; after
+- node lifecycle: ``lose_node`` (the processes are gone and nothing reports; a log request for
+  a pod bound to it fails with 500 "dial tcp ...:10250: i/o timeout" after the server's dial
+  (``FakeKube.kubelet_dial_s``); after
   ``node_monitor_grace_s`` (real default 40 s, 50 s from Kubernetes 1.32) Ready goes Unknown,
   ``NodeStatusUnknown``/"Kubelet stopped posting node status.", taints unreachable NoSchedule
   and NoExecute; pods' Ready goes False, their phase stays; after their toleration
@@ -370,8 +372,17 @@ class FakeCluster:
         """The node stops: its processes are gone, nothing reports for it any more."""
         with self._lock:
             self._down[node] = time.monotonic()
+        self.kube.kubelet_down(node, self._address(node))
         self.lab.kill_node(node)
         self._wake_all()
+
+    def _address(self, node: str) -> str:
+        """The node's InternalIP, as its Node object says."""
+        try:
+            addresses = self.store.get("nodes", node)["status"].get("addresses") or []
+        except KubeError:
+            return "10.128.0.255"
+        return next((a["address"] for a in addresses if a["type"] == "InternalIP"), "10.128.0.255")
 
     def restore_node(self, node: str) -> None:
         """The node is back, empty: Ready again, its taints gone. Its kubelet finds no container
@@ -385,6 +396,7 @@ class FakeCluster:
             stale = [r for r in self._records.values() if r.node == node]
             for record in stale:
                 del self._records[record.uid]
+        self.kube.kubelet_up(node)
         for record in stale:
             if record.process is not None:
                 self.lab.remove_pod(record.process)
@@ -449,6 +461,7 @@ class FakeCluster:
             self._report_shutdown(record)
         with self._lock:
             self._down[node] = time.monotonic()
+        self.kube.kubelet_down(node, self._address(node))
         self.lab.kill_node(node)
         self._wake_all()
 

@@ -3,6 +3,7 @@ processes by its controllers and kubelet on the pod lab."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -417,6 +418,16 @@ def test_a_lost_node_goes_unknown_and_its_pod_stays_terminating_until_force_dele
     wait_for(lambda: "training" in log(core, "lonely"), 30, "the pod to run", kube_cluster)
 
     kube_cluster.lose_node("node-2")
+    # the API server cannot reach the node's kubelet for the log: 500 with the dial's error
+    with pytest.raises(ApiException) as failed:
+        core.read_namespaced_pod_log("lonely", NS, tail_lines=1)
+    assert failed.value.status == 500
+    said = json.loads(failed.value.body or "")
+    ip = next(a.address for a in core.read_node("node-2").status.addresses
+              if a.type == "InternalIP")
+    assert "reason" not in said and said["message"] == (
+        f'Get "https://{ip}:10250/containerLogs/default/lonely/worker": '
+        f"dial tcp {ip}:10250: i/o timeout"), said
 
     ready = wait_for(lambda: (c := condition(core.read_node("node-2"), "Ready")) and
                      c.status == "Unknown" and c, 30, "the node to go Unknown", kube_cluster)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from fake_kube import FakeKube
+from fake_kube import KubeError as StoreError
 
 from orchestrator import providers
 from orchestrator import spec as specs
@@ -45,6 +46,7 @@ provider:
 def fake() -> Iterator[FakeKube]:
     with FakeKube(bookmark_interval_s=0.2) as server:
         server.store.create("namespaces", {"metadata": {"name": "ml"}})
+        ready_node(server, "node-1", "2026-11-25T09:00:00Z")  # a node that holds the pods
         server.store.create("persistentvolumeclaims", {
             "metadata": {"name": "shared"}, "spec": {
                 "accessModes": ["ReadWriteMany"],
@@ -198,14 +200,21 @@ def test_an_attempt_is_one_jobset_and_its_secret(provider: KubernetesProvider,
 
 
 def write_pod(fake: FakeKube, ref: PodRef, name: str, state: dict[str, Any] | None = None,
-              phase: str = "Running") -> dict[str, Any]:
-    """A pod of the attempt as the Job controller makes it (its labels), with a status as the
-    kubelet reports it."""
+              phase: str = "Running", node: str = "node-1",
+              owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A pod of the attempt as the Job controller makes it (its labels; ``owner`` holds its
+    deletion), with a status as the kubelet reports it."""
     labels = manifests.labels("demo", **ref.labels())
     labels[manifests.JOB_INDEX_KEY] = str(ref.index)
+    meta: dict[str, Any] = {"name": name, "labels": labels}
+    if owner is not None:
+        meta["ownerReferences"] = [{
+            "apiVersion": owner["apiVersion"], "kind": owner["kind"], "controller": True,
+            "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"],
+            "blockOwnerDeletion": True}]
     pod = fake.store.create("pods", {
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"nodeName": "node-1", "containers": [{"name": "task", "image": "i"}]}},
+        "metadata": meta,
+        "spec": {"nodeName": node, "containers": [{"name": "task", "image": "i"}]}},
         namespace="ml")
     return set_state(fake, name, state or {"running": {"startedAt": "2026-11-25T10:00:00Z"}},
                      phase, pod)
@@ -336,3 +345,120 @@ def test_a_follower_skips_the_lines_it_had_when_it_follows_again(
         assert bytes(follower.data) == b"a\nb\nc\n"
     finally:
         follower.stop()
+
+
+def ready_node(fake: FakeKube, name: str, since: str) -> None:
+    """Node ``name`` Ready since ``since`` (made if missing), with no taints."""
+    condition = {"type": "Ready", "status": "True", "reason": "KubeletReady",
+                 "message": "kubelet is posting ready status", "lastTransitionTime": since}
+    try:
+        node = fake.store.get("nodes", name)
+    except StoreError:
+        node = fake.store.create("nodes", {"metadata": {
+            "name": name, "labels": {manifests.HOSTNAME_LABEL: name}}, "spec": {}})
+    node["status"] = {"conditions": [condition]}
+    fake.store.update_status("nodes", node)
+
+
+def test_a_lost_node_is_named_avoided_and_its_stuck_pods_do_not_hold_the_next_attempt(
+        provider: KubernetesProvider, fake: FakeKube) -> None:
+    """A node that died a moment ago still counts Ready, but the API server cannot reach its
+    kubelet: a survivor's pod is asked before it is deleted at once, the lost host is named
+    with the server's own words, the next JobSet keeps off the node until it is Ready again,
+    and a pod of the old JobSet stuck terminating there is deleted with no grace."""
+    provider.up()
+    for node in ("node-1", "node-2"):
+        ready_node(fake, node, "2026-11-25T09:00:00Z")
+    fake.kubelet_dial_s = 0.2
+    said: list[str] = []
+    provider.progress = said.append
+    provider.start_group(plan_of(provider))
+    jobset = fake.store.get("jobsets", "demo", "ml")
+    refs = [PodRef("r1", 1, "worker", i) for i in range(2)]
+    write_pod(fake, refs[0], "demo-worker-0-aaaaa", node="node-1", owner=jobset)
+    write_pod(fake, refs[1], "demo-worker-1-bbbbb", node="node-2", owner=jobset)
+    eventually(lambda: all(provider.pod(r) is not None for r in refs))
+    fake.kubelet_down("node-2", "10.128.0.2")
+    hosts = provider.hosts()
+    # worker:1 stopped at once (a crash's survivors): its kubelet is asked first
+    provider.runner(hosts[1]).stop(refs[1].handle(hosts[1].name), 0)
+    eventually(lambda: (p := provider.pod(refs[1])) is not None and p.deleted)
+    lost = provider.lost_hosts(hosts)
+    assert list(lost) == [hosts[1].name], lost
+    assert lost[hosts[1].name] == ('the kubelet of node node-2 does not answer (Get '
+                                   '"https://10.128.0.2:10250/containerLogs/ml/demo-worker-1-bbbbb/'
+                                   'task": dial tcp 10.128.0.2:10250: i/o timeout)')
+    # the cluster marks the node now; a pod of the old JobSet deleted with its grace stays
+    # terminating there (no kubelet confirms it) and would hold the JobSet's deletion
+    marked = fake.store.get("nodes", "node-2")
+    marked["status"]["conditions"][0].update(status="Unknown", reason="NodeStatusUnknown",
+                                             lastTransitionTime="2026-11-25T10:00:40Z")
+    fake.store.update_status("nodes", marked)
+
+    def kubelet(pod: dict[str, Any]) -> None:  # node-1's confirms a deletion, node-2's is gone
+        if pod["spec"]["nodeName"] == "node-1":
+            fake.store.finish_pod_deletion("ml", pod["metadata"]["name"])
+
+    fake.store.register_pod_terminator(kubelet)
+    write_pod(fake, PodRef("r1", 1, "worker", 1), "demo-worker-1-ccccc", node="node-2",
+              owner=jobset)
+    fake.store.delete("pods", "demo-worker-1-ccccc", "ml")
+    assert fake.store.get("pods", "demo-worker-1-ccccc", "ml")["metadata"]["deletionTimestamp"]
+    provider.start_group(plan_of(provider, attempt=2))
+    assert any("pod demo-worker-1-ccccc is stuck terminating on lost node node-2" in line
+               for line in said), said
+    template = fake.store.get("jobsets", "demo", "ml")["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+    assert template["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                               "values": ["node-2"]}]}]
+    # the node comes back (Ready since after it was lost): the next JobSet may go there again
+    fake.kubelet_up("node-2")
+    ready_node(fake, "node-2", "2026-11-25T10:05:00Z")
+    provider.start_group(plan_of(provider, attempt=3))
+    template = fake.store.get("jobsets", "demo", "ml")["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+    assert "affinity" not in template
+
+
+def test_up_says_when_the_nodes_cannot_hold_the_pods_and_goes_on(tmp_path: Path,
+                                                                   fake: FakeKube) -> None:
+    """The nodes there are now, against the pod's selector, tolerations and requests: said
+    with each node's reason, never blocking (a node pool may autoscale from zero)."""
+    made = make_provider(tmp_path, fake, workers=3, extra="  gpus_per_pod: 2\n"
+                         "  node_selector: {pool: gpu}\n  resources: {memory: 20Gi}\n")
+    try:
+        fake.store.delete("nodes", "node-1")
+        for name, labels, gpus in (("cpu-1", {"pool": "cpu"}, "0"), ("gpu-1", {"pool": "gpu"}, "4"),
+                                   ("gpu-2", {"pool": "gpu"}, "1")):
+            ready_node(fake, name, "2026-11-25T09:00:00Z")
+            made_node = fake.store.get("nodes", name)
+            made_node["metadata"]["labels"].update(labels)
+            made_node = fake.store.update("nodes", made_node)
+            made_node["status"]["allocatable"] = {"cpu": "16", "memory": "64Gi", "pods": "110",
+                                                  "nvidia.com/gpu": gpus}
+            fake.store.update_status("nodes", made_node)
+        (problem,) = [p for p in made.cluster_problems() if "node" in p.message]
+        assert not problem.blocking
+        assert problem.message == (
+            "the nodes now hold 2 of the 3 pods at most (each asks 20Gi memory, 2 "
+            "nvidia.com/gpu): cpu-1 lacks the label pool=gpu (provider.node_selector); "
+            "gpu-2 has 1 nvidia.com/gpu, a pod asks 2"), problem.message
+        assert "gcloud container node-pools create" in problem.fix
+        made.up()  # said, not refused
+        # a fourth GPU node: the pods fit, nothing is said
+        ready_node(fake, "gpu-3", "2026-11-25T09:00:00Z")
+        node = fake.store.get("nodes", "gpu-3")
+        node["metadata"]["labels"]["pool"] = "gpu"
+        node = fake.store.update("nodes", node)
+        node["status"]["allocatable"] = {"memory": "64Gi", "nvidia.com/gpu": "8"}
+        fake.store.update_status("nodes", node)
+        assert not [p for p in made.cluster_problems() if "node" in p.message]
+        # credentials that may not list nodes: said, with the fix
+        fake.forbid("list", "nodes")
+        (problem,) = [p for p in made.cluster_problems() if "node" in p.message]
+        assert not problem.blocking and "may not list nodes" in problem.message
+        assert "ClusterRole" in problem.fix
+    finally:
+        made.close()

@@ -167,11 +167,15 @@ class Kube:
             return None
         return [v["name"] for v in crd.get("spec", {}).get("versions", []) if v.get("served")]
 
-    def allowed(self, verb: str, resource: str, group: str = "") -> tuple[bool, str]:
-        """Whether these credentials may ``verb`` ``resource`` in the namespace, and why not."""
+    def allowed(self, verb: str, resource: str, group: str = "", *,
+                namespaced: bool = True) -> tuple[bool, str]:
+        """Whether these credentials may ``verb`` ``resource`` in the namespace (or, not
+        ``namespaced``, the cluster-scoped one), and why not."""
+        attributes = {"verb": verb, "group": group, "resource": resource}
+        if namespaced:
+            attributes["namespace"] = self.namespace
         body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-                "spec": {"resourceAttributes": {"namespace": self.namespace, "verb": verb,
-                                                "group": group, "resource": resource}}}
+                "spec": {"resourceAttributes": attributes}}
         review = self.call(f"ask whether you may {verb} {resource}",
                            self.authorization.create_self_subject_access_review, body)
         status = review.get("status", {})

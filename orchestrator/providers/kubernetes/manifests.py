@@ -52,6 +52,7 @@ ATTEMPT_LABEL = "orchestrate/attempt"
 ROLE_LABEL = "orchestrate/role"
 CONTENT_LABEL = "orchestrate/content"  # a ConfigMap's: what it carries (code, lib)
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+HOSTNAME_LABEL = "kubernetes.io/hostname"  # every node's, its name
 JOB_INDEX_KEY = "jobset.sigs.k8s.io/job-index"
 CONTAINER = "task"
 ROOT = "/orchestrate"  # in every pod
@@ -177,12 +178,14 @@ def secret(cluster: str, namespace: str, values: Mapping[str, str], *, run_id: s
 
 
 def jobset(spec: ClusterSpec, plan: ClusterPlan, *, code: Files, lib: Files,
-           secrets: Sequence[str] = ()) -> dict[str, Any]:
+           secrets: Sequence[str] = (), avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
     """The JobSet of ``plan``'s attempt: a replicated Job per role, one pod each.
 
     Args:
         code, lib: the ConfigMaps of the workdir and of the worker package (``configmap``).
         secrets: the names of ``spec.secrets``: the pods read them from ``secret_name``.
+        avoid_nodes: nodes the pods must not go to (lost under an earlier attempt, while
+            the cluster may still count them Ready), by their ``kubernetes.io/hostname``.
 
     Raises:
         PlanError: the plan's tasks differ in more than TF_CONFIG and the task's name (one
@@ -203,7 +206,8 @@ def jobset(spec: ClusterSpec, plan: ClusterPlan, *, code: Files, lib: Files,
             "spec": {"parallelism": 1, "completions": 1, "backoffLimit": 0,
                      "completionMode": "Indexed",
                      "template": _pod_template(spec, config, plan, tasks[0], code, lib, secrets,
-                                               labels(spec.name, **run, **{ROLE_LABEL: role}))}}}
+                                               labels(spec.name, **run, **{ROLE_LABEL: role}),
+                                               avoid_nodes)}}}
         for role, tasks in by_role.items()
     ]
     metadata_labels = labels(spec.name, **run)
@@ -222,7 +226,7 @@ def jobset(spec: ClusterSpec, plan: ClusterPlan, *, code: Files, lib: Files,
 
 def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPlan,
                   task: TaskPlan, code: Files, lib: Files, secrets: Sequence[str],
-                  pod_labels: dict[str, str]) -> dict[str, Any]:
+                  pod_labels: dict[str, str], avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
     assert spec.container is not None  # the spec requires it on kubernetes
     env: list[dict[str, Any]] = [{"name": key, "value": value} for key, value in task.env.items()
                                  if key not in PER_TASK_ENV]
@@ -237,14 +241,7 @@ def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPl
                                                        "key": key}}} for key in secrets),
     ]
     gpus = config.gpus_per_pod
-    requests: dict[str, Any] = {}
-    limits: dict[str, Any] = {}
-    if config.resources.cpu:
-        requests["cpu"] = config.resources.cpu
-    if config.resources.memory:
-        requests["memory"] = limits["memory"] = config.resources.memory
-    if gpus:
-        requests[config.gpu_resource] = limits[config.gpu_resource] = gpus
+    requests, limits = pod_resources(config)
     mounts: list[dict[str, Any]] = [
         {"name": "code", "mountPath": code_dir(ROOT), "readOnly": True},
         {"name": "lib", "mountPath": lib_dir(ROOT), "readOnly": True},
@@ -270,12 +267,7 @@ def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPl
     if requests or limits:
         container["resources"] = {**({"requests": requests} if requests else {}),
                                   **({"limits": limits} if limits else {})}
-    node_selector = dict(config.node_selector)
-    tolerations = [_toleration(t) for t in config.tolerations]
-    if config.spot:
-        node_selector[GKE_SPOT_LABEL] = "true"
-        tolerations.append({"key": GKE_SPOT_LABEL, "operator": "Equal", "value": "true",
-                            "effect": "NoSchedule"})
+    node_selector, tolerations = placement(config)
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         # the grace a planned stop gives every task to save at one step (timeouts.stop_grace_s)
@@ -288,6 +280,10 @@ def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPl
         pod["nodeSelector"] = node_selector
     if tolerations:
         pod["tolerations"] = tolerations
+    if avoid_nodes:
+        pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(avoid_nodes)}]}]}}}
     if config.service_account:
         pod["serviceAccountName"] = config.service_account
     if config.image_pull_secrets:
@@ -316,6 +312,30 @@ def security_context(config: KubernetesProvider) -> dict[str, Any]:
     return {key: value for key, value in (("runAsUser", config.run_as_user),
                                           ("runAsGroup", config.run_as_group),
                                           ("fsGroup", config.fs_group)) if value is not None}
+
+
+def pod_resources(config: KubernetesProvider) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A task pod's resource requests and limits (memory and GPUs are limited too)."""
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if config.resources.cpu:
+        requests["cpu"] = config.resources.cpu
+    if config.resources.memory:
+        requests["memory"] = limits["memory"] = config.resources.memory
+    if config.gpus_per_pod:
+        requests[config.gpu_resource] = limits[config.gpu_resource] = config.gpus_per_pod
+    return requests, limits
+
+
+def placement(config: KubernetesProvider) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """A task pod's node selector and tolerations (spot adds GKE's label and taint)."""
+    node_selector = dict(config.node_selector)
+    tolerations = [_toleration(t) for t in config.tolerations]
+    if config.spot:
+        node_selector[GKE_SPOT_LABEL] = "true"
+        tolerations.append({"key": GKE_SPOT_LABEL, "operator": "Equal", "value": "true",
+                            "effect": "NoSchedule"})
+    return node_selector, tolerations
 
 
 def _toleration(t: KubernetesToleration) -> dict[str, Any]:

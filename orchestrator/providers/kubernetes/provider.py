@@ -28,7 +28,7 @@ from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
 from orchestrator.problems import Problem
 from orchestrator.providers.base import CloudCheck, DownReport, HostHealth, Provider
-from orchestrator.providers.kubernetes import manifests
+from orchestrator.providers.kubernetes import manifests, nodes
 from orchestrator.providers.kubernetes.client import (
     JOBSET_GROUP,
     JOBSET_VERSION,
@@ -41,6 +41,7 @@ from orchestrator.providers.kubernetes.client import (
 )
 from orchestrator.providers.kubernetes.runner import COMMAND_ROLE, PodRef, PodRunner, command_pod
 from orchestrator.remote.base import ExecResult, Runner, TaskHandle
+from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.sync import files_of
 from orchestrator.spec import ClusterSpec
 from orchestrator.spec import KubernetesProvider as KubernetesConfig
@@ -56,6 +57,9 @@ NEEDED = (
 )
 COMMAND_TIMEOUT_S = 300.0  # a command pod: scheduling and an image pull, then the command
 GONE_WAIT_S = 120.0  # how long the previous attempt's JobSet may take to go
+# A log request is the API server dialling the pod's kubelet: the real dial timeout is 30 s,
+# so a node whose kubelet is gone answers 500 within this (or the request times out).
+KUBELET_PROBE_S = 40.0
 FETCH_MAX_BYTES = 64 << 20  # a file read back through a pod's log
 
 
@@ -74,6 +78,10 @@ class KubernetesProvider(Provider):
         self._watch: PodWatch | None = None
         self._followers: dict[str, LogFollower] = {}
         self._runners: dict[str, PodRunner] = {}
+        # node -> its Ready condition's lastTransitionTime when it was found lost: the next
+        # attempts avoid it until it is Ready again after that
+        self._lost_nodes: dict[str, str] = {}
+        self._unanswered: dict[str, str] = {}  # pod -> why its kubelet did not answer
         self._lock = threading.Lock()
         self.state_path = paths.hosts_cache(spec.name, self.kind)
 
@@ -189,7 +197,44 @@ class KubernetesProvider(Provider):
                 "Kubernetes section has one) and a RoleBinding to you"))
         if self.config.volume is not None:
             found += self._volume_problems(self.config.volume.claim)
+        found += self._node_problems()
         return found
+
+    def _node_problems(self) -> list[Problem]:
+        """Whether the nodes there are now can hold the job's pods (their labels, taints and
+        allocatable resources; not what already runs there). Said, never blocking: a node
+        pool that autoscales from zero has no node until pods wait for one."""
+        kube = self.kube
+        if not kube.allowed("list", "nodes", namespaced=False)[0]:
+            return [Problem(
+                "kubernetes", "these credentials may not list nodes: up cannot tell whether a "
+                "node can hold the pods, and a lost node shows as a crash", "grant get and "
+                "list on nodes (a ClusterRole and a ClusterRoleBinding; the README's "
+                "Kubernetes section has one)", blocking=False)]
+        listing = kube.call("list the nodes", kube.core.list_node).get("items", [])
+        node_selector, tolerations = manifests.placement(self.config)
+        requests, _ = manifests.pod_resources(self.config)
+        holds, why_not = 0, []
+        for node in listing:
+            count, why = nodes.pods_it_holds(node, node_selector=node_selector,
+                                             tolerations=tolerations, requests=requests)
+            holds += count
+            if why:
+                why_not.append(why)
+        wanted = self.spec.num_tasks
+        if holds >= wanted:
+            return []
+        asks = ", ".join(f"{v} {k}" for k, v in requests.items()) or "nothing"
+        shown = "; ".join(why_not[:3]) + (f"; and {len(why_not) - 3} more"
+                                          if len(why_not) > 3 else "")
+        said = f"no node now can hold a pod (each asks {asks})" if holds == 0 else \
+            f"the nodes now hold {holds} of the {wanted} pods at most (each asks {asks})"
+        return [Problem(
+            "kubernetes", f"{said}: {shown or 'the cluster has no node'}",
+            "add a node pool that matches provider.node_selector, tolerations, gpus_per_pod "
+            "and resources (GKE: gcloud container node-pools create ... --accelerator "
+            "type=TYPE,count=N), or let one autoscale: the pods wait for it, with the reason "
+            "in the view", blocking=False)]
 
     def _may_read_namespaces(self) -> bool:
         return self.kube.allowed("get", "namespaces")[0]
@@ -278,8 +323,9 @@ class KubernetesProvider(Provider):
         plain = dataclasses.replace(plan, tasks=tuple(
             dataclasses.replace(t, env={k: v for k, v in t.env.items() if k not in values})
             for t in plan.tasks))
-        jobset = manifests.jobset(self.spec, plain, code=code, lib=lib, secrets=names)
         self._remove_jobset(wait=True)
+        jobset = manifests.jobset(self.spec, plain, code=code, lib=lib, secrets=names,
+                                  avoid_nodes=self._nodes_to_avoid())
         if names:
             secret = manifests.secret(self.spec.name, kube.namespace, values,
                                       run_id=plan.run_id, attempt=plan.attempt)
@@ -306,16 +352,140 @@ class KubernetesProvider(Provider):
         if gone is None or not wait:
             return gone is not None
         deadline = time.monotonic() + GONE_WAIT_S
+        forced: set[str] = set()
         while time.monotonic() < deadline:
             if kube.call(f"read JobSet {name}", kube.custom.get_namespaced_custom_object,
                          JOBSET_GROUP, JOBSET_VERSION, kube.namespace, JOBSETS, name,
                          missing_ok=True) is None:
                 return True
+            self._force_stuck_pods(forced)
             time.sleep(0.5)
         raise ProviderError(f"JobSet {name} of the previous attempt is still there after "
                             f"{GONE_WAIT_S:.0f}s {kube.where}",
                             fix=f"kubectl -n {kube.namespace} get jobset {name} -o yaml shows "
                                 "what holds it (a finalizer); delete it, then train again")
+
+    def _force_stuck_pods(self, done: set[str]) -> None:
+        """Delete with no grace the pods that wait to be deleted on a lost node: its kubelet
+        will never confirm, and they hold the JobSet's deletion (as ``kubectl delete --force``
+        would; the kubelet kills what is left of them if the node comes back)."""
+        kube = self.kube
+        with self._lock:
+            lost = set(self._lost_nodes)
+        for state in list(self.watch().pods.values()):
+            meta, node = state.pod["metadata"], state.pod["spec"].get("nodeName")
+            if state.deleted or state.name in done or not meta.get("deletionTimestamp") or \
+                    node not in lost:
+                continue
+            done.add(state.name)
+            self.progress(f"pod {state.name} is stuck terminating on lost node {node}: "
+                          "deleted with no grace")
+            kube.call(f"delete pod {state.name}", kube.core.delete_namespaced_pod, state.name,
+                      kube.namespace, grace_period_seconds=0, missing_ok=True)
+
+    # -- lost nodes ----------------------------------------------------------------------
+    def lost_hosts(self, hosts: Sequence[Host]) -> dict[str, str]:
+        """After a task failed: the tasks of ``hosts`` whose node was lost under their pod.
+        A node the cluster has marked (gone, not Ready, tainted unreachable), else one whose
+        kubelet does not answer: a node that just died still counts Ready for the node
+        monitor's grace (40 to 50 s), but the API server cannot reach its kubelet for the
+        pod's log. The next attempts' pods avoid a lost node (``start_group``)."""
+        keys = dict(zip((h.name for h in manifests.hosts(self.spec)),
+                        manifests.roles(self.spec), strict=True))
+        newest: dict[str, PodState] = {}
+        for state in list(self.watch().pods.values()):
+            labels = state.labels
+            for host in hosts:
+                role, index = keys.get(host.name, ("", -1))
+                if (labels.get(manifests.ROLE_LABEL), labels.get(manifests.JOB_INDEX_KEY)) != \
+                        (role, str(index)) or not state.pod["spec"].get("nodeName"):
+                    continue
+                had = newest.get(host.name)
+                if had is None or _attempt(state) > _attempt(had):
+                    newest[host.name] = state
+        seen: dict[str, dict[str, Any] | None] = {}
+        try:
+            for state in newest.values():
+                node = state.pod["spec"]["nodeName"]
+                if node not in seen:
+                    seen[node] = self.kube.call(f"read node {node}", self.kube.core.read_node,
+                                                 node, missing_ok=True)
+        except KubeError:
+            return {}  # nodes may not be read with these credentials: nothing to tell
+
+        def check(item: tuple[str, PodState]) -> str | None:
+            _, state = item
+            node_name = state.pod["spec"]["nodeName"]
+            node = seen[node_name]
+            if node is None:
+                return f"node {node_name} is gone"
+            marked = nodes.trouble(node)
+            if marked:
+                return f"node {node_name} {marked}"
+            with self._lock:
+                unanswered = self._unanswered.get(state.name)
+            if unanswered is None and not state.deleted and not _container_ended(state.pod):
+                unanswered = self._kubelet_unreachable(state.name)
+            return f"the kubelet of node {node_name} does not answer ({unanswered})" \
+                if unanswered else None
+
+        found = fan_out(list(newest.items()), check, name_of=lambda item: item[0]).values()
+        lost = {name: why for name, why in found.items() if isinstance(why, str)}
+        with self._lock:
+            for name in lost:
+                node_name = newest[name].pod["spec"]["nodeName"]
+                self._lost_nodes[node_name] = nodes.ready_since(seen[node_name])
+        return lost
+
+    def ask_kubelet(self, ref: PodRef) -> None:
+        """Before the task's pod is deleted at once (a deleted pod's log cannot be asked
+        for): whether its kubelet answers, remembered for ``lost_hosts``."""
+        found = self.pod(ref)
+        if found is None or found.deleted or _container_ended(found.pod) or \
+                not found.pod["spec"].get("nodeName"):
+            return
+        unanswered = self._kubelet_unreachable(found.name)
+        if unanswered:
+            with self._lock:
+                self._unanswered[found.name] = unanswered
+
+    def _kubelet_unreachable(self, pod: str) -> str | None:
+        """Why the API server cannot reach ``pod``'s kubelet, asking for one line of its log;
+        None when it answers (whatever the answer)."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        kube = self.kube
+        try:
+            response = kube.stream(kube.core.read_namespaced_pod_log, pod, kube.namespace,
+                                   container=manifests.CONTAINER, tail_lines=1,
+                                   timeout_s=KUBELET_PROBE_S)
+            response.release_conn()
+        except ApiException as exc:
+            message = _status_message(exc)
+            return message if exc.status in (500, 502, 503) and ":10250" in message else None
+        except (HTTPError, OSError):
+            return f"no answer in {KUBELET_PROBE_S:.0f}s"
+        return None
+
+    def _nodes_to_avoid(self) -> list[str]:
+        """The lost nodes that have not been Ready again since: the next JobSet avoids them."""
+        with self._lock:
+            lost = dict(self._lost_nodes)
+        avoid = []
+        for name, since in lost.items():
+            try:
+                node = self.kube.call(f"read node {name}", self.kube.core.read_node, name,
+                                      missing_ok=True)
+            except KubeError:
+                avoid.append(name)
+                continue
+            if node is not None and not nodes.trouble(node) and nodes.ready_since(node) != since:
+                with self._lock:
+                    self._lost_nodes.pop(name, None)  # back: Ready again since it was lost
+            elif node is not None:
+                avoid.append(name)
+        return avoid
 
     def pod(self, ref: PodRef) -> PodState | None:
         return self.watch().find({manifests.CLUSTER_LABEL: self.spec.name, **ref.labels()})
@@ -476,4 +646,24 @@ class KubernetesProvider(Provider):
 
 def _quote(text: str) -> str:
     return shlex.quote(text)
+
+
+def _attempt(state: PodState) -> int:
+    value = state.labels.get(manifests.ATTEMPT_LABEL, "")
+    return int(value) if value.isdigit() else -1
+
+
+def _container_ended(pod: dict[str, Any]) -> bool:
+    return any(s.get("state", {}).get("terminated")
+               for s in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def _status_message(exc: Any) -> str:
+    """The message of an API error's Status body (its raw body when it is not one)."""
+    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body)
+    try:
+        message = json.loads(body).get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or body or exc.reason)[:500]
 

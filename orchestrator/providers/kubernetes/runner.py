@@ -209,6 +209,8 @@ class PodRunner(Runner):
         current = self._status(handle, status=True)
         if current is not None and current.state is not TaskState.RUNNING:
             return current
+        if grace_s <= 0:  # the pod is gone from the API at once: ask its kubelet first
+            self.provider.ask_kubelet(ref)
         self.provider.delete_pod(ref, math.ceil(grace_s))
         deadline = time.monotonic() + grace_s + STOP_WAIT_S
         while time.monotonic() < deadline:
