@@ -490,6 +490,8 @@ def _render_run(console: Console, r: dict[str, Any]) -> None:
     say_parts(console, f"  run {r['id']} ", (str(r["status"]), style),
               f" {when}, {duration(r['seconds'])}, {attempts} attempt(s), {r['restarts']} "
               f"restart(s){controller}{metrics}")
+    if r["status"] == "running" and r["message"]:
+        console.print(f"    now: {r['message']}", markup=False, highlight=False, soft_wrap=True)
     for a in r["attempts"]:
         console.print(f"    attempt {a['number']}: {a['status']} from step "
                       f"{a['resumed_from_step'] or 0} to {a['last_step'] or 0}"

@@ -436,6 +436,13 @@ class Store:
                 "UPDATE runs SET status='running', ended_at=NULL, message='', controller_pid=?"
                 " WHERE id=?", (os.getpid(), run_id))
 
+    def note_run(self, run_id: str, message: str) -> None:
+        """What a running run waits for now ("" when nothing), for 'status'; the run's end
+        replaces it with its final message."""
+        with self._tx() as db:
+            db.execute("UPDATE runs SET message=? WHERE id=? AND status='running'",
+                       (message[:2000], run_id))
+
     def finish_run(
         self, run_id: str, *, status: str, message: str = "",
         metrics: dict[str, float] | None = None, model_path: str = "",

@@ -102,6 +102,7 @@ class Supervisor:
         self._relayed_bytes = 0  # checkpoint bytes relayed through here when hosts could not
         self._mirror: CheckpointMirror | None = None
         self._beat = 0.0
+        self._noted = ""  # the waiting reasons last written to the run's record
         self._recovered: set[int] = set()  # attempts whose recovery figures are recorded
         self._resumed_at = 0  # the first attempt of a 'train --resume'; 0 when not resumed
         self.launcher = launcher_for(spec)
@@ -527,6 +528,11 @@ class Supervisor:
 
     def _tick(self, run_id: str) -> None:
         self._check_stopped(run_id)
+        waiting = "; ".join(f"{t.key} is waiting: {t.waiting}"
+                            for t in self.view.tasks.values() if t.waiting)
+        if waiting != self._noted:  # 'status' shows why the tasks have not started
+            self._noted = waiting
+            self.store.note_run(run_id, self._redact(waiting))
         if time.monotonic() - self._beat >= HEARTBEAT_S:
             self._beat = time.monotonic()
             self.store.heartbeat(run_id)

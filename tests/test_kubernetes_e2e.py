@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ from typing import Any
 import pytest
 from helpers import REPO
 from kubecluster import FakeCluster, wait_for
+from rich.console import Console
 
-from orchestrator.api import Cluster
+from orchestrator.api import Cluster, statuses
+from orchestrator.console import render_status
 from orchestrator.providers.kubernetes import manifests
 from orchestrator.state import Store
 
@@ -150,22 +153,40 @@ job: {module: digits, epochs: 1, steps_per_epoch: 20, progress_every_steps: 5}
 """, workers=2)
     api = Cluster.from_spec(path)
     said: list[str] = []
+    states: set[str] = set()
+    status_said: list[str] = []
 
-    def add_gpus_once_told(view: Any, event: Any) -> None:
-        new = [m for m in view.messages if "is waiting" in m and m not in said]
-        said.extend(new)
-        if new and len([m for m in said if "is waiting" in m]) == 1:
-            waiting = {t.state for t in view.tasks.values()}
-            assert "waiting" in waiting
-            for node in ("node-1", "node-2", "node-3"):
-                cluster.set_gpus(node, 1)  # the autoscaler's new nodes, in effect
+    def listener(view: Any, event: Any) -> None:
+        said.extend(m for m in view.messages if "is waiting" in m and m not in said)
+        states.update(t.state for t in view.tasks.values())
 
+    def add_gpus_once_status_tells() -> None:
+        """'orchestrate status' (another process would read the same store) says why the
+        run waits; then the autoscaler's new nodes come, in effect."""
+        for _ in range(600):
+            runs = Store().runs(api.name, limit=1)
+            if runs and "is waiting: no node can take its pod" in runs[0].message:
+                console = Console(record=True, width=300)
+                render_status(console, [c.to_dict() for c in statuses(api.name)])
+                status_said.append(console.export_text())
+                break
+            time.sleep(0.2)
+        for node in ("node-1", "node-2", "node-3"):
+            cluster.set_gpus(node, 1)
+
+    helper = threading.Thread(target=add_gpus_once_status_tells)
     try:
         api.up()
-        result = api.train(listener=add_gpus_once_told).wait()
+        helper.start()
+        result = api.train(listener=listener).wait()
     finally:
+        helper.join()
         api.provider.close()
     assert result.status == "succeeded" and len(result.attempts) == 1
+    assert "waiting" in states
+    assert status_said and "now: worker:0 is waiting: no node can take its pod" in \
+        status_said[0], status_said
+    assert not Store().runs(api.name, limit=1)[0].message.startswith("worker:")  # replaced
     assert said, "the wait was never explained"
     assert "no node can take its pod: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu" \
         in said[0]
