@@ -55,6 +55,10 @@ class Launcher(ABC):
         """Why the task has not started yet, as its scheduler says (``Runner.waiting``)."""
         return runner.waiting(handle)
 
+    def queued(self, runner: Runner, handle: TaskHandle) -> str | None:
+        """Why the task's group waits in a scheduler's queue (``Runner.queued``)."""
+        return runner.queued(handle)
+
     def engine_failure(self, host: Host, exit_code: int | None,
                        output: str) -> containers.EngineFailure | None:
         """Whether a task that exited ``exit_code`` with ``output`` and no event never started

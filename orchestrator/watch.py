@@ -188,6 +188,7 @@ class AttemptWatch:
                                         thread_name_prefix="orchestrate-poll")
         self._first_failure_seen: float | None = None
         self._waiting_at = float("-inf")
+        self._queued_at = float("-inf")  # when a task was last seen queued
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -464,9 +465,12 @@ class AttemptWatch:
             if w.reached_step or w.ended or w.unreachable is not None:
                 continue
             try:
-                reason = self.launcher.waiting(w.runner, w.handle) or ""
+                queued = self.launcher.queued(w.runner, w.handle)
+                reason = queued or self.launcher.waiting(w.runner, w.handle) or ""
             except RemoteError:
                 continue
+            if queued:  # the startup clock starts once the group leaves the queue
+                self._queued_at = time.time()
             if reason == w.waiting:
                 continue
             w.waiting = reason
@@ -480,7 +484,8 @@ class AttemptWatch:
 
     def _check_startup(self) -> None:
         late = [w.key for w in self.watched if not w.reached_step]
-        if late and time.time() - self.started > self.spec.timeouts.startup_s:
+        if late and time.time() - max(self.started, self._queued_at) > \
+                self.spec.timeouts.startup_s:
             stuck = self._stuck()
             culprit = stuck[0] if stuck else late[0]
             raise AttemptFailed(

@@ -82,6 +82,8 @@ Events = list[tuple[str, Json]]  # (watch event type, object)
 Owned = list[tuple["Kind", Json]]
 Keyed = list[tuple[str, Json]]  # (etcd key "namespace/name", object)
 JOBSET_CRD = "jobsets.jobset.x-k8s.io"
+LOCALQUEUE_CRD = "localqueues.kueue.x-k8s.io"
+WORKLOAD_CRD = "workloads.kueue.x-k8s.io"
 GENERATE_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # what the apiserver's name generator draws from
 DEFAULT_GRACE_S = 30
 BASE64_CHARS = frozenset(string.ascii_letters + string.digits + "+/=")
@@ -172,12 +174,16 @@ KINDS = {k.resource: k for k in [
     Kind("jobs", "Job", "batch", "v1", status=True, fields=("status.successful",),
          default_propagation="Orphan"),
     Kind("jobsets", "JobSet", "jobset.x-k8s.io", "v1alpha2", status=True, crd=JOBSET_CRD),
+    Kind("localqueues", "LocalQueue", "kueue.x-k8s.io", "v1beta1", status=True,
+         crd=LOCALQUEUE_CRD),
+    Kind("workloads", "Workload", "kueue.x-k8s.io", "v1beta1", status=True, crd=WORKLOAD_CRD),
     Kind("customresourcedefinitions", "CustomResourceDefinition", "apiextensions.k8s.io", "v1",
          namespaced=False, status=True, short_names=("crd", "crds")),
     Kind("selfsubjectaccessreviews", "SelfSubjectAccessReview", "authorization.k8s.io", "v1",
          namespaced=False),
 ]}
 GROUP_VERSIONS = {"v1": "", "batch/v1": "batch", "jobset.x-k8s.io/v1alpha2": "jobset.x-k8s.io",
+                  "kueue.x-k8s.io/v1beta1": "kueue.x-k8s.io",
                   "apiextensions.k8s.io/v1": "apiextensions.k8s.io",
                   "authorization.k8s.io/v1": "authorization.k8s.io"}
 
@@ -1182,6 +1188,20 @@ def _default_job(job: Json) -> None:
     template_meta["labels"] = {**(template_meta.get("labels") or {}), **labels}
 
 
+def kueue_crd_objects() -> list[Json]:
+    """Minimal CRD objects for Kueue's LocalQueue and Workload (kueue.x-k8s.io/v1beta1)."""
+    return [{"metadata": {"name": f"{plural}.kueue.x-k8s.io"},
+             "spec": {"group": "kueue.x-k8s.io", "scope": "Namespaced",
+                      "names": {"plural": plural, "singular": plural[:-1], "kind": kind,
+                                "listKind": f"{kind}List"},
+                      "versions": [{"name": "v1beta1", "served": True, "storage": True,
+                                    "schema": {"openAPIV3Schema": {
+                                        "type": "object",
+                                        "x-kubernetes-preserve-unknown-fields": True}},
+                                    "subresources": {"status": {}}}]}}
+            for plural, kind in (("localqueues", "LocalQueue"), ("workloads", "Workload"))]
+
+
 def jobset_crd_object() -> Json:
     """A minimal CRD object for JobSet, enough for a client that checks that it is installed."""
     return {"metadata": {"name": JOBSET_CRD},
@@ -1458,8 +1478,8 @@ def parse_path(store: Store, path: str) -> Route | None:
         group_version, rest = f"{parts[1]}/{parts[2]}", parts[3:]
     else:
         raise PageNotFound(path)
-    if group_version not in GROUP_VERSIONS or (
-            group_version == "jobset.x-k8s.io/v1alpha2" and not _crd_installed(store)):
+    if group_version not in GROUP_VERSIONS or not _crd_installed(
+            store, GROUP_VERSIONS[group_version]):
         raise PageNotFound(path)
     if not rest:
         return None
@@ -1480,12 +1500,16 @@ def parse_path(store: Store, path: str) -> Route | None:
     return Route(kind, namespace, name, sub)
 
 
-def _crd_installed(store: Store) -> bool:
-    try:
-        store.get("customresourcedefinitions", JOBSET_CRD)
-    except KubeError:
-        return False
-    return True
+def _crd_installed(store: Store, group: str = "jobset.x-k8s.io") -> bool:
+    """Whether a CRD of ``group`` is installed (a custom group is served only then)."""
+    crds = [k.crd for k in KINDS.values() if k.crd and k.group == group]
+    for crd in crds:
+        try:
+            store.get("customresourcedefinitions", crd)
+        except KubeError:
+            continue
+        return True
+    return not crds
 
 
 def _flag(query: dict[str, str], name: str) -> bool:
@@ -1654,7 +1678,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/apis":
             groups = []
             for group_version, group in GROUP_VERSIONS.items():
-                if group and (group != "jobset.x-k8s.io" or _crd_installed(self.fake.store)):
+                if group and _crd_installed(self.fake.store, group):
                     version = {"groupVersion": group_version, "version": group_version.split("/")[1]}
                     groups.append({"name": group, "versions": [version], "preferredVersion": version})
             return {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}

@@ -46,7 +46,14 @@ the store reports, and every ``poll_s``), and talks to the store's internal API:
   Foreground, then recreated with the next restart-attempt; else Failed/ReachedMaxRestarts, or
   FailedJobs without a failurePolicy, with "(first failed job: ...)" as JobSet writes it), success
   policy (All/Any, targetReplicatedJobs) -> Completed, terminalState, the active Jobs of a
-  finished JobSet deleted (Foreground), conditions and events as JobSet emits them.
+  finished JobSet deleted (Foreground), conditions and events as JobSet emits them; spec.suspend
+  passed to its Jobs (a suspended Job makes no pods) with the Suspended condition.
+- Kueue (``kueue=True``): its LocalQueue and Workload CRDs; a JobSet labelled
+  ``kueue.x-k8s.io/queue-name`` gets a Workload it owns, QuotaReserved False (Pending with
+  ``kueue_pending``, or Inadmissible when the LocalQueue is missing) until ``admit_queued``,
+  then QuotaReserved and Admitted True and the JobSet unsuspended. No quota arithmetic, no
+  ClusterQueues, cohorts, flavors' node selectors or admission checks; Kueue's webhook does not
+  suspend a JobSet (the tool submits it suspended).
 - node lifecycle: ``lose_node`` (the processes are gone and nothing reports; a log request for
   a pod bound to it fails with 500 "dial tcp ...:10250: i/o timeout" after the server's dial
   (``FakeKube.kubelet_dial_s``); after
@@ -61,18 +68,18 @@ the store reports, and every ``poll_s``), and talks to the store's internal API:
 
 Not modelled: container restarts (restartPolicy OnFailure and Always behave as Never: a failed
 container fails its pod; podlab cannot restart a container in its sandbox), pods with more than
-one container (only the first runs; init containers and sidecars are ignored), probes (a
-running container is ready), Job backoff delays, podFailurePolicy, successPolicy of Jobs,
-suspend, ttlSecondsAfterFinished, activeDeadlineSeconds, the job-tracking finalizer (the Job
+one container (only the first runs; init containers and sidecars are ignored), probes (a running
+container is ready), Job backoff delays, podFailurePolicy, successPolicy of Jobs, suspending a Job
+that has pods, ttlSecondsAfterFinished, activeDeadlineSeconds, the job-tracking finalizer (the Job
 controller remembers pods in memory), JobSet's failurePolicy rules, startupPolicy, coordinator,
 exclusive placement, in-place and per-Job restarts, TTL, the node's heartbeat (Node objects are
 only written on changes), node addresses that anything can reach (InternalIP is made up), the
 pod's IP while it waits for its image or its configuration (there is no sandbox yet), preemption
-of lower-priority pods, pod and node affinity other than required node affinity, topology
-spread, services other than the headless ones' DNS, admission (defaults are written later),
-the sandbox of a pod whose volume is missing (the pod stays ContainerCreating, event
-FailedMount), supplementary groups (podlab has none: fsGroup sets the volume's group, the
-process gets it only as its runAsGroup).
+of lower-priority pods, pod and node affinity other than required node affinity, topology spread,
+services other than the headless ones' DNS, admission (defaults are written later), the sandbox of
+a pod whose volume is missing (the pod stays ContainerCreating, event FailedMount), supplementary
+groups (podlab has none: fsGroup sets the volume's group, the process gets it only as its
+runAsGroup).
 """
 
 from __future__ import annotations
@@ -93,7 +100,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_kube import FakeKube, KubeError, Store, now_rfc3339
+from fake_kube import FakeKube, KubeError, Store, kueue_crd_objects, now_rfc3339
 from podlab import (
     HostPath,
     PodLab,
@@ -108,6 +115,7 @@ from podlab import (
 Json = dict[str, Any]
 GPU = "nvidia.com/gpu"
 SPOT_LABEL = "cloud.google.com/gke-spot"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 JOBSET = "jobset.sigs.k8s.io/"
@@ -270,7 +278,10 @@ class FakeCluster:
                  spot: Collection[str] = (), images: Collection[str] = ("python:3.11",),
                  cpu: str = "8", memory: str = "32Gi", max_pods: int = 110,
                  node_monitor_grace_s: float = 40.0, eviction_s: int = 300,
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, kueue: bool = False,
+                 kueue_pending: str = "couldn't assign flavors to pod set worker: insufficient "
+                                      "unused quota for nvidia.com/gpu in flavor default-flavor, "
+                                      "8 more needed") -> None:
         """Args:
             kube: the API server (started); its store gets the controllers.
             lab: the pod lab whose nodes become the cluster's nodes.
@@ -280,6 +291,9 @@ class FakeCluster:
             node_monitor_grace_s: how long a silent node stays Ready (real: 40 s; 50 s from 1.32).
             eviction_s: the tolerationSeconds the DefaultTolerationSeconds admission adds
                 (real: 300 s).
+            kueue: Kueue installed (its LocalQueue and Workload CRDs; the test makes the
+                LocalQueues) with its JobSet integration.
+            kueue_pending: why Kueue does not admit a Workload yet (its QuotaReserved message).
         """
         self.kube = kube
         self.store: Store = kube.store
@@ -292,6 +306,9 @@ class FakeCluster:
         self.node_monitor_grace_s = node_monitor_grace_s
         self.eviction_s = eviction_s
         self.poll_s = poll_s
+        self.kueue = kueue
+        self.kueue_pending = kueue_pending
+        self._kueue_admits = False
         self.dir = Path(tempfile.mkdtemp(prefix="kubecluster-"))
         self.dir.chmod(0o755)  # the pods' users read their volumes below it
         self._lock = threading.RLock()
@@ -306,6 +323,7 @@ class FakeCluster:
         self._loops = [_Loop("scheduler", self._schedule), _Loop("storage", self._bind_claims),
                        _Loop("kubelet", self._kubelet), _Loop("job-controller", self._sync_jobs),
                        _Loop("jobset-controller", self._sync_jobsets),
+                       _Loop("kueue", self._sync_kueue),
                        _Loop("node-lifecycle", self._node_lifecycle)]
         self._started = False
 
@@ -314,6 +332,9 @@ class FakeCluster:
         """Register the nodes and start every controller's thread."""
         for node in self.nodes:
             self.store.create("nodes", self._node_object(node))
+        if self.kueue:
+            for crd in kueue_crd_objects():
+                self.store.create("customresourcedefinitions", crd)
         self.store.register_pod_terminator(lambda pod: self._wake_all())
         self.store.subscribe(lambda type_, resource, obj: self._wake_all())
         for loop in self._loops:
@@ -1281,6 +1302,7 @@ class FakeCluster:
             elif not (succeeded and self._jobset_succeeded(jobset, status, succeeded)):
                 self._create_service(jobset)
                 self._create_jobs(jobset, restarts, {j["metadata"]["name"] for j in jobs})
+                self._suspend_or_resume(jobset, status, active)
                 if all(s["ready"] + s["succeeded"] >= rj.get("replicas", 1) for s, rj in
                        zip(status["replicatedJobsStatus"], spec["replicatedJobs"], strict=True)) and \
                         _condition({"status": status}, "RestartingJobSet"):
@@ -1289,6 +1311,87 @@ class FakeCluster:
         if status != jobset.get("status"):
             jobset["status"] = status
             self.store.update_status("jobsets", jobset)
+
+    def _suspend_or_resume(self, jobset: Json, status: Json, jobs: list[Json]) -> None:
+        """JobSet's spec.suspend on its Jobs (a suspended Job has no pods), and its condition."""
+        suspended = bool(jobset["spec"].get("suspend"))
+        for job in jobs:
+            if bool(job["spec"].get("suspend")) != suspended:
+                job["spec"]["suspend"] = suspended
+                self.store.update("jobs", job)
+        if suspended:
+            _set_condition(status, {"type": "Suspended", "status": "True",
+                                    "reason": "SuspendedJobs", "message": "jobset is suspended"})
+        elif _condition({"status": status}, "Suspended"):
+            _set_condition(status, {"type": "Suspended", "status": "False",
+                                    "reason": "ResumeJobs", "message": "jobset is resumed"})
+
+    # -- Kueue ---------------------------------------------------------------------------
+    def admit_queued(self) -> None:
+        """Kueue finds quota for every pending Workload: each is admitted and its JobSet
+        resumed (the pods are made then)."""
+        with self._lock:
+            self._kueue_admits = True
+        self._wake_all()
+
+    def _sync_kueue(self) -> None:
+        """Kueue's JobSet integration, for a JobSet labelled with a queue: a Workload owned by
+        it, pending with ``kueue_pending`` (or inadmissible when the LocalQueue is missing)
+        until ``admit_queued``, then admitted and the JobSet unsuspended."""
+        if not self.kueue:
+            return
+        with self._lock:
+            admits = self._kueue_admits
+        for jobset in self.store.list("jobsets"):
+            meta = jobset["metadata"]
+            queue = (meta.get("labels") or {}).get(QUEUE_LABEL)
+            if not queue or _deleting(jobset):
+                continue
+            namespace = meta["namespace"]
+            owned = [w for w in self.store.list("workloads", namespace)
+                     if any(r.get("uid") == meta["uid"]
+                            for r in w["metadata"].get("ownerReferences") or [])]
+            if not owned:
+                owned = [self._make_workload(jobset, queue)]
+            workload = owned[0]
+            admitted = _is_true(workload, "Admitted")
+            if admits and not admitted and _condition(workload, "QuotaReserved") is not None \
+                    and (_condition(workload, "QuotaReserved") or {}).get("reason") == "Pending":
+                status = copy.deepcopy(workload.get("status") or {})
+                status["admission"] = {"clusterQueue": "cluster-queue", "podSetAssignments": [
+                    {"name": ps["name"], "count": ps["count"], "flavors": {}}
+                    for ps in workload["spec"]["podSets"]]}
+                _set_condition(status, {"type": "QuotaReserved", "status": "True", "reason":
+                                        "QuotaReserved", "message":
+                                        "Quota reserved in ClusterQueue cluster-queue"})
+                _set_condition(status, {"type": "Admitted", "status": "True", "reason": "Admitted",
+                                        "message": "The workload is admitted"})
+                workload["status"] = status
+                self.store.update_status("workloads", workload)
+                admitted = True
+            if admitted and jobset["spec"].get("suspend"):
+                jobset["spec"]["suspend"] = False
+                self.store.update("jobsets", jobset)
+
+    def _make_workload(self, jobset: Json, queue: str) -> Json:
+        meta = jobset["metadata"]
+        namespace = meta["namespace"]
+        try:
+            self.store.get("localqueues", queue, namespace)
+            reason, message = "Pending", self.kueue_pending
+        except KubeError:
+            reason, message = "Inadmissible", f"LocalQueue {queue} doesn't exist"
+        workload = self.store.create("workloads", {
+            "metadata": {"name": f"jobset-{meta['name']}-{meta['uid'][:5]}",
+                         "labels": {"kueue.x-k8s.io/job-uid": meta["uid"]},
+                         "ownerReferences": [_owner(jobset)]},
+            "spec": {"queueName": queue, "podSets": [
+                {"name": rj["name"], "count": int(rj.get("replicas", 1))}
+                for rj in jobset["spec"]["replicatedJobs"]]}}, namespace=namespace)
+        workload["status"] = {"conditions": []}
+        _set_condition(workload["status"], {"type": "QuotaReserved", "status": "False",
+                                             "reason": reason, "message": message})
+        return self.store.update_status("workloads", workload)
 
     def _jobset_failed(self, jobset: Json, status: Json, failed: list[Json]) -> None:
         first = min(failed, key=lambda j: (_condition(j, "Failed") or {}).get("lastTransitionTime", ""))

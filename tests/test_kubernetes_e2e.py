@@ -79,6 +79,21 @@ def at_step(cluster: FakeCluster, step: int, index: int,
     return listener, acted
 
 
+def train_beside(api: Cluster, listener: Callable[[Any, Any], None],
+                 beside: Callable[[], None]) -> Any:
+    """``up``, then ``train`` to its end while ``beside`` runs in a thread (acting on the
+    cluster as the run goes); the run's result."""
+    helper = threading.Thread(target=beside)
+    try:
+        api.up()
+        helper.start()
+        return api.train(listener=listener).wait()
+    finally:
+        if helper.ident is not None:  # started
+            helper.join()
+        api.provider.close()
+
+
 def test_up_train_down_with_a_jobset_of_three_pods(
         kube_cluster_factory: Callable[..., FakeCluster], tmp_path: Path) -> None:
     cluster = kube_cluster_factory(images={IMAGE})
@@ -174,14 +189,7 @@ job: {module: digits, epochs: 1, steps_per_epoch: 20, progress_every_steps: 5}
         for node in ("node-1", "node-2", "node-3"):
             cluster.set_gpus(node, 1)
 
-    helper = threading.Thread(target=add_gpus_once_status_tells)
-    try:
-        api.up()
-        helper.start()
-        result = api.train(listener=listener).wait()
-    finally:
-        helper.join()
-        api.provider.close()
+    result = train_beside(api, listener, add_gpus_once_status_tells)
     assert result.status == "succeeded" and len(result.attempts) == 1
     assert "waiting" in states
     assert status_said and "now: worker:0 is waiting: no node can take its pod" in \
@@ -309,3 +317,44 @@ timeouts: {collective_s: 20}
                              + str(len(result.attempts)))
     assert now and node not in {p["spec"]["nodeName"] for p in now}
     assert len(set(result.digests.values())) == 1
+
+
+def test_a_jobset_queued_in_kueue_waits_past_the_startup_timeout_and_runs_once_admitted(
+        kube_cluster_factory: Callable[..., FakeCluster], tmp_path: Path) -> None:
+    """provider.queue: the JobSet is submitted suspended with the queue label; while Kueue
+    holds it (no quota), the view and 'status' say why, with the Workload's own message, and
+    the wait does not count against timeouts.startup_s (30 s here, the queue ~35 s); once
+    admitted, the pods are made and the run trains in its first attempt."""
+    cluster = kube_cluster_factory(images={IMAGE}, kueue=True)
+    path = k8s_spec(cluster, tmp_path, """\
+  queue: team-a
+job: {module: digits, epochs: 1, steps_per_epoch: 10, progress_every_steps: 5}
+timeouts: {startup_s: 30}
+""", workers=2)
+    cluster.store.create("localqueues", {"metadata": {"name": "team-a"},
+                                         "spec": {"clusterQueue": "cluster-queue"}}, namespace="ml")
+    api = Cluster.from_spec(path)
+    said: list[str] = []
+    told = threading.Event()
+
+    def listener(view: Any, event: Any) -> None:
+        said.extend(m for m in view.messages if "is waiting" in m and m not in said)
+        if any("queued in Kueue's LocalQueue team-a" in m for m in said):
+            told.set()
+
+    def admit_later() -> None:
+        if told.wait(60):
+            time.sleep(35)  # longer than the startup timeout, queued
+        submitted.append(cluster.store.get("jobsets", "k8s-e2e", "ml"))
+        cluster.admit_queued()
+
+    submitted: list[dict[str, Any]] = []
+    result = train_beside(api, listener, admit_later)
+    assert result.status == "succeeded" and len(result.attempts) == 1, \
+        ([(a.cause, a.detail) for a in result.attempts], said)
+    assert submitted[0]["spec"]["suspend"] is True
+    assert submitted[0]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    queued = [m for m in said if "queued in Kueue's LocalQueue team-a, not admitted" in m]
+    assert queued and "insufficient unused quota for nvidia.com/gpu in flavor default-flavor" \
+        in queued[0], said
+    assert "kubectl -n ml describe localqueue team-a" in queued[0]

@@ -198,6 +198,8 @@ def test_gpus_spot_queue_and_placement() -> None:
     jobset = jobset_of(spec)
     validate_jobset(jobset)
     assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert jobset["spec"]["suspend"] is True  # no pod before Kueue admits it
+    assert "suspend" not in jobset_of(make_spec(2))["spec"]  # no queue: it starts at once
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["resources"] == {

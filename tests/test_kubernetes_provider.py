@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_kube import FakeKube
+from fake_kube import FakeKube, kueue_crd_objects
 from fake_kube import KubeError as StoreError
 
 from orchestrator import providers
@@ -460,5 +460,33 @@ def test_up_says_when_the_nodes_cannot_hold_the_pods_and_goes_on(tmp_path: Path,
         (problem,) = [p for p in made.cluster_problems() if "node" in p.message]
         assert not problem.blocking and "may not list nodes" in problem.message
         assert "ClusterRole" in problem.fix
+    finally:
+        made.close()
+
+
+def test_up_checks_the_kueue_queue_it_is_given(tmp_path: Path, fake: FakeKube) -> None:
+    made = make_provider(tmp_path, fake, extra="  queue: team-a\n")
+    try:
+        def queue_problems() -> list[Any]:
+            return [p for p in made.cluster_problems() if "queue" in p.message.lower()
+                    or "Kueue" in p.message]
+
+        (missing,) = queue_problems()  # no Kueue at all
+        assert missing.blocking and "Kueue is not installed" in missing.message
+        assert "remove provider.queue" in missing.fix
+        with pytest.raises(ProviderError, match="Kueue is not installed"):
+            made.up()
+        for crd in kueue_crd_objects():
+            fake.store.create("customresourcedefinitions", crd)
+        (no_queue,) = queue_problems()
+        assert no_queue.blocking and no_queue.message == (
+            "provider.queue: no LocalQueue team-a in namespace ml")
+        assert "kubectl -n ml get localqueues" in no_queue.fix
+        fake.store.create("localqueues", {"metadata": {"name": "team-a"},
+                                          "spec": {"clusterQueue": "cq"}}, namespace="ml")
+        assert queue_problems() == []
+        fake.forbid("get", "localqueues")
+        (unreadable,) = queue_problems()
+        assert not unreadable.blocking and "may not read LocalQueue team-a" in unreadable.message
     finally:
         made.close()

@@ -237,6 +237,12 @@ class Runner(ABC):
         holds it up that anyone reports (the default: a process starts at once)."""
         return None
 
+    def queued(self, handle: TaskHandle) -> str | None:
+        """Why the task's whole group waits in a scheduler's queue for its turn (quota), not
+        yet placed: a wait that does not count against ``timeouts.startup_s``, whose clock
+        starts once the group leaves the queue; None when it is not queued (the default)."""
+        return None
+
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         """State letters of the task's processes ('T' = stopped); empty when none is left."""
         return self.run(probe_argv(python, "states", str(handle.pgid)),

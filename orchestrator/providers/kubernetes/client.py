@@ -160,9 +160,13 @@ class Kube:
     # -- what up and the doctor ask ------------------------------------------------------------
     def jobset_versions(self) -> list[str] | None:
         """The served versions of the JobSet CRD, None when it is not installed."""
-        crd = self.call("read the JobSet CustomResourceDefinition",
-                        self.extensions.read_custom_resource_definition, JOBSET_CRD,
-                        missing_ok=True)
+        return self.crd_versions(JOBSET_CRD)
+
+    def crd_versions(self, name: str) -> list[str] | None:
+        """The served versions of CustomResourceDefinition ``name``, None when it is not
+        installed."""
+        crd = self.call(f"read the CustomResourceDefinition {name}",
+                        self.extensions.read_custom_resource_definition, name, missing_ok=True)
         if crd is None:
             return None
         return [v["name"] for v in crd.get("spec", {}).get("versions", []) if v.get("served")]

@@ -220,6 +220,9 @@ def jobset(spec: ClusterSpec, plan: ClusterPlan, *, code: Files, lib: Files,
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
             "failurePolicy": {"maxRestarts": 0},
             "replicatedJobs": replicated,
+            # Queued: made suspended, so no pod starts before Kueue admits it (Kueue's own
+            # webhook does the same; Kueue resumes it once the quota is there)
+            **({"suspend": True} if config.queue else {}),
         },
     }
 

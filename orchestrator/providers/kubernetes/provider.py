@@ -60,6 +60,9 @@ GONE_WAIT_S = 120.0  # how long the previous attempt's JobSet may take to go
 # A log request is the API server dialling the pod's kubelet: the real dial timeout is 30 s,
 # so a node whose kubelet is gone answers 500 within this (or the request times out).
 KUBELET_PROBE_S = 40.0
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta1"
+QUEUE_ASK_EVERY_S = 2.0  # the queued JobSet and its Workload, read at most this often
+NO_WORKLOAD_S = 30.0  # a queued JobSet Kueue made no Workload for within this: Kueue ignores it
 FETCH_MAX_BYTES = 64 << 20  # a file read back through a pod's log
 
 
@@ -82,6 +85,8 @@ class KubernetesProvider(Provider):
         # attempts avoid it until it is Ready again after that
         self._lost_nodes: dict[str, str] = {}
         self._unanswered: dict[str, str] = {}  # pod -> why its kubelet did not answer
+        self._submitted: dict[int, float] = {}  # attempt -> when its JobSet was created
+        self._queue_seen: tuple[float, int, str | None] = (float("-inf"), 0, None)
         self._lock = threading.Lock()
         self.state_path = paths.hosts_cache(spec.name, self.kind)
 
@@ -197,8 +202,33 @@ class KubernetesProvider(Provider):
                 "Kubernetes section has one) and a RoleBinding to you"))
         if self.config.volume is not None:
             found += self._volume_problems(self.config.volume.claim)
+        if self.config.queue:
+            found += self._queue_problems(self.config.queue)
         found += self._node_problems()
         return found
+
+    def _queue_problems(self, queue: str) -> list[Problem]:
+        """provider.queue names a LocalQueue of Kueue in the namespace."""
+        kube = self.kube
+        try:
+            local = kube.call(f"read LocalQueue {queue}", kube.custom.get_namespaced_custom_object,
+                              KUEUE_GROUP, KUEUE_VERSION, kube.namespace, "localqueues", queue,
+                              missing_ok=True)
+        except KubeError as exc:
+            if exc.code == 403:
+                return [Problem("kubernetes", f"these credentials may not read LocalQueue "
+                                f"{queue}: up cannot check provider.queue", "grant get on "
+                                "localqueues.kueue.x-k8s.io", blocking=False)]
+            raise
+        if local is not None:
+            return []
+        if not kube.crd_versions(f"localqueues.{KUEUE_GROUP}"):
+            return [Problem("kubernetes", f"provider.queue is {queue} but Kueue is not installed "
+                            f"{kube.where} (no LocalQueue API)", "install Kueue with its JobSet "
+                            "integration, or remove provider.queue")]
+        return [Problem("kubernetes", f"provider.queue: no LocalQueue {queue} in namespace "
+                        f"{kube.namespace}", f"kubectl -n {kube.namespace} get localqueues "
+                        "lists them: name one, or ask for one")]
 
     def _node_problems(self) -> list[Problem]:
         """Whether the nodes there are now can hold the job's pods (their labels, taints and
@@ -337,6 +367,8 @@ class KubernetesProvider(Provider):
         kube.call(f"create JobSet {jobset['metadata']['name']}",
                   kube.custom.create_namespaced_custom_object, JOBSET_GROUP, JOBSET_VERSION,
                   kube.namespace, JOBSETS, jobset)
+        with self._lock:
+            self._submitted[plan.attempt] = time.monotonic()
         self.watch()
         return [PodRef(plan.run_id, plan.attempt, t.role, t.index).handle(t.host.name)
                 for t in plan.tasks]
@@ -486,6 +518,59 @@ class KubernetesProvider(Provider):
             elif node is not None:
                 avoid.append(name)
         return avoid
+
+    # -- Kueue ---------------------------------------------------------------------------
+    def queued(self, attempt: int) -> str | None:
+        """Why the attempt's JobSet waits in its Kueue queue (suspended, its Workload not
+        admitted), from the Workload's QuotaReserved message; None once it is resumed.
+        Asked at most every ``QUEUE_ASK_EVERY_S`` for all the tasks at once."""
+        if not self.config.queue:
+            return None
+        with self._lock:
+            asked_at, asked_for, said = self._queue_seen
+        if asked_for == attempt and time.monotonic() - asked_at < QUEUE_ASK_EVERY_S:
+            return said
+        said = self._ask_queue(attempt)
+        with self._lock:
+            self._queue_seen = (time.monotonic(), attempt, said)
+        return said
+
+    def _ask_queue(self, attempt: int) -> str | None:
+        kube, queue = self.kube, self.config.queue
+        name = manifests.jobset_name(self.spec.name)
+        jobset = kube.call(f"read JobSet {name}", kube.custom.get_namespaced_custom_object,
+                           JOBSET_GROUP, JOBSET_VERSION, kube.namespace, JOBSETS, name,
+                           missing_ok=True)
+        if jobset is None or not jobset.get("spec", {}).get("suspend") or \
+                jobset["metadata"].get("labels", {}).get(manifests.ATTEMPT_LABEL) != str(attempt):
+            return None
+        where = f"in Kueue's LocalQueue {queue}"
+        try:
+            listing = kube.call("list the JobSet's Kueue Workload",
+                                kube.custom.list_namespaced_custom_object, KUEUE_GROUP,
+                                KUEUE_VERSION, kube.namespace, "workloads",
+                                label_selector=f"kueue.x-k8s.io/job-uid="
+                                               f"{jobset['metadata']['uid']}")
+        except KubeError as exc:
+            return f"queued {where}, not admitted yet (its Workload cannot be read: {exc.message})"
+        workloads = listing.get("items", [])
+        if not workloads:
+            with self._lock:
+                submitted = self._submitted.get(attempt, time.monotonic())
+            if time.monotonic() - submitted < NO_WORKLOAD_S:
+                return f"queued {where}: Kueue has not made its Workload yet"
+            return (f"suspended for {queue} but Kueue made no Workload for it in "
+                    f"{NO_WORKLOAD_S:.0f}s (fix: turn on Kueue's JobSet integration, "
+                    "integrations.frameworks: jobset.x-k8s.io/jobset, or remove provider.queue)")
+        conditions = workloads[0].get("status", {}).get("conditions") or []
+        reserved: dict[str, Any] = next(
+            (c for c in conditions if c.get("type") == "QuotaReserved"), {})
+        message = str(reserved.get("message") or "no quota reserved yet")
+        fix = (f"kubectl -n {kube.namespace} describe localqueue {queue} shows the queue; "
+               "the JobSet starts when Kueue admits it")
+        if reserved.get("reason") == "Inadmissible":
+            fix = "fix provider.queue or the queue's ClusterQueue"
+        return f"queued {where}, not admitted: {message} ({fix})"
 
     def pod(self, ref: PodRef) -> PodState | None:
         return self.watch().find({manifests.CLUSTER_LABEL: self.spec.name, **ref.labels()})

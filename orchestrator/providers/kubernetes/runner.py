@@ -189,6 +189,12 @@ class PodRunner(Runner):
         found = self.provider.pod(PodRef.of(handle))
         return None if found is None or found.deleted else pod_waiting(found.pod)
 
+    def queued(self, handle: TaskHandle) -> str | None:
+        """Why the attempt's JobSet waits in its Kueue queue (while its pod is not made)."""
+        if self.provider.pod(PodRef.of(handle)) is not None:
+            return None
+        return self.provider.queued(PodRef.of(handle).attempt)
+
     def process_states(self, handle: TaskHandle, python: str, timeout_s: float = 15.0) -> str:
         """'R' while the pod's container runs (a pod has no stopped processes to see)."""
         found = self.provider.pod(PodRef.of(handle))
