@@ -246,9 +246,11 @@ class Cluster:
         cloud = self.provider.cloud_check()
         machines = doctoring.machines_of(plan, self.provider.python)
         machines = doctoring.existing(plan, machines, cloud.unprovisioned)
+        found = [*cloud.problems, *(self.provider.image_problems()
+                                    if tensorflow == "always" else [])]
         with self.provider.check_runners([m.host for m in machines]) as runner:
             report = doctoring.examine(self.spec, self.provider.kind, plan, machines, runner,
-                                       tensorflow=tensorflow, found=cloud.problems)
+                                       tensorflow=tensorflow, found=found)
         return replace(report, seconds=time.monotonic() - started)
 
     def scaling(self, replicas: int | None = None) -> Scaling:

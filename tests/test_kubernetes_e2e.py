@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -358,3 +359,41 @@ timeouts: {startup_s: 30}
     assert queued and "insufficient unused quota for nvidia.com/gpu in flavor default-flavor" \
         in queued[0], said
     assert "kubectl -n ml describe localqueue team-a" in queued[0]
+
+
+def test_doctor_import_tf_runs_one_pod_like_a_task_and_says_what_the_image_lacks(
+        kube_cluster_factory: Callable[..., FakeCluster], tmp_path: Path) -> None:
+    """'doctor --import-tf' on Kubernetes: one pod of the image, placed and given GPUs as a
+    task's: no node for it yet (said, not blocking), TensorFlow that sees no GPU in a pod given
+    one, an interpreter without TensorFlow (both blocking, with the fix)."""
+    cluster = kube_cluster_factory(images={IMAGE})
+    path = k8s_spec(cluster, tmp_path, "  gpus_per_pod: 1\njob: {module: digits}\n", workers=2)
+    api = Cluster.from_spec(path)
+    no_tf = Path(tempfile.mkdtemp(prefix="no-tf-"))
+    try:
+        api.up()
+        (unplaced,) = [p for p in api.doctor(tensorflow="always").problems if p.check == "image"]
+        assert not unplaced.blocking
+        assert "could not run the probe: no node can take its pod: 0/3 nodes are available: " \
+               "3 Insufficient nvidia.com/gpu" in unplaced.message, unplaced.message
+        for node in ("node-1", "node-2", "node-3"):
+            cluster.set_gpus(node, 1)
+        (blind,) = [p for p in api.doctor(tensorflow="always").problems if p.check == "image"]
+        assert blind.blocking and "sees 0 GPU(s) in a pod given 1 (nvidia.com/gpu)" in \
+            blind.message, blind.message
+        assert "tensorflow[and-cuda]" in blind.fix
+        assert not [p for p in api.doctor().problems if p.check == "image"]  # only when asked
+        # an interpreter of the image without TensorFlow (its site-packages left out)
+        wrapper = no_tf / "python"
+        wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+        no_tf.chmod(0o755)
+        wrapper.chmod(0o755)
+        path.write_text(path.read_text().replace(f"python: {sys.executable}", f"python: {wrapper}"))
+        (missing,) = [p for p in Cluster.from_spec(path).doctor(tensorflow="always").problems
+                      if p.check == "image"]
+        assert missing.blocking and "cannot import TensorFlow: ModuleNotFoundError: No module " \
+            "named 'tensorflow'" in missing.message, missing.message
+        assert not cluster.store.list("pods", "ml")  # every probe pod deleted
+    finally:
+        api.provider.close()
+        shutil.rmtree(no_tf, ignore_errors=True)

@@ -203,8 +203,8 @@ def test_gpus_spot_queue_and_placement() -> None:
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["resources"] == {
-        "requests": {"cpu": "7500m", "memory": "60Gi", "nvidia.com/gpu": 8},
-        "limits": {"memory": "60Gi", "nvidia.com/gpu": 8}}
+        "requests": {"cpu": "7500m", "memory": "60Gi", "nvidia.com/gpu": "8"},
+        "limits": {"memory": "60Gi", "nvidia.com/gpu": "8"}}
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb",
                                    "cloud.google.com/gke-spot": "true"}
     assert {"key": "maintenance", "operator": "Equal", "value": "soon", "effect": "NoExecute",

@@ -115,6 +115,12 @@ class Provider(ABC):
     def runner(self, host: Host) -> Runner:
         """A runner for ``host``; the provider owns and reuses it."""
 
+    def image_problems(self) -> list[Problem]:
+        """What the doctor's ``--import-tf`` finds by starting the tasks' image where no host
+        exists before 'train' (a scheduler's pod); default: nothing to probe (the hosts are
+        asked instead)."""
+        return []
+
     @contextlib.contextmanager
     def check_runners(self, hosts: Sequence[Host]) -> Iterator[Callable[[Host], Runner]]:
         """Runners for a quick check of ``hosts`` (the doctor's), released on exit: a host that

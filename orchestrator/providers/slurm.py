@@ -37,6 +37,7 @@ from orchestrator.spec import ClusterSpec
 
 JOB_LABEL, NODE_LABEL = "slurm_job", "slurm_node"
 QUEUE_POLL_S = (0.2, 5.0)  # the wait for the allocation: first poll, then doubling to this
+COMPLETING_WAIT_S = 60.0  # how long an allocation may show COMPLETING before it is judged
 # slurmctld looks at time limits every 30 s and may send --signal up to 60 s early: an
 # allocation this much past its warning is counted as ending.
 SIGNAL_SLACK_S = 90
@@ -365,7 +366,7 @@ class SlurmProvider(SSHHostsProvider):
         job_id = record.get("job_id")
         if not job_id:
             return None
-        job = self.slurm.job(job_id)
+        job = self._settled(job_id)
         left = job.left_s if job is not None else None
         ending = left is not None and left <= self.warning_s + SIGNAL_SLACK_S
         if job is not None and job.state == "RUNNING" and not ending:
@@ -387,6 +388,18 @@ class SlurmProvider(SSHHostsProvider):
         hosts = self.up()
         nodes = ",".join(h.node or h.name for h in hosts)
         return f"{why}: going on in allocation {self._job['job_id']} ({nodes})"
+
+    def _settled(self, job_id: str) -> Job | None:
+        """The job once it is not COMPLETING, which both an ended job and a requeued one show
+        while their steps end (squeue shows the flag, not the base state): a requeued one
+        turns PENDING, an ended one leaves the queue. Still COMPLETING after
+        ``COMPLETING_WAIT_S`` (a node that does not answer): as it is."""
+        deadline = time.monotonic() + COMPLETING_WAIT_S
+        job = self.slurm.job(job_id)
+        while job is not None and job.state == "COMPLETING" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            job = self.slurm.job(job_id)
+        return job
 
     def _renew_replacements(self, job_id: str) -> str | None:
         """Hosts on a replacement allocation that ended (its own time limit, a scancel) move

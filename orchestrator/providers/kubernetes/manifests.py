@@ -325,8 +325,8 @@ def pod_resources(config: KubernetesProvider) -> tuple[dict[str, Any], dict[str,
         requests["cpu"] = config.resources.cpu
     if config.resources.memory:
         requests["memory"] = limits["memory"] = config.resources.memory
-    if config.gpus_per_pod:
-        requests[config.gpu_resource] = limits[config.gpu_resource] = config.gpus_per_pod
+    if config.gpus_per_pod:  # a quantity is a string to the typed client (a pod's body)
+        requests[config.gpu_resource] = limits[config.gpu_resource] = str(config.gpus_per_pod)
     return requests, limits
 
 

@@ -39,7 +39,13 @@ from orchestrator.providers.kubernetes.client import (
     PodState,
     PodWatch,
 )
-from orchestrator.providers.kubernetes.runner import COMMAND_ROLE, PodRef, PodRunner, command_pod
+from orchestrator.providers.kubernetes.runner import (
+    COMMAND_ROLE,
+    PodRef,
+    PodRunner,
+    command_pod,
+    pod_waiting,
+)
 from orchestrator.remote.base import ExecResult, Runner, TaskHandle
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.sync import files_of
@@ -61,6 +67,18 @@ GONE_WAIT_S = 120.0  # how long the previous attempt's JobSet may take to go
 # so a node whose kubelet is gone answers 500 within this (or the request times out).
 KUBELET_PROBE_S = 40.0
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta1"
+IMAGE_PROBE_S = 600.0  # the doctor's probe pod: a GPU image's first pull takes minutes
+IMAGE_PROBE = """\
+import json, platform
+out = {"python": platform.python_version()}
+try:
+    import tensorflow as tf
+    out["tensorflow"] = tf.__version__
+    out["gpus"] = [d.name for d in tf.config.list_physical_devices("GPU")]
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
 QUEUE_ASK_EVERY_S = 2.0  # the queued JobSet and its Workload, read at most this often
 NO_WORKLOAD_S = 30.0  # a queued JobSet Kueue made no Workload for within this: Kueue ignores it
 FETCH_MAX_BYTES = 64 << 20  # a file read back through a pod's log
@@ -625,13 +643,17 @@ class KubernetesProvider(Provider):
 
     # -- a command "on a host": a pod of its own -----------------------------------------
     def run_pod(self, script: str, *, timeout_s: float | None = None,
-                input: str | None = None) -> ExecResult:
-        """``script`` in a pod of the image with the cluster's volume; its log is stdout."""
+                input: str | None = None, like_a_task: bool = False) -> ExecResult:
+        """``script`` in a pod of the image with the cluster's volume; its log is stdout.
+        ``like_a_task``: placed and given resources as a task's pod, and given up (a
+        RemoteError with the reason) once it cannot start (no node can hold it, its image
+        cannot be pulled)."""
         assert self.spec.container is not None
         kube = self.kube
         _, lib = self._files()
         pod = command_pod(self.spec.name, kube.namespace, self.spec.container.image,
-                          paths.lib_dir(manifests.ROOT), script, lib, self.config, input)
+                          paths.lib_dir(manifests.ROOT), script, lib, self.config, input,
+                          like_a_task=like_a_task)
         name = pod["metadata"]["name"]
         watch = self.watch()
         kube.call(f"create pod {name}", kube.core.create_namespaced_pod, kube.namespace, pod)
@@ -649,6 +671,9 @@ class KubernetesProvider(Provider):
                         return ExecResult(int(ended.get("exitCode", 1)), log, "")
                 if state is not None and state.deleted:
                     raise RemoteError(f"command pod {name} was deleted before it ended")
+                stuck = pod_waiting(state.pod) if like_a_task and state is not None else None
+                if stuck:
+                    raise RemoteError(stuck)
                 if time.monotonic() > deadline:
                     raise RemoteError(f"command pod {name} did not end within {limit_s:.0f}s",
                                       fix=f"kubectl -n {kube.namespace} describe pod {name}")
@@ -656,6 +681,40 @@ class KubernetesProvider(Provider):
         finally:
             kube.call(f"delete pod {name}", kube.core.delete_namespaced_pod, name,
                       kube.namespace, grace_period_seconds=0, missing_ok=True)
+
+    def image_problems(self) -> list[Problem]:
+        """One pod of the image, placed and given resources as a task's pod: whether its
+        Python imports TensorFlow and sees the GPUs the pod is given."""
+        try:
+            result = self.run_pod(shlex.join([self.python(self.hosts()[0]), "-c", IMAGE_PROBE]),
+                                  timeout_s=IMAGE_PROBE_S, like_a_task=True)
+        except RemoteError as exc:
+            return [Problem("image", f"a pod like a task's could not run the probe: "
+                            f"{exc.message}", exc.fix or "see the reason", blocking=False)]
+        lines = result.stdout.strip().splitlines()
+        try:
+            facts = json.loads(lines[-1]) if lines else {}
+        except ValueError:
+            facts = {}
+        image = self.spec.container.image if self.spec.container else "?"
+        if not isinstance(facts, dict) or "python" not in facts:
+            said = (result.stdout + result.stderr).strip()[-500:]
+            return [Problem("image", f"{image}: {self.python(self.hosts()[0])} did not run the "
+                            f"probe (exit {result.exit_code}): {said}", "set container.python "
+                            "to the image's interpreter")]
+        if facts.get("error"):
+            return [Problem("image", f"{image}: Python {facts['python']} cannot import "
+                            f"TensorFlow: {facts['error']}", "install TensorFlow in the image "
+                            "(docker/ builds one), or set container.python to the "
+                            "interpreter that has it")]
+        gpus, wanted = facts.get("gpus") or [], self.config.gpus_per_pod
+        if wanted and len(gpus) != wanted:
+            return [Problem("image", f"{image}: TensorFlow {facts.get('tensorflow')} sees "
+                            f"{len(gpus)} GPU(s) in a pod given {wanted} "
+                            f"({self.config.gpu_resource})", "a CUDA build of TensorFlow "
+                            "(tensorflow[and-cuda]) in the image, on a node with the GPU "
+                            "driver installed (GKE: the node pool's gpu-driver-version)")]
+        return []
 
     def _pod_log(self, name: str) -> str:
         kube = self.kube

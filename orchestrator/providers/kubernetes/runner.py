@@ -230,8 +230,9 @@ class PodRunner(Runner):
 
 def command_pod(provider_name: str, namespace: str, image: str, python_lib: str,
                 script: str, files: manifests.Files | None, config: KubernetesConfig,
-                input: str | None) -> dict[str, Any]:
-    """A one-off pod that runs ``script`` in the image with the cluster's volume."""
+                input: str | None, *, like_a_task: bool = False) -> dict[str, Any]:
+    """A one-off pod that runs ``script`` in the image with the cluster's volume;
+    ``like_a_task``: placed and given resources (GPUs) as a task's pod is."""
     name = f"{provider_name}-cmd-{uuid.uuid4().hex[:8]}"
     env = [{"name": "PYTHONPATH", "value": python_lib}]
     if input is not None:
@@ -257,8 +258,16 @@ def command_pod(provider_name: str, namespace: str, image: str, python_lib: str,
             "volumes": volumes,
         },
     }
-    if config.node_selector:
-        pod["spec"]["nodeSelector"] = dict(config.node_selector)
+    node_selector, tolerations = manifests.placement(config) if like_a_task else \
+        (dict(config.node_selector), [])
+    if node_selector:
+        pod["spec"]["nodeSelector"] = node_selector
+    if tolerations:
+        pod["spec"]["tolerations"] = tolerations
+    requests, limits = manifests.pod_resources(config) if like_a_task else ({}, {})
+    if requests or limits:
+        pod["spec"]["containers"][0]["resources"] = {
+            **({"requests": requests} if requests else {}), **({"limits": limits} if limits else {})}
     if config.service_account:
         pod["spec"]["serviceAccountName"] = config.service_account
     if config.image_pull_secrets:
