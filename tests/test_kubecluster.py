@@ -59,8 +59,8 @@ print("index", me, "completion", os.environ["JOB_COMPLETION_INDEX"], "uid", os.g
 # moment (the test reads the line through the API meanwhile) and exit 143.
 FAIL_ONE = """
 import os, signal, sys, time
-def stop(signum, frame):
-    print("got SIGTERM", flush=True)
+def stop(signum, frame):  # os.write: a print here may land inside the main thread's print
+    os.write(1, b"got SIGTERM\\n")
     time.sleep(float(os.environ.get("LINGER", "0")))
     sys.exit(143)
 signal.signal(signal.SIGTERM, stop)
@@ -400,9 +400,9 @@ def test_configmap_items_secret_env_and_a_shared_claim_with_subpath_and_fsgroup(
 
 
 PREEMPTED = """
-import signal, sys, time
-def stop(signum, frame):
-    print("got SIGTERM, saving", flush=True)
+import os, signal, sys, time
+def stop(signum, frame):  # os.write: a print here may land inside the main thread's print
+    os.write(1, b"got SIGTERM, saving\\n")
     sys.exit(75)
 signal.signal(signal.SIGTERM, stop)
 print("training", flush=True)
@@ -512,8 +512,8 @@ def test_kill_container_ends_the_pod_with_137(kube_cluster: FakeCluster, core: C
 
 
 STUBBORN = """
-import signal, time
-signal.signal(signal.SIGTERM, lambda signum, frame: print("ignoring SIGTERM", flush=True))
+import os, signal, time
+signal.signal(signal.SIGTERM, lambda signum, frame: os.write(1, b"ignoring SIGTERM\\n"))
 print("up", flush=True)
 while True:
     time.sleep(0.1)

@@ -17,7 +17,7 @@ from orchestrator.remote.local import LocalRunner, live_group_members
 from worker.probes import process_stat
 
 SWALLOW_TERM = (
-    "import signal, time; signal.signal(signal.SIGTERM, lambda *a: print('TERM ignored', flush=True));"
+    "import os, signal, time; signal.signal(signal.SIGTERM, lambda *a: os.write(1, b'TERM ignored\\n'));"
     "print('up', flush=True); time.sleep(60)"
 )
 

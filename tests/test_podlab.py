@@ -243,7 +243,9 @@ def test_a_pod_runs_as_the_plain_user_with_exactly_its_env_in_its_working_dir(
 def test_terminate_lets_a_python_that_handles_sigterm_exit_with_its_own_code(
         pods: PodLab) -> None:
     script = ("import os, signal, sys, time\n"
-              "signal.signal(signal.SIGTERM, lambda *_: (print('saving', flush=True), "
+              # os.write, not print: a handler that prints while the main thread is inside
+              # print (flushing "ready") fails with "reentrant call inside BufferedWriter"
+              "signal.signal(signal.SIGTERM, lambda *_: (os.write(1, b'saving\\n'), "
               "sys.exit(7)))\n"
               "print('ready', os.getpid(), flush=True)\n"
               "while True:\n    time.sleep(1)\n")
