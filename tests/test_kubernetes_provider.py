@@ -23,6 +23,7 @@ from orchestrator import spec as specs
 from orchestrator.errors import ProviderError
 from orchestrator.plan import build
 from orchestrator.providers.kubernetes import manifests
+from orchestrator.providers.kubernetes import provider as provider_module
 from orchestrator.providers.kubernetes.client import KubeError, LogFollower
 from orchestrator.providers.kubernetes.provider import KubernetesProvider
 from orchestrator.providers.kubernetes.runner import PodRef
@@ -490,3 +491,35 @@ def test_up_checks_the_kueue_queue_it_is_given(tmp_path: Path, fake: FakeKube) -
         assert not unreadable.blocking and "may not read LocalQueue team-a" in unreadable.message
     finally:
         made.close()
+
+
+def test_a_node_whose_kubelet_was_silent_for_a_moment_is_avoided_only_for_a_while(
+        provider: KubernetesProvider, fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kubelet that did not answer once, on a node the cluster never marks (it stays Ready,
+    unchanged, well past the node monitor's grace): the node was not lost, and the JobSets
+    after that grace may go there again."""
+    monkeypatch.setattr(provider_module, "NODE_MONITOR_GRACE_MAX_S", 0.5)
+    provider.up()
+    ready_node(fake, "node-2", "2026-11-25T09:00:00Z")
+    fake.kubelet_dial_s = 0.1
+    provider.start_group(plan_of(provider))
+    ref = PodRef("r1", 1, "worker", 1)
+    write_pod(fake, ref, "demo-worker-1-ddddd", node="node-2")
+    eventually(lambda: provider.pod(ref) is not None)
+    fake.kubelet_down("node-2", "10.128.0.2")
+    hosts = provider.hosts()
+    assert list(provider.lost_hosts(hosts)) == [hosts[1].name]
+    fake.kubelet_up("node-2")  # back at once: the node monitor never noticed
+
+    def avoided() -> list[str]:
+        template = fake.store.get("jobsets", "demo", "ml")["spec"]["replicatedJobs"][0][
+            "template"]["spec"]["template"]["spec"]
+        terms = template.get("affinity", {}).get("nodeAffinity", {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+        return [v for t in terms for e in t["matchExpressions"] for v in e["values"]]
+
+    provider.start_group(plan_of(provider, attempt=2))
+    assert avoided() == ["node-2"]  # within the grace: it may yet be marked
+    time.sleep(0.6)
+    provider.start_group(plan_of(provider, attempt=3))
+    assert avoided() == []

@@ -67,6 +67,9 @@ GONE_WAIT_S = 120.0  # how long the previous attempt's JobSet may take to go
 # so a node whose kubelet is gone answers 500 within this (or the request times out).
 KUBELET_PROBE_S = 40.0
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta1"
+# A dead node's Ready goes Unknown within the node monitor's grace (40 s; 50 s from 1.32):
+# one found lost that is still Ready with no change well after that was not lost.
+NODE_MONITOR_GRACE_MAX_S = 120.0
 IMAGE_PROBE_S = 600.0  # the doctor's probe pod: a GPU image's first pull takes minutes
 IMAGE_PROBE = """\
 import json, platform
@@ -99,9 +102,9 @@ class KubernetesProvider(Provider):
         self._watch: PodWatch | None = None
         self._followers: dict[str, LogFollower] = {}
         self._runners: dict[str, PodRunner] = {}
-        # node -> its Ready condition's lastTransitionTime when it was found lost: the next
-        # attempts avoid it until it is Ready again after that
-        self._lost_nodes: dict[str, str] = {}
+        # node -> (its Ready condition's lastTransitionTime when it was found lost, when it
+        # was found): the next attempts avoid it until it is Ready again after that
+        self._lost_nodes: dict[str, tuple[str, float]] = {}
         self._unanswered: dict[str, str] = {}  # pod -> why its kubelet did not answer
         self._submitted: dict[int, float] = {}  # attempt -> when its JobSet was created
         self._queue_seen: tuple[float, int, str | None] = (float("-inf"), 0, None)
@@ -484,7 +487,8 @@ class KubernetesProvider(Provider):
         with self._lock:
             for name in lost:
                 node_name = newest[name].pod["spec"]["nodeName"]
-                self._lost_nodes[node_name] = nodes.ready_since(seen[node_name])
+                self._lost_nodes[node_name] = (nodes.ready_since(seen[node_name]),
+                                               time.monotonic())
         return lost
 
     def ask_kubelet(self, ref: PodRef) -> None:
@@ -519,22 +523,28 @@ class KubernetesProvider(Provider):
         return None
 
     def _nodes_to_avoid(self) -> list[str]:
-        """The lost nodes that have not been Ready again since: the next JobSet avoids them."""
+        """The lost nodes the next JobSet avoids: each until it is Ready again after it was
+        lost, or until it has stayed Ready past the node monitor's grace (a node whose kubelet
+        did not answer for a moment, and that the cluster never marked, is not lost)."""
         with self._lock:
             lost = dict(self._lost_nodes)
         avoid = []
-        for name, since in lost.items():
+        for name, (since, found_at) in lost.items():
             try:
                 node = self.kube.call(f"read node {name}", self.kube.core.read_node, name,
                                       missing_ok=True)
             except KubeError:
                 avoid.append(name)
                 continue
-            if node is not None and not nodes.trouble(node) and nodes.ready_since(node) != since:
+            if node is None:
+                continue  # gone: nothing is placed there
+            if not nodes.trouble(node) and (
+                    nodes.ready_since(node) != since
+                    or time.monotonic() - found_at > NODE_MONITOR_GRACE_MAX_S):
                 with self._lock:
-                    self._lost_nodes.pop(name, None)  # back: Ready again since it was lost
-            elif node is not None:
-                avoid.append(name)
+                    self._lost_nodes.pop(name, None)  # back, or never gone
+                continue
+            avoid.append(name)
         return avoid
 
     # -- Kueue ---------------------------------------------------------------------------
