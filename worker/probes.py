@@ -1,14 +1,19 @@
-"""Stdlib-only probes of a host: which task ports are taken, and the states of a process group.
+"""Stdlib-only probes of a host: which task ports are taken, and the states of a process group;
+and, importing TensorFlow only when asked, what an interpreter's TensorFlow is and sees.
 
 The controller imports these for this machine and runs this file's source with ``python -c`` on
-SSH hosts (``python -c SOURCE ports START END WANT`` or ``... states PGID``), so both agree.
+SSH hosts (``python -c SOURCE ports START END WANT``, ``... states PGID`` or ``... tensorflow``),
+so both agree.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import socket
 import sys
+from typing import Any
 
 
 def port_taken(port: int, address: str = "") -> bool:
@@ -78,6 +83,20 @@ def group_members(pgid: int) -> list[tuple[int, str]]:
     return members
 
 
+def tensorflow_facts() -> dict[str, Any]:
+    """This interpreter's Python version, and its TensorFlow's version and GPUs (or why it
+    does not import)."""
+    out: dict[str, Any] = {"python": platform.python_version()}
+    try:
+        import tensorflow as tf
+
+        out["tensorflow"] = tf.__version__
+        out["gpus"] = [d.name for d in tf.config.list_physical_devices("GPU")]
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def main(argv: list[str]) -> int:
     command, *args = argv
     if command == "ports":
@@ -85,6 +104,8 @@ def main(argv: list[str]) -> int:
         print("\n".join(str(p) for p in taken_ports(start, end, want)))
     elif command == "states":
         print("".join(state for _, state in group_members(int(args[0]))))
+    elif command == "tensorflow":
+        print(json.dumps(tensorflow_facts()))
     else:
         print(f"unknown probe {command!r}", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ from orchestrator.providers.kubernetes.runner import (
     command_pod,
     pod_waiting,
 )
-from orchestrator.remote.base import ExecResult, Runner, TaskHandle
+from orchestrator.remote.base import ExecResult, Runner, TaskHandle, probe_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.sync import files_of
 from orchestrator.spec import ClusterSpec
@@ -71,17 +71,6 @@ KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta1"
 # one found lost that is still Ready with no change well after that was not lost.
 NODE_MONITOR_GRACE_MAX_S = 120.0
 IMAGE_PROBE_S = 600.0  # the doctor's probe pod: a GPU image's first pull takes minutes
-IMAGE_PROBE = """\
-import json, platform
-out = {"python": platform.python_version()}
-try:
-    import tensorflow as tf
-    out["tensorflow"] = tf.__version__
-    out["gpus"] = [d.name for d in tf.config.list_physical_devices("GPU")]
-except Exception as exc:
-    out["error"] = f"{type(exc).__name__}: {exc}"
-print(json.dumps(out))
-"""
 QUEUE_ASK_EVERY_S = 2.0  # the queued JobSet and its Workload, read at most this often
 NO_WORKLOAD_S = 30.0  # a queued JobSet Kueue made no Workload for within this: Kueue ignores it
 FETCH_MAX_BYTES = 64 << 20  # a file read back through a pod's log
@@ -696,7 +685,8 @@ class KubernetesProvider(Provider):
         """One pod of the image, placed and given resources as a task's pod: whether its
         Python imports TensorFlow and sees the GPUs the pod is given."""
         try:
-            result = self.run_pod(shlex.join([self.python(self.hosts()[0]), "-c", IMAGE_PROBE]),
+            result = self.run_pod(shlex.join(probe_argv(self.python(self.hosts()[0]),
+                                                        "tensorflow")),
                                   timeout_s=IMAGE_PROBE_S, like_a_task=True)
         except RemoteError as exc:
             return [Problem("image", f"a pod like a task's could not run the probe: "
