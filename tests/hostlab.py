@@ -122,6 +122,36 @@ def _kill(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def pids_naming(text: str) -> list[int]:
+    """Processes (not this one) whose command line holds ``text`` (an exact lab path)."""
+    needle = text.encode()
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if needle in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    pids.append(int(entry.name))
+    return pids
+
+
+def remove_stale_dirs(stale: re.Pattern[str], *, tries: int, pause_s: float) -> None:
+    """The temp directories named by ``stale`` (group 1: the pid of the lab that made them)
+    whose lab is gone: every process naming one is killed (up to ``tries`` rounds, ``pause_s``
+    apart), then it is removed. Under the cleaners' lock."""
+    with cleaning():
+        for entry in Path(tempfile.gettempdir()).iterdir():
+            match = stale.match(entry.name)
+            if not match or _pid_alive(int(match.group(1))):
+                continue
+            for _ in range(tries):
+                pids = pids_naming(str(entry))
+                if not pids:
+                    break
+                _kill(pids)
+                time.sleep(pause_s)
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def _netns_pids(namespace: str) -> list[int]:
     out = _cmd("ip", "netns", "pids", namespace, check=False).stdout
     return [int(p) for p in out.split() if p.isdigit()]

@@ -196,34 +196,11 @@ def pod_dns_names(hostname: str, subdomain: str, namespace: str) -> list[str]:
 
 
 # -- process helpers ---------------------------------------------------------------
-def _pids_naming(text: str) -> list[int]:
-    """Processes (not this one) whose command line holds ``text`` (an exact lab path)."""
-    needle = text.encode()
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if needle in Path(f"/proc/{entry.name}/cmdline").read_bytes():
-                    pids.append(int(entry.name))
-    return pids
-
-
 def clean_stale() -> None:
     """Kill the shims of pod labs whose process is gone and remove their directories
     (hostlab's clean_stale, run by HostLab.start, removes their namespaces and what runs
     there)."""
-    with hostlab.cleaning():
-        for entry in Path(tempfile.gettempdir()).iterdir():
-            match = STALE_DIR.match(entry.name)
-            if not match or hostlab._pid_alive(int(match.group(1))):
-                continue
-            for _ in range(50):
-                pids = _pids_naming(str(entry))
-                if not pids:
-                    break
-                hostlab._kill(pids)
-                time.sleep(0.02)
-            shutil.rmtree(entry, ignore_errors=True)
+    hostlab.remove_stale_dirs(STALE_DIR, tries=50, pause_s=0.02)
 
 
 def unavailable() -> str | None:
@@ -623,7 +600,7 @@ class PodLab:
             self.hostlab.close()
         except (LabError, OSError, subprocess.SubprocessError) as exc:
             problems.append(str(exc))
-        hostlab._kill(_pids_naming(str(self.dir)))  # a shim of ours that outlived its Popen
+        hostlab._kill(hostlab.pids_naming(str(self.dir)))  # a shim of ours that outlived its Popen
         shutil.rmtree(self.dir, ignore_errors=True)
         if problems:
             raise PodLabError("pod lab teardown incomplete: " + "; ".join(problems))

@@ -125,24 +125,6 @@ def _pids_in_mount_ns(mnt: str, net: str) -> list[int]:
     return pids
 
 
-def _pids_naming(text: str) -> list[int]:
-    """Processes (not this one) whose command line holds ``text`` (an exact lab path)."""
-    needle = text.encode()
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if needle in Path(f"/proc/{entry.name}/cmdline").read_bytes():
-                    pids.append(int(entry.name))
-    return pids
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _stop(proc: subprocess.Popen[bytes] | None, grace: float = 5) -> None:
     """SIGTERM, then SIGKILL after ``grace`` seconds; reaps it."""
     if proc is None:
@@ -167,18 +149,7 @@ def _free_port() -> int:
 def clean_stale() -> None:
     """Stop what slurm labs of processes that no longer exist left running here, and remove
     their directories (hostlab's clean_stale does their namespaces, users, /etc/netns)."""
-    with hostlab.cleaning():
-        for entry in Path(tempfile.gettempdir()).iterdir():
-            match = STALE_DIR.match(entry.name)
-            if not match or hostlab._pid_alive(int(match.group(1))):
-                continue
-            for _ in range(20):
-                pids = _pids_naming(str(entry))
-                if not pids:
-                    break
-                _kill_all(pids)
-                time.sleep(0.05)
-            shutil.rmtree(entry, ignore_errors=True)
+    hostlab.remove_stale_dirs(STALE_DIR, tries=20, pause_s=0.05)
 
 
 def unavailable() -> str | None:
@@ -279,7 +250,7 @@ class SlurmNode:
                 pids = _pids_in_mount_ns(mnt, net)
                 if not pids:
                     break
-                _kill_all(pids)
+                hostlab._kill(pids)
                 time.sleep(0.02)
             else:
                 raise SlurmLabError(f"processes of {self.name} keep appearing: {pids}")
@@ -655,7 +626,7 @@ class SlurmLab:
             self.hostlab.close()
         except (LabError, OSError, subprocess.SubprocessError) as exc:
             problems.append(str(exc))
-        _kill_all(_pids_naming(str(self.dir)))  # anything of ours that outlived its parent
+        hostlab._kill(hostlab.pids_naming(str(self.dir)))  # anything of ours that outlived its parent
         shutil.rmtree(self.dir, ignore_errors=True)
         if problems:
             raise SlurmLabError("slurm lab teardown incomplete: " + "; ".join(problems))

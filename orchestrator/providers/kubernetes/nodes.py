@@ -86,8 +86,9 @@ def pods_it_holds(node: Mapping[str, Any], *, node_selector: Mapping[str, str],
     spec = node.get("spec") or {}
     if spec.get("unschedulable"):
         return 0, f"{name} is cordoned"
-    if trouble(node):
-        return 0, f"{name} {trouble(node)}"
+    lost = trouble(node)
+    if lost:
+        return 0, f"{name} {lost}"
     wrong = [f"{k}={v}" for k, v in node_selector.items() if labels.get(k) != v]
     if wrong:
         return 0, f"{name} lacks the label {wrong[0]} (provider.node_selector)"
