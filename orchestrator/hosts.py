@@ -39,7 +39,9 @@ class Host:
     A scheduler places a host's task on one of its machines (``node``: a Slurm node's name);
     ``ssh`` then reaches the machine the scheduler is driven from (a login node), not the
     host, and the task's files are on a file system every node shares (``shared_fs``: the
-    ``root`` is the same directory on every host of the cluster).
+    ``root`` is the same directory on every host of the cluster). An ``ephemeral`` host's
+    files are gone with its task (a pod without a volume): what must outlive the task (the
+    final model) goes next to the checkpoints, in ``checkpoint.dir``'s bucket.
     """
 
     name: str
@@ -50,6 +52,7 @@ class Host:
     labels: tuple[tuple[str, str], ...] = field(default=())
     node: str | None = None
     shared_fs: bool = False
+    ephemeral: bool = False
 
     @property
     def is_local(self) -> bool:

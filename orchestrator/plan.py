@@ -175,6 +175,15 @@ def build(
     )
 
 
+def model_dir(host: Host, paths: RunPaths, checkpoints: CheckpointLayout) -> str:
+    """Where the chief saves the final model: its run directory, unless that is gone with the
+    task (an ephemeral host, its checkpoints in a bucket): then next to the checkpoints."""
+    where = checkpoints.dirs.get(host.name, "")
+    if host.ephemeral and is_url(where):
+        return f"{where.rstrip('/')}/model"
+    return paths.model_dir
+
+
 def task_cwd(host: Host, local_workdir: str) -> str:
     """Where a task runs: the user's workdir on this machine, the synced code dir on a host."""
     return local_workdir if host.is_local else code_dir(host.root)
@@ -293,7 +302,7 @@ def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
         "ORCHESTRATE_ATTEMPT": str(shared.attempt),
         "ORCHESTRATE_TASK": f"{role}:{index}",
         "ORCHESTRATE_CHECKPOINT_DIR": shared.checkpoints.of(host),
-        "ORCHESTRATE_MODEL_DIR": paths.model_dir,
+        "ORCHESTRATE_MODEL_DIR": model_dir(host, paths, shared.checkpoints),
     }
     stem = paths.task_stem(shared.attempt, role, index)
     return TaskPlan(

@@ -1511,7 +1511,7 @@ def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None
 
 def _check_kubernetes(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
     """On Kubernetes every task is a pod of ``container.image``, and what must outlive a pod
-    (checkpoints, the final model) is on ``provider.volume``."""
+    (checkpoints, the final model) is on ``provider.volume`` or in a gs:// bucket."""
     if not isinstance(spec.provider, KubernetesProvider):
         return
 
@@ -1527,16 +1527,19 @@ def _check_kubernetes(spec: ClusterSpec, file: str, lines: dict[str, int]) -> No
         refuse("container.options", "container.options are `docker run` options, which a pod "
                "does not take", "remove them; set what pods need in provider.resources, "
                "provider.node_selector or provider.tolerations")
-    if spec.provider.volume is None:
+    named = spec.job.checkpoint_dir if isinstance(spec.job, CommandJob) else None
+    if spec.provider.volume is None and not is_url(named if named is not None
+                                                   else spec.checkpoint.dir or ""):
         refuse("provider.volume", "nothing on Kubernetes keeps the checkpoints and the final "
                "model: a pod's own disk is gone with the pod", "add 'volume: {claim: NAME}' "
                "under provider: a ReadWriteMany PersistentVolumeClaim in provider.namespace "
-               "(Filestore, NFS, or the gcsfuse CSI driver)")
+               "(Filestore, NFS, or the gcsfuse CSI driver); or put them in a bucket: "
+               "'checkpoint: {dir: gs://BUCKET/PATH}', which the pods write with Workload "
+               "Identity (provider.service_account)")
     if spec.checkpoint.dir is not None and not is_url(spec.checkpoint.dir):
         refuse("checkpoint.dir", f"{spec.checkpoint.dir!r} is a path on the hosts, and pods "
                "see none of the hosts' files", "remove it (checkpoints go to provider.volume) "
                "or give a gs://BUCKET/PATH URL")
-    named = spec.job.checkpoint_dir if isinstance(spec.job, CommandJob) else None
     if named is not None and not is_url(named):
         refuse("job.checkpoint_dir", f"{named!r} is in the pod's own files (its code directory "
                "is read-only and gone with the pod)", "remove it: the job checkpoints to "

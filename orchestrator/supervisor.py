@@ -42,7 +42,7 @@ from orchestrator.launchers import launcher_for, launcher_named
 from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
 from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
-from orchestrator.spec import WARM_AFTER_S, ClusterSpec
+from orchestrator.spec import WARM_AFTER_S, ClusterSpec, is_url
 from orchestrator.state import AttemptRecord, Store, TaskRecord
 from orchestrator.view import (
     Listener,
@@ -821,6 +821,9 @@ class Supervisor:
         """The chief's saved model, downloaded to this machine when the chief is remote."""
         chief = self._chief_host
         if not remote_path or chief is None or chief.is_local:
+            return remote_path
+        if is_url(remote_path):  # in the bucket: read from there, nothing to download
+            self._say(f"the model is at {remote_path}")
             return remote_path
         path = fetch_file(chief, self.provider.runner(chief), remote_path,
                           paths.fetched_model_dir(self.spec.name, run_id))

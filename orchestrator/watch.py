@@ -560,7 +560,7 @@ def _classify(w: Watched, make: Callable[..., AttemptFailed]) -> AttemptFailed:
         return make(Cause.CHECKPOINT_MISMATCH, w.key,
                     f"the tasks restored different checkpoints (TensorFlow: {mismatch.group(0)})")
     if w.error is not None and w.error.get("phase") == "storage":
-        return make(Cause.USER_ERROR, w.key, f"{message}; fix: {w.error.get('fix', '')}"[:2000])
+        return make(Cause.USER_ERROR, w.key, message[:2000], fix=str(w.error.get("fix") or ""))
     if any(mark in text for mark in PORT_CONFLICT_MARKS):
         return make(Cause.PORT_CONFLICT, w.key,
                     f"its gRPC port {w.plan.port} on {w.plan.host.address} was taken",

@@ -54,6 +54,12 @@ the store reports, and every ``poll_s``), and talks to the store's internal API:
   then QuotaReserved and Admitted True and the JobSet unsuspended. No quota arithmetic, no
   ClusterQueues, cohorts, flavors' node selectors or admission checks; Kueue's webhook does not
   suspend a JobSet (the tool submits it suspended).
+- what a node gives every pod beyond its spec (``node_hosts``, ``node_files``): names it
+  resolves (GKE's metadata server, Google's APIs: ``fake_gcs.FakeGCS.hosts_entries()``) and
+  files standing in for the image's (a CA store that trusts a fake's certificate); and
+  Workload Identity's answer to "who is the pod at this address" (``pod_principal``: its
+  ServiceAccount's ``iam.gke.io/gcp-service-account``, else the KSA's principal in the
+  project's workload identity pool), which ``FakeGCS``'s metadata server asks.
 - node lifecycle: ``lose_node`` (the processes are gone and nothing reports; a log request for
   a pod bound to it fails with 500 "dial tcp ...:10250: i/o timeout" after the server's dial
   (``FakeKube.kubelet_dial_s``); after
@@ -116,6 +122,8 @@ Json = dict[str, Any]
 GPU = "nvidia.com/gpu"
 SPOT_LABEL = "cloud.google.com/gke-spot"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+WI_ANNOTATION = "iam.gke.io/gcp-service-account"
+WI_PROJECT, WI_PROJECT_NUMBER = "orchestrate-test", "123456789012"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 JOBSET = "jobset.sigs.k8s.io/"
@@ -242,6 +250,13 @@ def _selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
 
 
 # -- the cluster ---------------------------------------------------------------------------
+def ksa_principal(namespace: str, account: str) -> str:
+    """A Kubernetes service account's principal in the test project's workload identity pool
+    (what a bucket's IAM binding names under Workload Identity Federation for GKE)."""
+    return (f"principal://iam.googleapis.com/projects/{WI_PROJECT_NUMBER}/locations/global/"
+            f"workloadIdentityPools/{WI_PROJECT}.svc.id.goog/subject/ns/{namespace}/sa/{account}")
+
+
 @dataclass
 class _PodRecord:
     """What the kubelet keeps of one pod it runs."""
@@ -279,6 +294,8 @@ class FakeCluster:
                  cpu: str = "8", memory: str = "32Gi", max_pods: int = 110,
                  node_monitor_grace_s: float = 40.0, eviction_s: int = 300,
                  poll_s: float = 0.1, kueue: bool = False,
+                 node_hosts: Mapping[str, str] | None = None,
+                 node_files: Mapping[str, HostPath] | None = None,
                  kueue_pending: str = "couldn't assign flavors to pod set worker: insufficient "
                                       "unused quota for nvidia.com/gpu in flavor default-flavor, "
                                       "8 more needed") -> None:
@@ -294,6 +311,11 @@ class FakeCluster:
             kueue: Kueue installed (its LocalQueue and Workload CRDs; the test makes the
                 LocalQueues) with its JobSet integration.
             kueue_pending: why Kueue does not admit a Workload yet (its QuotaReserved message).
+            node_hosts: names every pod resolves beyond the cluster DNS (name -> address), as
+                a GKE node gives ``metadata.google.internal`` (its metadata server) and the
+                internet gives Google's APIs: ``fake_gcs.FakeGCS.hosts_entries()``.
+            node_files: files every pod sees at these paths beyond its volumes, standing in
+                for what the image holds (e.g. a CA store that trusts a fake's certificate).
         """
         self.kube = kube
         self.store: Store = kube.store
@@ -308,6 +330,8 @@ class FakeCluster:
         self.poll_s = poll_s
         self.kueue = kueue
         self.kueue_pending = kueue_pending
+        self.node_hosts = dict(node_hosts or {})
+        self.node_files = dict(node_files or {})
         self._kueue_admits = False
         self.dir = Path(tempfile.mkdtemp(prefix="kubecluster-"))
         self.dir.chmod(0o755)  # the pods' users read their volumes below it
@@ -485,6 +509,28 @@ class FakeCluster:
         self.kube.kubelet_down(node, self._address(node))
         self.lab.kill_node(node)
         self._wake_all()
+
+    def pod_principal(self, ip: str) -> str | None:
+        """Who the pod at ``ip`` is to Google Cloud, as GKE's metadata server answers under
+        Workload Identity (it knows a pod by its address): the Google service account its
+        Kubernetes service account's ``iam.gke.io/gcp-service-account`` annotation names, else
+        the KSA's own principal of the project's workload identity pool; None for no pod."""
+        with self._lock:
+            record = next((r for r in self._records.values() if r.process is not None
+                           and not r.process.removed and r.process.ip == ip), None)
+        if record is None:
+            return None
+        try:
+            pod = self.store.get("pods", record.name, record.namespace)
+        except KubeError:
+            return None
+        account = pod["spec"].get("serviceAccountName") or "default"
+        try:
+            ksa = self.store.get("serviceaccounts", account, record.namespace)
+        except KubeError:
+            ksa = {}
+        email = ((ksa.get("metadata") or {}).get("annotations") or {}).get(WI_ANNOTATION)
+        return email or ksa_principal(record.namespace, account)
 
     def kill_container(self, name: str, namespace: str = "default") -> None:
         """SIGKILL the pod's container (it ends with 137, reason Error)."""
@@ -876,7 +922,8 @@ class FakeCluster:
             raise
         record.process = process
         with self._lock:
-            entries = {k: v for k, v in self._hosts.items() if v != process.ip}
+            entries = {**self.node_hosts,
+                       **{k: v for k, v in self._hosts.items() if v != process.ip}}
         process.set_hosts_entries(entries)
         self._update_pod_status(pod, lambda status: status.update(
             podIP=process.ip, podIPs=[{"ip": process.ip}], hostIP=self._host_ip(record.node),
@@ -928,7 +975,7 @@ class FakeCluster:
                       subdomain=spec.get("subdomain", ""), env=env,
                       working_dir=container.get("workingDir") or "/",
                       run_as_user=context.get("runAsUser"), run_as_group=context.get("runAsGroup"),
-                      mounts=mounts, uid=meta["uid"])
+                      mounts={**self.node_files, **mounts}, uid=meta["uid"])
 
     def _report(self, pod: Json, record: _PodRecord) -> None:
         assert record.process is not None
@@ -1049,8 +1096,8 @@ class FakeCluster:
             process = record.process
             if process is not None and not process.removed and not process.lost:
                 with contextlib.suppress(OSError):
-                    process.set_hosts_entries({k: v for k, v in entries.items()
-                                               if v != process.ip})
+                    process.set_hosts_entries({**self.node_hosts, **{
+                        k: v for k, v in entries.items() if v != process.ip}})
 
     # -- kubelet: configuration ------------------------------------------------------------
     def _volumes(self, pod: Json) -> dict[str, HostPath]:

@@ -6,6 +6,7 @@ checkpoints on a ReadWriteMany claim."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -13,17 +14,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_gcs import FakeGCS
 from helpers import REPO
-from kubecluster import FakeCluster, wait_for
+from kubecluster import FakeCluster, ksa_principal, wait_for
+from podlab import PodLab
 from rich.console import Console
 
 from orchestrator.api import Cluster, statuses
 from orchestrator.console import render_status
+from orchestrator.errors import RunFailed
 from orchestrator.providers.kubernetes import manifests
 from orchestrator.state import Store
 
@@ -31,8 +36,10 @@ IMAGE = "registry.test/orchestrate-worker:1"
 pytestmark = pytest.mark.tf
 
 
-def k8s_spec(cluster: FakeCluster, tmp_path: Path, body: str, workers: int = 3) -> Path:
-    """A project with the digits example, and its spec for ``cluster``'s namespace ml."""
+def k8s_spec(cluster: FakeCluster, tmp_path: Path, body: str, workers: int = 3,
+             provider: str = "  volume: {claim: shared}\n") -> Path:
+    """A project with the digits example, and its spec for ``cluster``'s namespace ml
+    (``provider``: more of the provider's fields; by default the claim ``shared``)."""
     store = cluster.store
     store.create("namespaces", {"metadata": {"name": "ml"}})
     store.create("persistentvolumeclaims", {"metadata": {"name": "shared"}, "spec": {
@@ -52,7 +59,7 @@ provider:
   kind: kubernetes
   kubeconfig: {kubeconfig}
   namespace: ml
-  volume: {{claim: shared}}
+{provider.rstrip()}
   run_as_user: {user.uid}
   run_as_group: {user.gid}
   fs_group: {user.gid}
@@ -93,6 +100,21 @@ def train_beside(api: Cluster, listener: Callable[[Any, Any], None],
         if helper.ident is not None:  # started
             helper.join()
         api.provider.close()
+
+
+def train_killing_worker_1(cluster: FakeCluster, path: Path, step: int = 35) -> Any:
+    """``up`` and ``train`` the spec at ``path``, SIGKILLing worker 1's container once the
+    chief reports ``step``; the run's result."""
+    api = Cluster.from_spec(path)
+    listener, killed = at_step(cluster, step, 1, lambda pod: cluster.kill_container(
+        pod["metadata"]["name"], "ml"))
+    try:
+        api.up()
+        result = api.train(listener=listener).wait()
+    finally:
+        api.provider.close()
+    assert killed
+    return result
 
 
 def test_up_train_down_with_a_jobset_of_three_pods(
@@ -142,15 +164,7 @@ job: {module: digits, epochs: 4, steps_per_epoch: 30, progress_every_steps: 5}
 checkpoint: {every_steps: 10}
 retry: {max_restarts: 2, backoff_initial_s: 0}
 """)
-    api = Cluster.from_spec(path)
-    listener, killed = at_step(cluster, 35, 1, lambda pod: cluster.kill_container(
-        pod["metadata"]["name"], "ml"))
-    try:
-        api.up()
-        result = api.train(listener=listener).wait()
-    finally:
-        api.provider.close()
-    assert killed
+    result = train_killing_worker_1(cluster, path)
     assert result.status == "succeeded"
     first, second = result.attempts
     assert (first.cause, first.failed_task, first.exit_code) == ("crashed", "worker:1", 137)
@@ -397,3 +411,82 @@ def test_doctor_import_tf_runs_one_pod_like_a_task_and_says_what_the_image_lacks
     finally:
         api.provider.close()
         shutil.rmtree(no_tf, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bucket_cluster(factory: Callable[..., FakeCluster], lab: PodLab,
+                   writers: tuple[str, ...]) -> Iterator[tuple[FakeCluster, FakeGCS]]:
+    """A cluster whose nodes reach a fake Cloud Storage with GKE's metadata server (each pod
+    is who its ServiceAccount is, by Workload Identity), and its bucket ``ckpt-bucket``, which
+    ``writers`` may write."""
+    clusters: list[FakeCluster] = []
+    with FakeGCS.start(lab.bridge_address,
+                       lambda ip: clusters[0].pod_principal(ip) if clusters else None) as gcs:
+        clusters.append(factory(images={IMAGE}, node_hosts=gcs.hosts_entries(),
+                                node_files=gcs.pod_mounts()))
+        gcs.create_bucket("ckpt-bucket", writers=writers)
+        yield clusters[0], gcs
+
+
+NO_VOLUME = "  service_account: trainer\n"
+TRAINER = ksa_principal("ml", "trainer")
+
+
+def test_checkpoints_in_a_bucket_by_workload_identity_survive_a_killed_pod(
+        kube_cluster_factory: Callable[..., FakeCluster], pods: PodLab, tmp_path: Path) -> None:
+    """No volume: TensorFlow in the pods checkpoints to gs:// as the pods' ServiceAccount (no
+    key anywhere), a killed pod's group resumes from the bucket, and the chief's final model is
+    left there."""
+    with bucket_cluster(kube_cluster_factory, pods, (TRAINER,)) as (cluster, gcs):
+        path = k8s_spec(cluster, tmp_path, """\
+job: {module: digits, epochs: 4, steps_per_epoch: 30, progress_every_steps: 5}
+checkpoint: {dir: 'gs://ckpt-bucket/runs', every_steps: 10}
+retry: {max_restarts: 2, backoff_initial_s: 0}
+""", provider=NO_VOLUME)
+        cluster.store.create("serviceaccounts", {"metadata": {"name": "trainer"}}, namespace="ml")
+        result = train_killing_worker_1(cluster, path)
+        objects = gcs.objects("ckpt-bucket")
+        # (an upload's PUTs carry no token: the session's upload_id is its credential)
+        principals = {seen.principal for seen in gcs.requests
+                      if seen.server == "gcs" and "upload_id=" not in seen.path}
+        written = {urllib.parse.unquote(seen.path) for seen in gcs.requests
+                   if seen.method == "POST" and "uploadType=resumable" in seen.path}
+    assert result.status == "succeeded"
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    assert second.resumed_from_step is not None and second.resumed_from_step >= 30
+    assert len(set(result.digests.values())) == 1
+    run = f"runs/k8s-e2e/{result.run_id}"
+    assert result.model_path == f"gs://ckpt-bucket/{run}/model/model.keras"
+    assert objects[f"{run}/model/model.keras"][:2] == b"PK"  # a .keras file is a zip
+    # the chief's checkpoints went to the bucket (BackupAndRestore removes them at the end)
+    assert any(f"name={run}/chief/checkpoint" in path for path in written), sorted(written)[:5]
+    assert principals == {TRAINER}  # every request was the pods' own identity
+    pods_made = cluster.store.list("pods", "ml")
+    assert all(v.get("emptyDir") == {} for p in pods_made for v in p["spec"]["volumes"]
+               if v["name"] == "runs")
+
+
+def test_a_service_account_that_may_not_write_the_bucket_stops_the_run_at_once(
+        kube_cluster_factory: Callable[..., FakeCluster], pods: PodLab, tmp_path: Path) -> None:
+    with bucket_cluster(kube_cluster_factory, pods, ()) as (cluster, _):
+        path = k8s_spec(cluster, tmp_path, """\
+job: {module: digits, epochs: 1, steps_per_epoch: 10}
+checkpoint: {dir: 'gs://ckpt-bucket/runs'}
+retry: {max_restarts: 3, backoff_initial_s: 0}
+""", workers=2, provider=NO_VOLUME)
+        cluster.store.create("serviceaccounts", {"metadata": {"name": "trainer"}}, namespace="ml")
+        api = Cluster.from_spec(path)
+        try:
+            api.up()
+            with pytest.raises(RunFailed) as info:
+                api.train().wait()
+        finally:
+            api.provider.close()
+    text = str(info.value)
+    assert "failed after 1 attempt(s)" in text and "user_error" in text, text
+    assert "cannot write the checkpoint location gs://ckpt-bucket/runs/k8s-e2e/" in text, text
+    assert f"PermissionDeniedError: HTTP 403 from Cloud Storage: {TRAINER} does not have " \
+           "storage." in text, text  # Cloud Storage's own words, whole, not a JSON fragment
+    assert "fix: give the identity the tasks run as write access to the bucket" in text
+    assert "roles/storage.objectUser" in text

@@ -217,6 +217,33 @@ def test_gpus_spot_queue_and_placement() -> None:
     assert pod["terminationGracePeriodSeconds"] == 60  # timeouts.stop_grace_s
 
 
+@pytest.mark.parametrize(("change", "checkpoints"), [
+    ("checkpoint: {dir: 'gs://ckpt-bucket/runs'}\n",
+     "gs://ckpt-bucket/runs/demo/20261125-101500-abc123"),
+    ("job: {command: [python, t.py], checkpoint_dir: 'gs://team-bucket/mine'}\n",
+     "gs://team-bucket/mine"),
+], ids=["managed", "command"])
+def test_without_a_volume_checkpoints_and_the_model_go_to_the_bucket(change: str,
+                                                                    checkpoints: str) -> None:
+    """A pod's own runs/ is gone with it: the bucket keeps the checkpoints and the model."""
+    text = BASE.format(workers=2, chief="false").replace("  volume: {claim: shared}\n", "")
+    if "command" in change:
+        text = text.replace("job: {module: m}\n", "")
+    spec = specs.parse(text + change)
+    plan = make_plan(spec)
+    assert all(h.ephemeral and not h.shared_fs for h in manifests.hosts(spec))
+    assert plan.checkpoints.shared
+    for task in plan.tasks:
+        assert task.env["ORCHESTRATE_CHECKPOINT_DIR"] == checkpoints
+        assert task.env["ORCHESTRATE_MODEL_DIR"] == f"{checkpoints}/model"
+    jobset = jobset_of(spec)
+    validate_jobset(jobset)
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert {"name": "runs", "emptyDir": {}} in pod["volumes"]
+    with_volume = make_plan(make_spec(2, extra="checkpoint: {dir: 'gs://ckpt-bucket/runs'}\n"))
+    assert not with_volume.tasks[0].env["ORCHESTRATE_MODEL_DIR"].startswith("gs://")
+
+
 def test_a_field_the_api_does_not_have_is_refused_here() -> None:
     """The schemas are strict: a misspelt field fails here, as the API server would refuse it."""
     jobset = jobset_of(make_spec(2))

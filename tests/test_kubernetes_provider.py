@@ -493,6 +493,28 @@ def test_up_checks_the_kueue_queue_it_is_given(tmp_path: Path, fake: FakeKube) -
         made.close()
 
 
+def test_up_checks_the_service_account_the_pods_run_as(tmp_path: Path, fake: FakeKube) -> None:
+    made = make_provider(tmp_path, fake, extra="  service_account: trainer\n")
+    try:
+        def account_problems() -> list[Any]:
+            return [p for p in made.cluster_problems() if "ServiceAccount" in p.message]
+
+        (missing,) = account_problems()
+        assert missing.blocking and missing.message == (
+            "provider.service_account: no ServiceAccount trainer in namespace ml")
+        assert "kubectl -n ml create serviceaccount trainer" in missing.fix
+        with pytest.raises(ProviderError, match="no ServiceAccount trainer"):
+            made.up()
+        fake.store.create("serviceaccounts", {"metadata": {"name": "trainer"}}, namespace="ml")
+        assert account_problems() == []
+        fake.forbid("get", "serviceaccounts")
+        (unreadable,) = account_problems()
+        assert not unreadable.blocking and "may not read ServiceAccount trainer" in \
+            unreadable.message
+    finally:
+        made.close()
+
+
 def test_a_node_whose_kubelet_was_silent_for_a_moment_is_avoided_only_for_a_while(
         provider: KubernetesProvider, fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kubelet that did not answer once, on a node the cluster never marks (it stays Ready,

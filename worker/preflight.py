@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import pwd
+import re
 import secrets
 import shutil
 import socket
@@ -40,6 +41,9 @@ OUTSIDER = "orchestrate-controller"
 SMI_QUERY = "--query-gpu=name,memory.total,driver_version"
 MARKER_PREFIX = ".orchestrate-doctor-"
 STORAGE_CHECK_ENV = "ORCHESTRATE_STORAGE_CHECK_S"
+# TensorFlow's GCS errors quote the JSON API's answer, indented over lines: its first message.
+GCS_CODE_RE = re.compile(r"HTTP response code (\d+)")
+GCS_MESSAGE_RE = re.compile(r'"message":\s*("(?:[^"\\]|\\.)*")')
 STORAGE_CHECK_S = 20.0  # a storage write that takes longer is reported as failed
 IMPORT_LIMIT_S = 120.0  # the longest wait for TensorFlow's import before a gs:// check
 
@@ -390,9 +394,21 @@ def _os_error(exc: OSError) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
+    first = describe_error(str(exc))
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def describe_error(text: str) -> str:
+    """One line of a file system's error: for a GCS answer, its status and Cloud Storage's own
+    message (TensorFlow quotes the whole JSON body, over lines); else the first line."""
+    code, message = GCS_CODE_RE.search(text), GCS_MESSAGE_RE.search(text)
+    if code and message:
+        try:
+            said = json.loads(message.group(1))
+        except ValueError:
+            said = message.group(1).strip('"')
+        return f"HTTP {code.group(1)} from Cloud Storage: {said}"
+    return (text.strip().splitlines() or [""])[0]
 
 
 # -- network -------------------------------------------------------------------------------

@@ -12,11 +12,14 @@ import uuid
 from typing import Any
 
 from worker.events import emit
+from worker.preflight import describe_error
 
 CHECK_S = 60.0  # a gs:// check that takes longer than this counts as failed (a hang)
 STORAGE_FIX = (
-    "give the VM's service account write access to the bucket (roles/storage.objectUser) and "
-    "the storage scope (provider.scopes: https://www.googleapis.com/auth/devstorage.read_write), "
+    "give the identity the tasks run as write access to the bucket (roles/storage.objectUser): "
+    "on gcp the VMs' service account, with the storage scope (provider.scopes: "
+    "https://www.googleapis.com/auth/devstorage.read_write); on kubernetes "
+    "provider.service_account, through Workload Identity (the README's Kubernetes section); "
     "or set checkpoint.dir to an absolute path on a shared file system"
 )
 INDEX_RE = re.compile(r'^model_checkpoint_path:\s*"([^"]+)"', re.M)
@@ -44,8 +47,7 @@ def write_problem(location: str, timeout_s: float | None = None) -> str | None:
             tf.io.gfile.remove(marker)
             outcome.append(None)
         except Exception as exc:  # any failure of the file system is the answer
-            first = (str(exc).strip().splitlines() or [""])[0]
-            outcome.append(f"{type(exc).__name__}: {first[:400]}")
+            outcome.append(f"{type(exc).__name__}: {describe_error(str(exc))[:600]}")
 
     thread = threading.Thread(target=attempt, daemon=True, name="orchestrate-storage-check")
     thread.start()

@@ -425,4 +425,5 @@ def host_from_json(record: Mapping[str, Any]) -> Host:
     endpoint = None if ssh is None else SSHEndpoint(**{**ssh, "host_keys": tuple(ssh["host_keys"])})
     return Host(name=record["name"], address=record["address"], root=record["root"], ssh=endpoint,
                 task_port=record["task_port"], labels=tuple((k, v) for k, v in record["labels"]),
-                node=record.get("node"), shared_fs=bool(record.get("shared_fs", False)))
+                node=record.get("node"), shared_fs=bool(record.get("shared_fs", False)),
+                ephemeral=bool(record.get("ephemeral", False)))

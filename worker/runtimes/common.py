@@ -210,8 +210,13 @@ def save_model(strategy: Any, model: Any) -> str:
     """Every task must save (saving reads synced variables collectively); only the chief keeps it."""
     model_dir = os.environ["ORCHESTRATE_MODEL_DIR"]
     if is_chief(strategy):
-        os.makedirs(model_dir, exist_ok=True)
-        path = os.path.join(model_dir, "model.keras")
+        if "://" in model_dir:  # a bucket (a pod without a volume): Keras writes it through gfile
+            import tensorflow as tf
+
+            tf.io.gfile.makedirs(model_dir)
+        else:
+            os.makedirs(model_dir, exist_ok=True)
+        path = f"{model_dir.rstrip('/')}/model.keras"
         model.save(path)
         return path
     scratch = tempfile.mkdtemp(prefix="orchestrate-model-")

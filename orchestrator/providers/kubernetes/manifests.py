@@ -18,7 +18,8 @@
 Every object carries ``app.kubernetes.io/managed-by: orchestrate`` and the cluster's label,
 which ``down`` deletes by. In every pod, ``ROOT`` holds ``code/`` and ``lib/`` (the
 ConfigMaps, read-only) and ``runs/`` (``provider.volume``'s claim: checkpoints and the final
-model outlive the pod).
+model outlive the pod; without a volume, an emptyDir, and both are in ``checkpoint.dir``'s
+gs:// bucket).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def roles(spec: ClusterSpec) -> list[tuple[Role, int]]:
 def hosts(spec: ClusterSpec) -> list[Host]:
     """A host per task: its pod, reached at its JobSet DNS name (``host.subdomain``, which
     the pods' search path completes), each pod a machine of its own (its own IP), all with the
-    same ``ROOT`` whose ``runs/`` every pod shares (``provider.volume``)."""
+    same ``ROOT`` whose ``runs/`` every pod shares (``provider.volume``), or, without a
+    volume, its own ``runs/`` that is gone with the pod (checkpoints and the model in gs://)."""
     config = _config(spec)
     shared = config.volume is not None
     out = []
@@ -94,7 +96,7 @@ def hosts(spec: ClusterSpec) -> list[Host]:
             raise PlanError(f"pod host name {name!r} is over {DNS_LABEL_MAX} characters",
                             fix="give the cluster a shorter name")
         out.append(Host(name=name, address=f"{name}.{jobset_name(spec.name)}", root=ROOT,
-                        node=name, shared_fs=shared))
+                        node=name, shared_fs=shared, ephemeral=not shared))
     return out
 
 

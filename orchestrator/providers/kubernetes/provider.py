@@ -212,6 +212,8 @@ class KubernetesProvider(Provider):
                 "Kubernetes section has one) and a RoleBinding to you"))
         if self.config.volume is not None:
             found += self._volume_problems(self.config.volume.claim)
+        if self.config.service_account:
+            found += self._account_problems(self.config.service_account)
         if self.config.queue:
             found += self._queue_problems(self.config.queue)
         found += self._node_problems()
@@ -239,6 +241,24 @@ class KubernetesProvider(Provider):
         return [Problem("kubernetes", f"provider.queue: no LocalQueue {queue} in namespace "
                         f"{kube.namespace}", f"kubectl -n {kube.namespace} get localqueues "
                         "lists them: name one, or ask for one")]
+
+    def _account_problems(self, account: str) -> list[Problem]:
+        """provider.service_account names a ServiceAccount of the namespace (a pod that names a
+        missing one is never created: the Job's controller says so only in its events)."""
+        kube = self.kube
+        if not kube.allowed("get", "serviceaccounts")[0]:
+            return [Problem("kubernetes", f"these credentials may not read ServiceAccount "
+                            f"{account}: up cannot check provider.service_account", "grant get "
+                            "on serviceaccounts", blocking=False)]
+        found = kube.call(f"read ServiceAccount {account}",
+                          kube.core.read_namespaced_service_account, account, kube.namespace,
+                          missing_ok=True)
+        if found is not None:
+            return []
+        return [Problem("kubernetes", f"provider.service_account: no ServiceAccount {account} "
+                        f"in namespace {kube.namespace}", f"kubectl -n {kube.namespace} create "
+                        f"serviceaccount {account}, and give it the bucket of checkpoint.dir "
+                        "(the README's Kubernetes section: Workload Identity)")]
 
     def _node_problems(self) -> list[Problem]:
         """Whether the nodes there are now can hold the job's pods (their labels, taints and
