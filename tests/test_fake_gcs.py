@@ -225,7 +225,7 @@ class Client:
         self.gcs = gcs
         self.context = gcs.client_context()
 
-    def call(self, method: str, path: str, token: str | None = None, body: bytes | None = None,
+    def send(self, method: str, path: str, token: str | None = None, body: bytes | None = None,
              headers: Mapping[str, str] | None = None,
              base: str | None = None) -> tuple[int, dict[str, str], bytes]:
         all_headers = dict(headers or {})
@@ -241,12 +241,12 @@ class Client:
 
     def json(self, method: str, path: str, token: str | None = None, body: bytes | None = None,
              headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
-        status, _, data = self.call(method, path, token, body, headers)
+        status, _, data = self.send(method, path, token, body, headers)
         return status, json.loads(data) if data else None
 
     def metadata(self, path: str, flavor: bool = True) -> tuple[int, dict[str, str], bytes]:
         headers = {"Metadata-Flavor": "Google"} if flavor else {}
-        return self.call("GET", self.gcs.metadata_url + path, headers=headers)
+        return self.send("GET", self.gcs.metadata_url + path, headers=headers)
 
 
 @pytest.fixture
@@ -315,11 +315,11 @@ def test_gcs_refuses_as_the_real_one_does(local: tuple[FakeGCS, Client, dict[str
         412, "At least one of the pre-conditions you specified did not hold.", "conditionNotMet",
         locationType="header", location="If-Match"))
     # the XML API's errors, and a range past the end (which TF reads as end of file)
-    status, _, body = client.call("GET", "/b/nope", writer)
+    status, _, body = client.send("GET", "/b/nope", writer)
     assert status == 404 and b"<Code>NoSuchKey</Code>" in body and b"No such object: b/nope" in body
-    status, _, body = client.call("GET", "/b/x", None)
+    status, _, body = client.send("GET", "/b/x", None)
     assert status == 403 and b"<Code>AccessDenied</Code>" in body
-    status, _, body = client.call("GET", "/b/x", writer, headers={"Range": "bytes=4-9"})
+    status, _, body = client.send("GET", "/b/x", writer, headers={"Range": "bytes=4-9"})
     assert status == 416 and b"<Code>InvalidRange</Code>" in body
 
 
@@ -327,28 +327,28 @@ def test_uploads_reads_lists_and_copies_have_the_real_shapes(
         local: tuple[FakeGCS, Client, dict[str, str]]) -> None:
     gcs, client, _ = local
     token = gcs.token_for(TRAINER)
-    status, headers, _ = client.call("POST", "/upload/storage/v1/b/b/o?uploadType=resumable"
+    status, headers, _ = client.send("POST", "/upload/storage/v1/b/b/o?uploadType=resumable"
                                      "&name=dir%2Ffile", token, b"",
                                      {"X-Upload-Content-Length": "10"})
     session = headers["Location"]
     assert status == 200 and session.startswith(f"{gcs.gcs_url}/upload/storage/v1/b/b/o?")
-    status, headers, _ = client.call("PUT", session, None, b"", {"Content-Range": "bytes */10"})
+    status, headers, _ = client.send("PUT", session, None, b"", {"Content-Range": "bytes */10"})
     assert status == 308 and "Range" not in headers
-    status, headers, _ = client.call("PUT", session, None, b"01234",
+    status, headers, _ = client.send("PUT", session, None, b"01234",
                                      {"Content-Range": "bytes 0-4/*"})
     assert (status, headers["Range"]) == (308, "bytes=0-4")
-    status, _, body = client.call("PUT", session, None, b"56789", {"Content-Range": "bytes 5-9/10"})
+    status, _, body = client.send("PUT", session, None, b"56789", {"Content-Range": "bytes 5-9/10"})
     resource = json.loads(body)
     assert status == 200 and resource["size"] == "10" and resource["name"] == "dir/file"
     assert resource["crc32c"] and resource["md5Hash"] == "eB5eJF1ptWaXm4bijSPyxw=="
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", resource["updated"])
     assert int(resource["generation"]) > 0
-    assert client.call("PUT", session, None, b"", {"Content-Range": "bytes */10"})[0] == 200
-    status, headers, body = client.call("GET", "/b/dir%2Ffile", token,
+    assert client.send("PUT", session, None, b"", {"Content-Range": "bytes */10"})[0] == 200
+    status, headers, body = client.send("GET", "/b/dir%2Ffile", token,
                                         headers={"Range": "bytes=3-5"})
     assert (status, body, headers["Content-Range"]) == (206, b"345", "bytes 3-5/10")
     assert headers["x-goog-generation"] == resource["generation"]
-    assert client.call("GET", "/storage/v1/b/b/o/dir%2Ffile?alt=media", token)[2] == b"0123456789"
+    assert client.send("GET", "/storage/v1/b/b/o/dir%2Ffile?alt=media", token)[2] == b"0123456789"
     for name in ("dir/a", "dir/sub/b", "dir/sub/c", "dir/z", "top"):
         gcs.put_object("b", name, name.encode())
     gcs.page_size = 2
@@ -367,7 +367,7 @@ def test_uploads_reads_lists_and_copies_have_the_real_shapes(
     status, rewrite = client.json("POST", "/storage/v1/b/b/o/top/rewriteTo/b/b/o/moved", token)
     assert status == 200 and rewrite["done"] is True and rewrite["resource"]["name"] == "moved"
     assert rewrite["kind"] == "storage#rewriteResponse" and rewrite["objectSize"] == "3"
-    assert client.call("DELETE", "/storage/v1/b/b/o/top", token)[0] == 204
+    assert client.send("DELETE", "/storage/v1/b/b/o/top", token)[0] == 204
     generation = client.json("GET", "/storage/v1/b/b/o/dir%2Fa?fields=generation", token)[1]
     compose = (f"{{'sourceObjects': [{{'name': 'dir/a','objectPrecondition':{{'ifGenerationMatch':"
                f"{generation['generation']}}}}},{{'name': 'moved'}}]}}").encode()  # TF's quotes
