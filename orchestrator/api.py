@@ -26,6 +26,7 @@ from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.providers import DownReport, Provider, for_spec
 from orchestrator.remote.base import TaskState
 from orchestrator.runtimes import GpuDescription, resolve_gpus, runtime_for
+from orchestrator.runtimes.base import JAX_ADDRESSES_ENV, JAX_PROCESS_ID_ENV, JAX_PROCESSES_ENV
 from orchestrator.spec import ClusterSpec, Container
 from orchestrator.state import AttemptRecord, ClusterRecord, RunRecord, Store, TaskRecord
 from orchestrator.supervisor import Supervisor
@@ -586,7 +587,12 @@ def _task_entry(plan: ClusterPlan, t: TaskPlan) -> dict[str, Any]:
             "host": t.host.name, "address": t.host.address, "port": t.port,
             "endpoint": t.endpoint, "tf_config": t.tf_config, "cwd": t.cwd, "argv": list(t.argv),
             "command": shlex.join(t.argv), "env": dict(t.env), "log": t.log_path,
-            "checkpoint_dir": plan.checkpoints.of(t.host), "model_dir": paths.model_dir}
+            "checkpoint_dir": plan.checkpoints.of(t.host),
+            "model_dir": t.env.get("ORCHESTRATE_MODEL_DIR", paths.model_dir),
+            **({"jax": {"process_id": int(t.env[JAX_PROCESS_ID_ENV]),
+                        "processes": int(t.env[JAX_PROCESSES_ENV]),
+                        "coordinator": t.env[JAX_ADDRESSES_ENV].split(",")[0]}}
+               if JAX_PROCESS_ID_ENV in t.env else {})}
 
 
 def _notebook_display(listener: Listener | None, progress: bool | None) -> NotebookProgress | None:

@@ -305,7 +305,12 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
         chief = " (chief)" if t["is_chief"] else ""
         say_parts(console, "\n", (t["task"], task_style(t["task"])),
                   f"{chief}  {t['host']}  {t['endpoint']}")
-        say(f"  TF_CONFIG  {json.dumps(t['tf_config'])}")
+        if "jax" in t:
+            jax = t["jax"]
+            say(f"  JAX        process {jax['process_id']} of {jax['processes']}, coordinator "
+                f"{jax['coordinator']} (KERAS_DISTRIBUTION_*)")
+        else:
+            say(f"  TF_CONFIG  {json.dumps(t['tf_config'])}")
         say(f"  cwd        {t['cwd']}")
         say(f"  command    {t['command']}")
         say(f"  log        {t['log']}")

@@ -12,6 +12,7 @@ from orchestrator.errors import PlanError
 from orchestrator.hosts import Host, host_port, is_loopback
 from orchestrator.paths import RunPaths, code_dir, lib_dir
 from orchestrator.runtimes import BatchScaling, runtime_for
+from orchestrator.runtimes.base import process_env
 from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, ClusterSpec, CommandJob, is_url
 
 Role = Literal["chief", "worker"]
@@ -303,6 +304,7 @@ def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
         "ORCHESTRATE_TASK": f"{role}:{index}",
         "ORCHESTRATE_CHECKPOINT_DIR": shared.checkpoints.of(host),
         "ORCHESTRATE_MODEL_DIR": model_dir(host, paths, shared.checkpoints),
+        **process_env(spec.job, shared.cluster_def, role, index),
     }
     stem = paths.task_stem(shared.attempt, role, index)
     return TaskPlan(

@@ -820,8 +820,25 @@ class GpuJob(Model):
     gpu_memory_growth: bool = Field(
         default=True,
         description="Let TensorFlow take GPU memory as it needs it instead of all of it at "
-        "start (set_memory_growth; TF_FORCE_GPU_ALLOW_GROWTH=true for a command job).",
+        "start (set_memory_growth; TF_FORCE_GPU_ALLOW_GROWTH=true for a command job; on JAX, "
+        "XLA_PYTHON_CLIENT_PREALLOCATE=false).",
     )
+    backend: Literal["tensorflow", "jax"] = Field(
+        default="tensorflow",
+        description="What Keras runs on: tensorflow, or jax (Keras 3 only: every task gets "
+        "KERAS_BACKEND=jax and the KERAS_DISTRIBUTION_* variables that "
+        "keras.distribution.initialize() reads, the chief's address as the coordinator).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _jax_is_keras_3(cls, data: Any) -> Any:
+        """On JAX, Keras is Keras 3: ``keras`` (unset or auto) is 3 there; a 2 is left for
+        ``_check_backend`` to refuse by its field."""
+        if isinstance(data, dict) and data.get("backend") == "jax" \
+                and data.get("keras", "auto") == "auto":
+            return {**data, "keras": "3"}
+        return data
 
 
 class ManagedJob(GpuJob):
@@ -1264,6 +1281,7 @@ def parse(text: str, *, file: str = "<spec>", base_dir: Path | None = None) -> C
     _check_host_count(spec, file, lines)
     _check_machines(spec, file, lines)
     _check_kubernetes(spec, file, lines)
+    _check_backend(spec, file, lines)
     if base_dir is not None:
         _check_paths(spec, base_dir, file, lines)
     return spec
@@ -1507,6 +1525,27 @@ def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None
                 pinned[port] = i
         in_range = sum(1 for p in pinned if spec.ports.start <= p <= spec.ports.end)
         _check_port_range(spec, len(indices) - len(pinned), in_range, file, lines)
+
+
+def _check_backend(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
+    """``backend: jax`` is Keras 3, in a command job (the managed runtime trains on TensorFlow)."""
+    job = spec.job
+    if job.backend != "jax":
+        return
+
+    def refuse(field: str, message: str, fix: str) -> NoReturn:
+        raise SpecError(message, file=file, field=field,
+                        line=_nearest_line(lines, field.split(".")), fix=fix)
+
+    if job.keras == "2":
+        refuse("job.keras", "keras: 2 (tf_keras) runs only on TensorFlow, and job.backend is jax",
+               "remove job.keras (on JAX it is 3), or set job.backend: tensorflow")
+    if isinstance(job, ManagedJob):
+        refuse("job.backend", "the managed runtime (job.module) trains on TensorFlow only, so "
+               "far", "run your script as a command job: 'job: {command: [python, train.py], "
+               "backend: jax}', where the script calls keras.distribution.initialize() (every "
+               "task gets the KERAS_DISTRIBUTION_* variables it reads); or set backend: "
+               "tensorflow")
 
 
 def _check_kubernetes(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:

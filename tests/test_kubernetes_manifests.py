@@ -334,6 +334,26 @@ def test_indexed_execs_the_task_with_its_tf_config() -> None:
     assert task == "worker:1"
 
 
+def test_a_jax_pod_learns_its_process_id_from_its_index() -> None:
+    """One template for every pod: KERAS_DISTRIBUTION_PROCESS_ID is built in the pod, as
+    TF_CONFIG is, and equals what the plan gives the same task elsewhere."""
+    spec = make_spec(2, chief=True).model_copy(update={"job": specs.parse(
+        "name: d\njob: {command: [python, t.py], backend: jax}\n").job})
+    jobset = jobset_of(spec)
+    validate_jobset(jobset)
+    plan = make_plan(spec)
+    for role, index in (("chief", 0), ("worker", 0), ("worker", 1)):
+        env = {**pod_env(jobset, role, index), "PATH": os.environ["PATH"],
+               "PYTHONPATH": os.getcwd()}
+        assert "KERAS_DISTRIBUTION_PROCESS_ID" not in env  # not in the shared template
+        out = subprocess.run([sys.executable, "-m", "worker.indexed", sys.executable, "-c",
+                              "import os; print(os.environ['KERAS_DISTRIBUTION_PROCESS_ID'])"],
+                             env=env, capture_output=True, text=True, timeout=60, check=True)
+        planned = plan.task(f"{role}:{index}").env["KERAS_DISTRIBUTION_PROCESS_ID"]
+        assert out.stdout.strip() == planned
+        assert env["KERAS_DISTRIBUTION_JOB_ADDRESSES"].split(",")[0] == plan.chief.endpoint
+
+
 @pytest.mark.parametrize(("change", "says"), [
     ({"ORCHESTRATE_TASK_INDEX": "2"}, "not an index of the 2 worker task(s)"),
     ({"ORCHESTRATE_TASK_TYPE": "ps"}, "none of the cluster's task types"),

@@ -9,6 +9,7 @@ import pytest
 from orchestrator import plan, spec
 from orchestrator.errors import PlanError, SpecError
 from orchestrator.hosts import Host, SSHEndpoint
+from worker.runtimes.managed import Job
 
 SPEC = "name: demo\nworkers: {workers}\nseparate_chief: {chief}\njob: {{module: m}}\n"
 
@@ -110,6 +111,8 @@ def test_managed_argv_carries_the_job_as_json() -> None:
     assert argv[:4] == ("/venv/bin/python", "-m", "worker", "managed")
     job = json.loads(argv[5])
     assert job["module"] == "m" and job["checkpoint_every_steps"] == 7
+    parsed = Job.from_json(argv[5])  # the worker's side of the contract takes every field
+    assert (parsed.module, parsed.checkpoint_every_steps) == ("m", 7)
 
 
 def test_command_argv_runs_the_users_python_through_the_worker_wrapper() -> None:
@@ -177,3 +180,35 @@ def test_each_host_gets_the_run_paths_under_its_root() -> None:
     assert paths.checkpoint_dir == ".orchestrate/clusters/demo/runs/r1/checkpoints"
     assert paths.model_dir == ".orchestrate/clusters/demo/runs/r1/model"
     assert p.tasks[0].rc_path == ".orchestrate/clusters/demo/runs/r1/logs/attempt-1/worker-0.rc"
+
+
+def test_a_jax_job_gives_every_task_what_keras_distribution_initialize_reads() -> None:
+    """KERAS_DISTRIBUTION_*: every task's address (the chief's first: JAX's coordinator), how
+    many, and the task's place in the plan's order; nothing of it on TensorFlow."""
+    s = spec.parse("name: demo\nworkers: 2\nseparate_chief: true\n"
+                   "job: {command: [python, t.py], backend: jax}\n")
+    p = build(s, [remote("c", "10.0.0.1"), remote("w0", "10.0.0.2"), remote("w1", "10.0.0.3")])
+    addresses = "10.0.0.1:23456,10.0.0.2:23456,10.0.0.3:23456"
+    for position, task in enumerate(p.tasks):
+        assert task.env["KERAS_BACKEND"] == "jax"
+        assert task.env["KERAS_DISTRIBUTION_JOB_ADDRESSES"] == addresses
+        assert task.env["KERAS_DISTRIBUTION_NUM_PROCESSES"] == "3"
+        assert task.env["KERAS_DISTRIBUTION_PROCESS_ID"] == str(position)
+        assert task.env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # memory growth, JAX's way
+        assert "TF_FORCE_GPU_ALLOW_GROWTH" not in task.env
+    assert [t.key for t in p.tasks] == ["chief:0", "worker:0", "worker:1"]
+    tf = build(make_spec(2), local_hosts(2))
+    assert not [k for k in tf.tasks[0].env if k.startswith(("KERAS_DISTRIBUTION", "KERAS_BACK"))]
+
+
+@pytest.mark.parametrize(("job", "field", "says"), [
+    ("{command: [python, t.py], backend: jax, keras: 2}", "job.keras",
+     "runs only on TensorFlow"),
+    ("{module: m, backend: jax}", "job.backend", "trains on TensorFlow only"),
+    ("{command: [python, t.py], backend: pytorch}", "job.backend", ""),
+])
+def test_jax_jobs_that_cannot_run_are_refused_by_their_field(job: str, field: str,
+                                                             says: str) -> None:
+    with pytest.raises(SpecError) as err:
+        spec.parse(f"name: demo\nworkers: 2\njob: {job}\n")
+    assert err.value.field == field and says in err.value.message and err.value.fix

@@ -9,7 +9,9 @@ the pod's command is ``python -m worker.indexed ARGV...``, which reads
 - ``ORCHESTRATE_TASK_TYPE``: ``chief`` or ``worker`` (one per replicated job),
 - ``ORCHESTRATE_TASK_INDEX``: this task's index among its type,
 
-sets ``TF_CONFIG`` and ``ORCHESTRATE_TASK`` as the plan sets them for that task elsewhere, and
+sets ``TF_CONFIG`` and ``ORCHESTRATE_TASK`` (and, for a JAX job, whose template has
+``KERAS_DISTRIBUTION_NUM_PROCESSES``, ``KERAS_DISTRIBUTION_PROCESS_ID``: the task's place in the
+cluster, chief first) as the plan sets them for that task elsewhere, and
 execs ARGV in its place (the same process: a SIGTERM to the pod reaches the task). A missing
 or inconsistent value is an ``error`` event (phase ``launch``) and exit 2, never a guess.
 """
@@ -24,6 +26,8 @@ CLUSTER_ENV = "ORCHESTRATE_TF_CLUSTER"
 TYPE_ENV = "ORCHESTRATE_TASK_TYPE"
 INDEX_ENV = "ORCHESTRATE_TASK_INDEX"
 USAGE_EXIT = 2
+PROCESSES_ENV = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+PROCESS_ID_ENV = "KERAS_DISTRIBUTION_PROCESS_ID"
 
 
 class Refused(Exception):
@@ -58,6 +62,16 @@ def tf_config(environ: dict[str, str] | os._Environ[str]) -> tuple[str, str]:
     return json.dumps(config, separators=(",", ":")), f"{kind}:{int(index)}"
 
 
+def process_id(cluster: dict[str, list[str]], kind: str, index: int) -> int:
+    """The task's place among every task of ``cluster``, in its order (the chief first)."""
+    before = 0
+    for each, endpoints in cluster.items():
+        if each == kind:
+            return before + index
+        before += len(endpoints)
+    raise Refused(f"{kind} is none of the cluster's task types")
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         sys.stderr.write("usage: python -m worker.indexed ARGV...\n")
@@ -71,6 +85,10 @@ def main(argv: list[str]) -> int:
         return USAGE_EXIT
     os.environ["TF_CONFIG"] = config
     os.environ["ORCHESTRATE_TASK"] = task
+    if os.environ.get(PROCESSES_ENV):  # a JAX job: which process of JAX's service this is
+        parsed = json.loads(config)
+        os.environ[PROCESS_ID_ENV] = str(process_id(parsed["cluster"], parsed["task"]["type"],
+                                                    parsed["task"]["index"]))
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:

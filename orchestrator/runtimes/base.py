@@ -54,6 +54,36 @@ def resolve_gpus(spec: ClusterSpec, gpus_per_task: Sequence[int] | None) -> Clus
     return spec.model_copy(update={"job": job.model_copy(update={"collectives": choice})})
 
 
+# What keras.distribution.initialize() reads on every task of a Keras 3 job on JAX: every
+# task's address (the first, the chief's, is where JAX's distributed service coordinates),
+# how many processes there are, and which one this is (the tasks' order in the plan).
+JAX_ADDRESSES_ENV = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
+JAX_PROCESSES_ENV = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+JAX_PROCESS_ID_ENV = "KERAS_DISTRIBUTION_PROCESS_ID"
+# JAX's own switch for taking GPU memory as needed rather than 75% of it at start.
+JAX_PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
+
+
+def backend_env(job: GpuJob) -> dict[str, str]:
+    """What every task of a JAX job shares: the backend Keras loads, JAX's memory growth."""
+    if job.backend != "jax":
+        return {}
+    return {"KERAS_BACKEND": "jax",
+            **({JAX_PREALLOCATE_ENV: "false"} if job.gpu_memory_growth else {})}
+
+
+def process_env(job: GpuJob, cluster_def: Mapping[str, Sequence[str]], role: str,
+                index: int) -> dict[str, str]:
+    """What one task of a JAX job is among the processes of JAX's distributed service (none on
+    TensorFlow, where TF_CONFIG says it)."""
+    if job.backend != "jax":
+        return {}
+    order = [(kind, i) for kind, endpoints in cluster_def.items() for i in range(len(endpoints))]
+    endpoints = [endpoint for each in cluster_def.values() for endpoint in each]
+    return {JAX_ADDRESSES_ENV: ",".join(endpoints), JAX_PROCESSES_ENV: str(len(endpoints)),
+            JAX_PROCESS_ID_ENV: str(order.index((role, index)))}
+
+
 def gpu_env(job: GpuJob) -> dict[str, str]:
     """What every task's environment says of its GPUs: the collectives to use."""
     return {COLLECTIVES_ENV: job.collectives}
@@ -69,6 +99,12 @@ class GpuDescription:
 
     @classmethod
     def of(cls, job: GpuJob) -> GpuDescription:
+        if job.backend == "jax":
+            growth = ("on (XLA_PYTHON_CLIENT_PREALLOCATE=false)" if job.gpu_memory_growth else
+                      "off (JAX takes 75% of each GPU's memory at start)")
+            return cls(job.collectives, job.gpu_memory_growth,
+                       f"collectives JAX's own (gloo on CPU, NCCL between GPUs); memory growth "
+                       f"{growth}")
         if job.collectives == "auto":
             how = ("auto: NCCL if every task sees a GPU, else RING (decided at train from the "
                    "doctor's GPU count; without it, by each task from the GPUs it sees)")

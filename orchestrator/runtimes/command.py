@@ -10,6 +10,7 @@ from orchestrator.runtimes.base import (
     DoctorRules,
     JobDescription,
     JobRuntime,
+    backend_env,
     gpu_env,
     keras_env,
 )
@@ -35,12 +36,18 @@ class CommandRuntime(JobRuntime[CommandJob]):
         # By default the tutorial's tf.keras fit works under MWMS: as tf_keras. The script
         # reads the collectives from ORCHESTRATE_COLLECTIVES; memory growth is TensorFlow's
         # own variable (unless the spec's env sets it).
+        # On JAX, KERAS_BACKEND and the KERAS_DISTRIBUTION_* variables (per task, from the
+        # plan) are what an unmodified keras.distribution.initialize() reads.
         job = self.job_of(spec)
         growth = job.gpu_memory_growth and MEMORY_GROWTH_ENV not in spec.env
         return {**keras_env(job.keras), **gpu_env(job),
-                **({MEMORY_GROWTH_ENV: "true"} if growth else {})}
+                **({MEMORY_GROWTH_ENV: "true"} if growth and job.backend == "tensorflow"
+                   else {}), **backend_env(job)}
 
     def describe(self, job: CommandJob) -> JobDescription:
+        given = ("KERAS_BACKEND=jax and KERAS_DISTRIBUTION_* set for keras.distribution."
+                 "initialize(), the chief the coordinator" if job.backend == "jax"
+                 else "TF_CONFIG set for it")
         return JobDescription(runtime=self.name, settings=job.model_dump(mode="json"),
                               total_steps=None,
-                              summary=f"command: {shlex.join(job.command)} (TF_CONFIG set for it)")
+                              summary=f"command: {shlex.join(job.command)} ({given})")

@@ -36,7 +36,7 @@ class TfKerasFit(JobRuntime[ManagedJob]):
                                matching=(TF_KERAS,))
 
     def argv(self, spec: ClusterSpec, python: str) -> tuple[str, ...]:
-        payload = self.job_of(spec).model_dump(exclude={"mode"})
+        payload = self.job_of(spec).model_dump(exclude={"mode", "backend"})  # TensorFlow here
         payload["checkpoint_every_steps"] = spec.checkpoint.every_steps
         payload["collective_timeout_s"] = spec.timeouts.collective_s
         return (python, "-m", "worker", self.mode, "--job", json.dumps(payload, sort_keys=True))

@@ -59,7 +59,7 @@ CONTAINER = "task"
 ROOT = "/orchestrate"  # in every pod
 PORT_NAME = "tf-grpc"
 # Set per task from its index (worker/indexed.py), so not in the shared template.
-PER_TASK_ENV = ("TF_CONFIG", "ORCHESTRATE_TASK")
+PER_TASK_ENV = ("TF_CONFIG", "ORCHESTRATE_TASK", "KERAS_DISTRIBUTION_PROCESS_ID")
 # A ConfigMap is one etcd object: the API server refuses one over 1 MiB (data and metadata).
 CONFIGMAP_MAX_BYTES = 1 << 20
 CONFIGMAP_OVERHEAD = 16 << 10  # metadata, keys and item paths, with room to spare
