@@ -582,13 +582,12 @@ def _container_entry(container: Container) -> dict[str, Any]:
 
 
 def _task_entry(plan: ClusterPlan, t: TaskPlan) -> dict[str, Any]:
-    paths = plan.paths[t.host.name]
     return {"task": t.key, "role": t.role, "index": t.index, "is_chief": t.key == plan.chief_key,
             "host": t.host.name, "address": t.host.address, "port": t.port,
             "endpoint": t.endpoint, "tf_config": t.tf_config, "cwd": t.cwd, "argv": list(t.argv),
             "command": shlex.join(t.argv), "env": dict(t.env), "log": t.log_path,
             "checkpoint_dir": plan.checkpoints.of(t.host),
-            "model_dir": t.env.get("ORCHESTRATE_MODEL_DIR", paths.model_dir),
+            "model_dir": t.env["ORCHESTRATE_MODEL_DIR"],
             **({"jax": {"process_id": int(t.env[JAX_PROCESS_ID_ENV]),
                         "processes": int(t.env[JAX_PROCESSES_ENV]),
                         "coordinator": t.env[JAX_ADDRESSES_ENV].split(",")[0]}}

@@ -179,7 +179,7 @@ def build(
 def model_dir(host: Host, paths: RunPaths, checkpoints: CheckpointLayout) -> str:
     """Where the chief saves the final model: its run directory, unless that is gone with the
     task (an ephemeral host, its checkpoints in a bucket): then next to the checkpoints."""
-    where = checkpoints.dirs.get(host.name, "")
+    where = checkpoints.of(host)
     if host.ephemeral and is_url(where):
         return f"{where.rstrip('/')}/model"
     return paths.model_dir

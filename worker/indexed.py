@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping, Sequence
 
 CLUSTER_ENV = "ORCHESTRATE_TF_CLUSTER"
 TYPE_ENV = "ORCHESTRATE_TASK_TYPE"
@@ -62,8 +63,9 @@ def tf_config(environ: dict[str, str] | os._Environ[str]) -> tuple[str, str]:
     return json.dumps(config, separators=(",", ":")), f"{kind}:{int(index)}"
 
 
-def process_id(cluster: dict[str, list[str]], kind: str, index: int) -> int:
-    """The task's place among every task of ``cluster``, in its order (the chief first)."""
+def process_id(cluster: Mapping[str, Sequence[str]], kind: str, index: int) -> int:
+    """The task's place among every task of ``cluster``, in its order (the chief first): its
+    KERAS_DISTRIBUTION_PROCESS_ID, here from its index and in the controller's plan alike."""
     before = 0
     for each, endpoints in cluster.items():
         if each == kind:

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 
 from orchestrator.spec import ClusterSpec, GpuJob
+from worker.indexed import process_id
 
 J = TypeVar("J", bound=BaseModel)
 
@@ -78,10 +79,9 @@ def process_env(job: GpuJob, cluster_def: Mapping[str, Sequence[str]], role: str
     TensorFlow, where TF_CONFIG says it)."""
     if job.backend != "jax":
         return {}
-    order = [(kind, i) for kind, endpoints in cluster_def.items() for i in range(len(endpoints))]
     endpoints = [endpoint for each in cluster_def.values() for endpoint in each]
     return {JAX_ADDRESSES_ENV: ",".join(endpoints), JAX_PROCESSES_ENV: str(len(endpoints)),
-            JAX_PROCESS_ID_ENV: str(order.index((role, index)))}
+            JAX_PROCESS_ID_ENV: str(process_id(cluster_def, role, index))}
 
 
 def gpu_env(job: GpuJob) -> dict[str, str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.events import emit
+from worker.storage import is_url
 
 Phase = str  # "connect", "build", "train", "save": where an error happened
 
@@ -210,7 +211,7 @@ def save_model(strategy: Any, model: Any) -> str:
     """Every task must save (saving reads synced variables collectively); only the chief keeps it."""
     model_dir = os.environ["ORCHESTRATE_MODEL_DIR"]
     if is_chief(strategy):
-        if "://" in model_dir:  # a bucket (a pod without a volume): Keras writes it through gfile
+        if is_url(model_dir):  # a bucket (a pod without a volume): Keras writes it through gfile
             import tensorflow as tf
 
             tf.io.gfile.makedirs(model_dir)
