@@ -825,7 +825,8 @@ class GpuJob(Model):
     )
     backend: Literal["tensorflow", "jax"] = Field(
         default="tensorflow",
-        description="What Keras runs on: tensorflow, or jax (Keras 3 only: every task gets "
+        description="What Keras runs on: tensorflow, or jax (Keras 3 only: a managed job's model "
+        "trains with JAX's distributed service and Keras's DataParallel; a command job gets "
         "KERAS_BACKEND=jax and the KERAS_DISTRIBUTION_* variables that "
         "keras.distribution.initialize() reads, the chief's address as the coordinator).",
     )
@@ -1528,7 +1529,7 @@ def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None
 
 
 def _check_backend(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
-    """``backend: jax`` is Keras 3, in a command job (the managed runtime trains on TensorFlow)."""
+    """``backend: jax`` is Keras 3; a managed job on JAX checkpoints to a path, not a bucket."""
     job = spec.job
     if job.backend != "jax":
         return
@@ -1540,12 +1541,12 @@ def _check_backend(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
     if job.keras == "2":
         refuse("job.keras", "keras: 2 (tf_keras) runs only on TensorFlow, and job.backend is jax",
                "remove job.keras (on JAX it is 3), or set job.backend: tensorflow")
-    if isinstance(job, ManagedJob):
-        refuse("job.backend", "the managed runtime (job.module) trains on TensorFlow only, so "
-               "far", "run your script as a command job: 'job: {command: [python, train.py], "
-               "backend: jax}', where the script calls keras.distribution.initialize() (every "
-               "task gets the KERAS_DISTRIBUTION_* variables it reads); or set backend: "
-               "tensorflow")
+    if isinstance(job, ManagedJob) and spec.checkpoint.dir and is_url(spec.checkpoint.dir):
+        refuse("checkpoint.dir", f"checkpoint.dir is {spec.checkpoint.dir}, a bucket: the "
+               "managed runtime on JAX writes its checkpoints to a file system only, so far",
+               "set checkpoint.dir to an absolute path on a shared file system (or leave it "
+               "out: each host's own disk, the chief's copied to the others), or set "
+               "job.backend: tensorflow")
 
 
 def _check_kubernetes(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -111,6 +112,21 @@ def orchestrate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
     out, err = capsys.readouterr()
     code = exited.value.code
     return code if isinstance(code, int) else 1, out, err
+
+
+@contextlib.contextmanager
+def orchestrate_home_at(home: Path) -> Iterator[None]:
+    """ORCHESTRATE_HOME set to ``home`` for a while (for a module-scoped fixture, which the
+    per-test ``orchestrate_home`` fixture does not cover), then as it was."""
+    previous = os.environ.get("ORCHESTRATE_HOME")
+    os.environ["ORCHESTRATE_HOME"] = str(home)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("ORCHESTRATE_HOME")
+        else:
+            os.environ["ORCHESTRATE_HOME"] = previous
 
 
 def release_run(root: str, run_id: str) -> bool:

@@ -221,7 +221,8 @@ def distribution(name: str) -> str:
     return normalized(dists[0])
 
 
-@pytest.mark.parametrize(("package", "groups"), [("orchestrator", ()), ("worker", ("worker",))])
+@pytest.mark.parametrize(("package", "groups"),
+                         [("orchestrator", ()), ("worker", ("worker", "jax"))])
 def test_every_package_the_code_imports_is_declared(package: str, groups: tuple[str, ...]) -> None:
     wanted = {distribution(name): path for name, path in third_party_imports(package).items()}
     missing = {dist: path for dist, path in wanted.items()

@@ -22,6 +22,7 @@ from helpers import (
     as_from_a_terminal,
     events_in,
     only_tf_aborts_before_the_last,
+    orchestrate_home_at,
     release_run,
     write_spec,
 )
@@ -92,15 +93,8 @@ def unbroken(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The deterministic Keras 3 job, never interrupted: what every broken run must end as."""
     tmp = tmp_path_factory.mktemp("unbroken")
     home = tmp / "home"
-    previous = os.environ.get("ORCHESTRATE_HOME")
-    os.environ["ORCHESTRATE_HOME"] = str(home)
-    try:
+    with orchestrate_home_at(home):
         return Cluster.from_spec(local_spec(tmp, "k3-unbroken", KERAS3)).train(doctor=False).wait()
-    finally:
-        if previous is None:
-            os.environ.pop("ORCHESTRATE_HOME")
-        else:
-            os.environ["ORCHESTRATE_HOME"] = previous
 
 
 def test_a_keras3_model_trains_on_two_workers_to_one_model_that_loads_anywhere(

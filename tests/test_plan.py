@@ -9,6 +9,7 @@ import pytest
 from orchestrator import plan, spec
 from orchestrator.errors import PlanError, SpecError
 from orchestrator.hosts import Host, SSHEndpoint
+from orchestrator.runtimes import runtime_for
 from worker.runtimes.managed import Job
 
 SPEC = "name: demo\nworkers: {workers}\nseparate_chief: {chief}\njob: {{module: m}}\n"
@@ -204,7 +205,8 @@ def test_a_jax_job_gives_every_task_what_keras_distribution_initialize_reads() -
 @pytest.mark.parametrize(("job", "field", "says"), [
     ("{command: [python, t.py], backend: jax, keras: 2}", "job.keras",
      "runs only on TensorFlow"),
-    ("{module: m, backend: jax}", "job.backend", "trains on TensorFlow only"),
+    ("{module: m, backend: jax}\ncheckpoint: {dir: 'gs://ckpt-bucket/runs'}", "checkpoint.dir",
+     "writes its checkpoints to a file system only"),
     ("{command: [python, t.py], backend: pytorch}", "job.backend", ""),
 ])
 def test_jax_jobs_that_cannot_run_are_refused_by_their_field(job: str, field: str,
@@ -212,3 +214,16 @@ def test_jax_jobs_that_cannot_run_are_refused_by_their_field(job: str, field: st
     with pytest.raises(SpecError) as err:
         spec.parse(f"name: demo\nworkers: 2\njob: {job}\n")
     assert err.value.field == field and says in err.value.message and err.value.fix
+
+
+def test_a_managed_jax_job_runs_the_managed_worker_with_its_backend_and_jax_environment() -> None:
+    s = spec.parse("name: demo\nworkers: 2\njob: {module: m, backend: jax}\n")
+    p = build(s, local_hosts(2))
+    job = json.loads(p.tasks[1].argv[p.tasks[1].argv.index("--job") + 1])
+    assert job["backend"] == "jax" and job["module"] == "m" and job["keras"] == "3"
+    assert p.tasks[1].env["KERAS_BACKEND"] == "jax"
+    assert p.tasks[1].env["KERAS_DISTRIBUTION_PROCESS_ID"] == "1"
+    assert "Keras 3 on JAX" in runtime_for(s.job).describe(s.job).summary
+    # TensorFlow jobs send no backend: the worker's default.
+    tf = build(make_spec(2), local_hosts(2))
+    assert '"backend"' not in tf.tasks[0].argv[-1]

@@ -1,11 +1,24 @@
 """Checkpoint checks run on a host (``python -m worker verify-checkpoint --dir D``): find the
-newest checkpoint in a directory that really restores."""
+newest checkpoint in a directory that really restores.
+
+Two formats share one layout (an index file ``checkpoint`` in tf.train's text format naming
+the newest checkpoint and the ones kept, in ``DIR/chief`` or ``DIR``): TensorFlow's
+(``NAME.index`` and ``NAME.data-*``, read with TensorFlow) and the JAX runtime's Keras format
+(``NAME.weights.h5``, Keras's own weights file with the optimizer's, and ``NAME.state.npz``,
+the step and the variables the weights file leaves out; read with h5py and NumPy, no
+TensorFlow).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from typing import Any
+
+INDEX = "checkpoint"
+WEIGHTS = ".weights.h5"
+STATE = ".state.npz"
+STEP_KEY = "orchestrate/step"
 
 
 def restores(tf: Any, path: str) -> str | None:
@@ -17,6 +30,97 @@ def restores(tf: Any, path: str) -> str | None:
     except Exception as exc:  # any read failure makes the checkpoint unusable
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     return None
+
+
+def keras_restores(path: str) -> str | None:
+    """None if every array of the Keras-format checkpoint at ``path`` reads back; else why not."""
+    try:
+        import h5py
+        import numpy as np
+
+        with h5py.File(path + WEIGHTS, "r") as weights:
+            weights.visititems(lambda _, item: item[()] if isinstance(item, h5py.Dataset)
+                               else None)
+        with np.load(path + STATE) as state:
+            for key in state.files:
+                state[key]  # reading it is the check
+            if STEP_KEY not in state.files:
+                return f"{os.path.basename(path)}{STATE} has no step"
+    except Exception as exc:  # any read failure makes the checkpoint unusable
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    return None
+
+
+def is_keras_format(path: str) -> bool:
+    return os.path.exists(path + WEIGHTS) or os.path.exists(path + STATE)
+
+
+def check(path: str) -> str | None:
+    """None if the checkpoint at ``path`` (either format) restores; else why not."""
+    if is_keras_format(path):
+        return keras_restores(path)
+    import tensorflow as tf
+
+    return restores(tf, path)
+
+
+def index_names(directory: str) -> list[str]:
+    """The checkpoints the index in ``directory`` names, oldest first, the newest last."""
+    try:
+        with open(os.path.join(directory, INDEX), encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return []
+    newest, kept = "", []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        name = os.path.basename(value.strip().strip('"'))
+        if key.strip() == "model_checkpoint_path":
+            newest = name
+        elif key.strip() == "all_model_checkpoint_paths" and name:
+            kept.append(name)
+    if not newest:
+        return []
+    return [n for n in kept if n != newest] + [newest]
+
+
+def write_index(directory: str, names: list[str]) -> None:
+    """Name ``names`` in the index (the last is the newest), atomically; remove the Keras-format
+    files of every other checkpoint in ``directory``."""
+    text = f'model_checkpoint_path: "{names[-1]}"\n' + "".join(
+        f'all_model_checkpoint_paths: "{n}"\n' for n in names)
+    tmp = os.path.join(directory, INDEX + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(directory, INDEX))
+    for file in os.listdir(directory):
+        if file.endswith((WEIGHTS, STATE)) and \
+                file.removesuffix(WEIGHTS).removesuffix(STATE) not in names:
+            os.remove(os.path.join(directory, file))
+
+
+def _keras_dir(base: str) -> str | None:
+    """Where the tasks restore from, if the checkpoints there are in the Keras format."""
+    for directory in (os.path.join(base, "chief"), base):
+        names = index_names(directory)
+        if names:
+            return directory if is_keras_format(os.path.join(directory, names[-1])) else None
+    return None
+
+
+def verify_keras(directory: str) -> dict[str, Any]:
+    """``verify`` for the Keras format."""
+    names = index_names(directory)
+    rejected: list[dict[str, str]] = []
+    for i in range(len(names) - 1, -1, -1):
+        path = os.path.join(directory, names[i])
+        problem = keras_restores(path)
+        if problem is None:
+            if rejected:
+                write_index(directory, names[: i + 1])
+            return {"ok": True, "dir": directory, "path": path, "rejected": rejected}
+        rejected.append({"path": path, "problem": problem})
+    return {"ok": False, "dir": directory, "path": None, "rejected": rejected}
 
 
 def restore_dir(tf: Any, directory: str) -> str:
@@ -34,6 +138,9 @@ def verify(base: str) -> dict[str, Any]:
     every task restores from the same good checkpoint. Names in the index stay relative:
     the directory is copied between hosts whose home directories differ.
     """
+    keras_dir = _keras_dir(base)
+    if keras_dir is not None:
+        return verify_keras(keras_dir)
     import tensorflow as tf
 
     directory = restore_dir(tf, base)

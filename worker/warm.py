@@ -97,6 +97,8 @@ def _prepare(argv: list[str]) -> str:
     mode = argv[0] if argv else ""
     if mode != "managed":
         return f"mode {mode!r} has no warm start"
+    if _job_field(argv, "backend") == "jax":
+        return _prepare_jax(argv)
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     import tensorflow  # noqa: F401  (the point: imported before the go)
 
@@ -104,12 +106,7 @@ def _prepare(argv: list[str]) -> str:
         import tf_keras  # noqa: F401
     else:
         import keras  # noqa: F401
-    module = _job_module(argv)
-    if module:
-        try:
-            importlib.import_module(module)
-        except Exception:  # the task imports it again after the go and reports the error
-            sys.modules.pop(module, None)
+    module = _import_module(argv)
     if _runtime_started():
         return (f"importing {module} runs TensorFlow ops (the runtime started before the "
                 "strategy could be created), so this task starts cold; make no tensors at "
@@ -117,14 +114,41 @@ def _prepare(argv: list[str]) -> str:
     return ""
 
 
-def _job_module(argv: list[str]) -> str:
+def _prepare_jax(argv: list[str]) -> str:
+    """A JAX job: JAX, Keras and the module imported; JAX's backends must not be started yet
+    (``jax.distributed.initialize`` must come first)."""
+    import jax  # noqa: F401  (the point: imported before the go)
+    import keras  # noqa: F401
+    from jax._src import xla_bridge
+
+    module = _import_module(argv)
+    if xla_bridge.backends_are_initialized():
+        return (f"importing {module} runs JAX computations (JAX's devices were started before "
+                "jax.distributed.initialize could run), so this task starts cold; make no "
+                "arrays at import time to let the tasks start warm")
+    return ""
+
+
+def _import_module(argv: list[str]) -> str:
+    """Import the job's module (if it fails, the task imports it again after the go and reports
+    the error); its name."""
+    module = _job_field(argv, "module")
+    if module:
+        try:
+            importlib.import_module(module)
+        except Exception:
+            sys.modules.pop(module, None)
+    return module
+
+
+def _job_field(argv: list[str], name: str) -> str:
     if "--job" not in argv[:-1]:
         return ""
     try:
-        module = json.loads(argv[argv.index("--job") + 1]).get("module", "")
+        value = json.loads(argv[argv.index("--job") + 1]).get(name, "")
     except (ValueError, AttributeError):
         return ""
-    return str(module)
+    return str(value)
 
 
 def _runtime_started() -> bool:
@@ -178,11 +202,9 @@ class _Verifier:
 
 
 def _restores(path: str) -> str | None:
-    import tensorflow as tf
+    from worker.checkpoints import check
 
-    from worker.checkpoints import restores
-
-    return restores(tf, path)
+    return check(path)
 
 
 def _verifier() -> _Verifier | None:

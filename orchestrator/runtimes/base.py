@@ -197,6 +197,11 @@ class JobRuntime(ABC, Generic[J]):
     def describe(self, job: J) -> JobDescription:
         """The job part of ``orchestrate plan``."""
 
+    def rules(self, job: J) -> DoctorRules:
+        """What the doctor checks for ``job``: ``doctor_rules`` unless the job's backend
+        changes them."""
+        return self.doctor_rules
+
     def scaling(self, job: J) -> BatchScaling:
         """The job's batch size and learning rate; none by default (the job sets its own)."""
         return BatchScaling()

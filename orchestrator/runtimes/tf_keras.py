@@ -1,7 +1,8 @@
 """The managed runtime (``mode: managed``): the worker builds and compiles the user's model under
 MultiWorkerMirroredStrategy and trains it: a tf_keras model with ``fit`` and BackupAndRestore,
-a Keras 3 model in the worker's own distributed loop (Keras 3's fit fails under MWMS). On
-SIGTERM every task saves a checkpoint at the same step and exits."""
+a Keras 3 model in the worker's own distributed loop (Keras 3's fit fails under MWMS). With
+``backend: jax``, a Keras 3 model on JAX's distributed service with Keras's DataParallel, no
+TensorFlow. On SIGTERM every task saves a checkpoint at the same step and exits."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from orchestrator.runtimes.base import (
     JobDescription,
     JobRuntime,
     MatchingPackage,
+    backend_env,
     gpu_env,
     keras_env,
 )
@@ -36,21 +38,30 @@ class TfKerasFit(JobRuntime[ManagedJob]):
                                matching=(TF_KERAS,))
 
     def argv(self, spec: ClusterSpec, python: str) -> tuple[str, ...]:
-        payload = self.job_of(spec).model_dump(exclude={"mode", "backend"})  # TensorFlow here
+        job = self.job_of(spec)
+        # The backend only where it is not TensorFlow: the worker's default.
+        payload = job.model_dump(exclude={"mode"} | ({"backend"} if job.backend == "tensorflow"
+                                                     else set()))
         payload["checkpoint_every_steps"] = spec.checkpoint.every_steps
         payload["collective_timeout_s"] = spec.timeouts.collective_s
         return (python, "-m", "worker", self.mode, "--job", json.dumps(payload, sort_keys=True))
 
     def env(self, spec: ClusterSpec) -> dict[str, str]:
         job = self.job_of(spec)
-        return {**keras_env(job.keras), **gpu_env(job)}
+        return {**keras_env(job.keras), **gpu_env(job), **backend_env(job)}
+
+    def rules(self, job: ManagedJob) -> DoctorRules:
+        # On JAX the runtime needs neither TensorFlow nor tf_keras.
+        return DoctorRules(needs_tensorflow=False) if job.backend == "jax" else self.doctor_rules
 
     def describe(self, job: ManagedJob) -> JobDescription:
         total = job.epochs * job.steps_per_epoch
+        keras = ("3 on JAX (DataParallel over every device of every task)"
+                 if job.backend == "jax" else _KERAS[job.keras])
         return JobDescription(
             runtime=self.name, settings=job.model_dump(mode="json"), total_steps=total,
             summary=f"managed: {job.module}, {job.epochs} epoch(s) x {job.steps_per_epoch} "
-                    f"steps = {total} steps, optimizer {job.optimizer}, Keras {_KERAS[job.keras]}")
+                    f"steps = {total} steps, optimizer {job.optimizer}, Keras {keras}")
 
     def scaling(self, job: ManagedJob) -> BatchScaling:
         return BatchScaling(per_replica_batch_size=job.per_replica_batch_size,

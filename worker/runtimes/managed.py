@@ -2,6 +2,7 @@
 first, then the user's module, its model built under the strategy's scope and trained by the
 Keras it is: a tf_keras model with ``fit`` (``tf_keras.py``), a Keras 3 model in a distributed
 custom loop (``keras3.py``, since Keras 3's ``fit`` fails under MWMS). Then the chief-only save.
+With ``backend: jax``, Keras 3 on JAX instead, without TensorFlow (``keras_jax.py``).
 
 Both report the same events (listed in ``worker.events``). An error in phase ``build`` is the
 user's code, and its message says the fix. On SIGTERM to any task, every task saves at one
@@ -66,6 +67,7 @@ class Job:
     collective_timeout_s: float | None
     collectives: str = "ring"  # "ring", "nccl", or "auto" (the controller had no GPU count)
     gpu_memory_growth: bool = True
+    backend: str = "tensorflow"  # or "jax": Keras 3 on JAX (``keras_jax.py``), no TensorFlow
 
     @classmethod
     def from_json(cls, text: str) -> Job:
@@ -93,6 +95,10 @@ def run_managed(job: Job) -> int:
     """Train the job's model on this task; return the process exit code."""
     phase: Phase = "connect"
     emit("started", pid=os.getpid(), mode="managed", python=sys.version.split()[0])
+    if job.backend == "jax":
+        from worker.runtimes import keras_jax
+
+        return keras_jax.run(job)
     if not check_checkpoint_storage(os.environ["ORCHESTRATE_CHECKPOINT_DIR"]):
         return STORAGE_ERROR
     try:

@@ -1,0 +1,226 @@
+"""The managed runtime on JAX (``job.backend: jax``) driven as a user drives it: the Keras 3
+digits module that the TensorFlow loop trains (``examples.keras3_digits``), on real JAX
+processes (the distributed service, gloo collectives on CPU), started, killed and stopped by
+the orchestrator on local processes.
+
+The command-mode JAX tests (a script of Keras's own guide) are in tests/test_keras_jax.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import REPO, orchestrate_home_at
+from test_keras3_e2e import at_step, events_of
+
+from orchestrator.api import Cluster
+from orchestrator.errors import RunFailed
+from orchestrator.state import AttemptRecord, Store
+from orchestrator.view import RunResult
+
+pytestmark = pytest.mark.tf  # JAX keeps the cores busy as TensorFlow does
+
+JOB = ("{module: examples.keras3_digits, backend: jax, epochs: 2, steps_per_epoch: 40, "
+       "progress_every_steps: 1, deterministic: true, per_replica_batch_size: %d}")
+# The same job, every batch taking at least 0.2 s until the test releases the run.
+PACED = JOB.replace("examples.keras3_digits", "tests.workloads.paced_jax_digits")
+
+
+def local_spec(tmp_path: Path, name: str, job: str, workers: int = 2, batch: int = 32,
+               warm: bool | str = "auto") -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: {name}
+        workdir: {REPO}
+        workers: {workers}
+        job: {job % batch}
+        checkpoint: {{every_steps: 10}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1,
+                 warm_tasks: {str(warm).lower()}}}
+        timeouts: {{startup_s: 180, stop_grace_s: 30}}
+        """))
+    return path
+
+
+def train(path: Path, **kwargs: object) -> RunResult:
+    return Cluster.from_spec(path).train(doctor=False, **kwargs).wait()  # type: ignore[arg-type]
+
+
+def epoch_losses(attempt: AttemptRecord) -> list[float]:
+    return [e.get("logs")["loss"] for e in events_of(attempt.tasks[0].log) if e.kind == "epoch"]
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """The deterministic job on 2 processes, never interrupted: what every broken run must end
+    as."""
+    tmp = tmp_path_factory.mktemp("unbroken")
+    with orchestrate_home_at(tmp / "home"):
+        return train(local_spec(tmp, "jax-unbroken", JOB))
+
+
+def test_a_keras3_module_trains_on_jax_processes_to_one_model_that_loads_anywhere(
+        unbroken: RunResult) -> None:
+    assert unbroken.status == "succeeded" and len(unbroken.attempts) == 1
+    assert len(unbroken.digests) == 2 and len(set(unbroken.digests.values())) == 1
+    events = events_of(unbroken.attempts[0].tasks[0].log)
+    connected = next(e for e in events if e.kind == "connected")
+    assert connected.get("replicas") == 2 and connected.get("collectives") == "gloo"
+    built = next(e for e in events if e.kind == "built")
+    assert built.get("replicas") == 2 and built.get("global_batch_size") == 64
+    losses = [e.get("loss") for e in events if e.kind == "progress"]
+    assert len(losses) == 80 and losses[-1] < losses[0] * 0.5  # it learned
+    checkpoints = [e.get("step") for e in events if e.kind == "checkpoint"]
+    assert checkpoints == [10, 20, 30, 40, 50, 60, 70, 80]
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, keras; m = keras.saving.load_model(sys.argv[1]); "
+         "print(keras.backend.backend(), type(m).__name__, m.count_params())",
+         unbroken.model_path],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "KERAS_BACKEND": "jax"})
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["jax", "Functional", str(built.get("parameters"))]
+
+
+def test_two_processes_reproduce_one_process_at_the_same_global_batch(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    # 2 replicas train at 2 x the learning rate (job.scale_learning_rate); so does the 1 here.
+    job = JOB.replace("backend: jax,", "backend: jax, learning_rate: 0.002,")
+    one = train(local_spec(tmp_path, "jax-one", job, workers=1, batch=64))
+    assert one.status == "succeeded"
+    # The same examples in every global batch, the same seeds: the same training, up to the
+    # order in which the gradients' sums are added.
+    np.testing.assert_allclose(epoch_losses(unbroken.attempts[0]), epoch_losses(one.attempts[0]),
+                               rtol=1e-4)
+
+
+# worker:0 is JAX's coordinator; with warm tasks, the relaunch's processes were started, JAX,
+# Keras and the module imported, before the kill.
+@pytest.mark.parametrize(("task", "warm"), [("worker:1", True), ("worker:0", False)])
+def test_a_killed_process_restarts_the_group_from_the_chiefs_checkpoint_bit_identical(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult, task: str,
+        warm: bool) -> None:
+    path = local_spec(tmp_path, "jax-kill", PACED, warm=warm)
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL), task=task)
+    result = train(path, listener=listener)
+
+    assert result.status == "succeeded"
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", task)
+    checkpoints = [e.get("step") for e in events_of(first.tasks[0].log) if e.kind == "checkpoint"]
+    assert second.resumed_from_step == checkpoints[-1] >= 20  # from the chief's, not from 0
+    resumed = [e for e in events_of(second.tasks[1].log) if e.kind == "resumed"]
+    assert resumed[0].get("step") == checkpoints[-1]  # the other process restored the chief's
+    assert set(result.digests.values()) == set(unbroken.digests.values())  # bit-identical
+    gone = [[e.get("cold") for e in events_of(t.log) if e.kind == "go"] for t in second.tasks]
+    assert gone == ([[False], [False]] if warm else [[], []])
+
+
+def test_sigterm_to_one_process_saves_every_process_at_one_step_and_redoes_none(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    path = local_spec(tmp_path, "jax-term", PACED)
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGTERM))
+    result = train(path, listener=listener)
+
+    first, second = result.attempts
+    stops = {t.task: [(e.get("step"), e.get("signal")) for e in events_of(t.log)
+                      if e.kind == "stopped"] for t in first.tasks}
+    saved = stops["worker:1"][0][0]
+    assert stops == {"worker:0": [(saved, "peer")], "worker:1": [(saved, "SIGTERM")]}
+    assert saved >= 25
+    assert (first.cause, first.failed_task, first.exit_code) == ("preempted", "worker:1", 75)
+    assert f"every task saved a checkpoint at step {saved}" in first.detail
+    assert second.resumed_from_step == saved == first.last_step
+    assert first.steps_lost == 0
+    assert set(result.digests.values()) == set(unbroken.digests.values())
+
+
+def test_down_mid_run_saves_the_current_step_and_train_resume_redoes_none(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    path = local_spec(tmp_path, "jax-down", PACED)
+
+    def down(pid: int) -> None:  # from another controller, as 'orchestrate down' would
+        Cluster.from_spec(path).down()
+
+    with pytest.raises(RunFailed, match="stopped by 'orchestrate down'"):
+        train(path, listener=at_step(25, down))
+    run = Store().runs("jax-down")[0]
+    (attempt,) = run.attempts
+    assert run.status == attempt.status == "stopped"
+    saved = {t.task: [e.get("step") for e in events_of(t.log) if e.kind == "stopped"]
+             for t in attempt.tasks}
+    assert saved["worker:0"] == saved["worker:1"] and saved["worker:0"][0] >= 25
+    assert {t.exit_code for t in attempt.tasks} == {75}
+
+    result = Cluster.from_spec(path).train(resume="last", doctor=False).wait()
+    assert result.run_id == run.id and result.status == "succeeded"
+    first, second = result.attempts
+    assert second.resumed_from_step == saved["worker:0"][0] == first.last_step
+    assert first.steps_lost == 0
+    assert set(result.digests.values()) == set(unbroken.digests.values())
+
+
+BAD_MODULE = '''\
+import keras
+import numpy as np
+
+
+def build_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    return model
+
+
+def make_dataset(global_batch_size, seed=None):
+    return {"x": np.zeros((64, 4), "float32")}
+'''
+
+
+def test_a_module_that_returns_what_jax_cannot_train_is_a_user_error_not_retried(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    (tmp_path / "bad_jax.py").write_text(BAD_MODULE)
+    path = tmp_path / "bad.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: jax-bad
+        workdir: {tmp_path}
+        workers: 2
+        job: {{module: bad_jax, backend: jax, loss: mse, metrics: []}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0}}
+        """))
+    with pytest.raises(RunFailed) as info:
+        Cluster.from_spec(path).train(doctor=False)
+    assert "on job.backend jax, return a tuple (features, labels) of NumPy arrays" in \
+        str(info.value)
+    run = Store().get_run(info.value.run_id)
+    assert len(run.attempts) == 1 and run.attempts[0].cause == "user_error"
+
+
+def test_a_torn_newest_checkpoint_is_dropped_for_the_one_before_without_tensorflow(
+        tmp_path: Path, unbroken: RunResult) -> None:
+    """``verify-checkpoint`` on the JAX runtime's checkpoints (Keras's .weights.h5 and the
+    .state.npz), on a host where TensorFlow cannot be imported."""
+    events = events_of(unbroken.attempts[0].tasks[0].log)
+    chief_dir = Path(next(e for e in events if e.kind == "checkpoint").get("path"))
+    base = tmp_path / "checkpoints"
+    shutil.copytree(chief_dir, base / "chief")
+    newest = base / "chief" / "ckpt-80.weights.h5"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a save cut short
+    verify = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['tensorflow'] = None; "
+         "from worker.__main__ import main; sys.exit(main())", "verify-checkpoint",
+         "--dir", str(base)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert verify.returncode == 0, verify.stderr[-2000:]
+    result = json.loads(verify.stdout)
+    assert result["path"] == str(base / "chief" / "ckpt-70")
+    assert [r["path"] for r in result["rejected"]] == [str(base / "chief" / "ckpt-80")]
+    index = (base / "chief" / "checkpoint").read_text()
+    assert 'model_checkpoint_path: "ckpt-70"' in index and "ckpt-80" not in index
+    assert sorted(p.name for p in (base / "chief").iterdir()) == [
+        "checkpoint", "ckpt-60.state.npz", "ckpt-60.weights.h5", "ckpt-70.state.npz",
+        "ckpt-70.weights.h5"]

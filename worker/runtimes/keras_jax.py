@@ -1,0 +1,383 @@
+"""The JAX side of managed jobs (``job.backend: jax``): the user's Keras 3 model trained across
+every task's processes with JAX's distributed service and ``keras.distribution.DataParallel``.
+
+No TensorFlow here: a JAX host need not have it. What multi-process JAX asks, measured with
+jax 0.10.2 and keras 3.15 (the facts are in issue 30), and how this runtime does it:
+
+- ``jax.distributed.initialize`` itself, not ``keras.distribution.initialize`` (which does not
+  pass the timeouts on): the coordinator at the chief's address, and heartbeat and shutdown
+  timeouts of seconds, so that a process whose peer died aborts in seconds instead of JAX's
+  100 to 300 s and the controller restarts the group.
+- The same seed on every process before the model is built (the initial weights are put on
+  every device and must agree), then Keras's DataParallel over every device of every process.
+- Each process feeds its own part of every global batch (``Batches``): which examples make up
+  global step ``s`` is a function of the seed and ``s`` alone, so a resumed run reads what an
+  unbroken one reads.
+- Saving is a collective: every process saves, only the chief's copy is kept (the others write
+  to a scratch directory). Checkpoints are Keras's own ``.weights.h5`` (model and optimizer),
+  plus ``.state.npz`` (the step, and the non-trainable variables ``.weights.h5`` leaves out:
+  the dropout layers' seed states), named by a ``checkpoint`` index in the layout of the
+  TensorFlow runtimes (``DIR/chief/checkpoint``), so the controller's verification, copies and
+  warm checks find them as they find TensorFlow's.
+- A SIGTERM on any task: its handler tells JAX's preemption service (the coordination
+  service's preemption notice, as JAX's own SIGTERM notifier would, which is replaced so that
+  the runtime knows the signal came here); every process checks
+  ``multihost_utils.reached_preemption_sync_point`` after each step, so all of them stop at
+  one agreed step, save it and exit with STOPPED_EXIT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from worker.checkpoints import STATE, STEP_KEY, WEIGHTS, index_names, write_index
+from worker.events import emit
+from worker.runtimes.common import STOPPED_EXIT, emit_error
+from worker.runtimes.managed import BuildError, Job
+
+KEEP = 3  # checkpoints kept in the chief's directory, as for the TensorFlow runtimes
+# Long enough for a loaded machine's missed beats; short enough that a process whose peer died
+# stops in seconds (JAX's defaults: 100 s to declare a peer dead, 300 s at shutdown).
+HEARTBEAT_TIMEOUT_S = 10
+SHUTDOWN_TIMEOUT_S = 10
+# The preemption service's key (tsl's preemption_sync_manager.cc): a time, RFC 3339, at which a
+# task will be gone; every process's sync manager then agrees on a step to stop at.
+PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+
+Phase = str
+
+
+@dataclass(frozen=True)
+class Processes:
+    """This task among JAX's processes, from the ``KERAS_DISTRIBUTION_*`` variables the
+    controller sets (every task's address, the chief's first: the coordinator)."""
+
+    coordinator: str
+    count: int
+    index: int
+
+    @classmethod
+    def from_env(cls) -> Processes:
+        addresses = os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"].split(",")
+        return cls(addresses[0], int(os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"]),
+                   int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"]))
+
+    @property
+    def chief(self) -> bool:
+        return self.index == 0
+
+
+def run(job: Job) -> int:
+    """Train the job's model on this task with JAX; return the process exit code."""
+    phase: Phase = "connect"
+    try:
+        processes = Processes.from_env()
+        jax = _connect(processes)
+        import keras
+
+        emit("connected", replicas=jax.device_count(), local_replicas=jax.local_device_count(),
+             gpus=sum(1 for d in jax.local_devices() if d.platform == "gpu"),
+             collectives="nccl" if jax.default_backend() == "gpu" else "gloo",
+             jax_version=jax.__version__, keras_version=keras.__version__)
+        phase = "build"
+        training = _build(jax, keras, job, processes)
+        phase = "train"
+        metrics, step = training.fit()
+        phase = "save"
+        model_path = training.save_model()
+        emit("finished", metrics=metrics, model_path=model_path,
+             weights_sha256=training.weights_digest(), step=step)
+        return 0
+    except Exception as exc:  # reported to the controller, then the task fails
+        emit_error(exc, phase)
+        return 1
+
+
+def _connect(processes: Processes) -> Any:
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=processes.coordinator, num_processes=processes.count,
+        process_id=processes.index, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+    return jax
+
+
+def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
+    import importlib
+
+    if job.seed is not None:
+        keras.utils.set_random_seed(job.seed)
+    else:  # one seed agreed by every process, as keras.distribution.initialize() agrees it
+        from keras.src.backend.jax.distribution_lib import initialize_rng
+
+        initialize_rng()
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False))
+    module = importlib.import_module(job.module)
+    model = getattr(module, job.model_fn)()
+    _check_model(keras, model)
+    replicas = jax.device_count()
+    global_batch = job.per_replica_batch_size * replicas
+    lr = job.learning_rate * (replicas if job.scale_learning_rate else 1)
+    made = getattr(module, job.dataset_fn)(global_batch_size=global_batch, seed=job.seed)
+    batches = Batches.of(made, global_batch, processes, job)
+    model.compile(
+        optimizer=keras.optimizers.get({"class_name": job.optimizer,
+                                        "config": {"learning_rate": lr}}),
+        loss=job.loss, metrics=list(job.metrics))
+    training = JaxTraining(jax, keras, job, model, batches, processes)
+    emit("built", global_batch_size=global_batch, learning_rate=lr, replicas=replicas,
+         parameters=int(model.count_params()))
+    return training
+
+
+def _check_model(keras: Any, model: Any) -> None:
+    received = f"{type(model).__module__}.{type(model).__qualname__}"
+    if not isinstance(model, keras.Model):
+        raise BuildError(
+            f"build_model() returned {received}, not a Keras 3 model: on job.backend jax, build "
+            "it with keras (import keras; not tf.keras or tf_keras, which are TensorFlow's) and "
+            "return it uncompiled")
+    if model.compiled:
+        raise BuildError(
+            f"build_model() returned a compiled model ({received}): the runtime compiles it "
+            "with job.optimizer, job.loss and job.metrics; return it uncompiled (remove the "
+            "model.compile call)")
+
+
+class Batches:
+    """Every process's part of every global batch, by global step.
+
+    The examples are shuffled once per pass (a seeded permutation of pass ``k``), cut into
+    global batches (the remainder dropped), and pass after pass follow: the examples of global
+    step ``s`` depend on the seed and ``s`` only. Process ``p`` of ``n`` takes the ``p``-th of
+    ``n`` equal parts of each global batch, which is where JAX puts its rows in the global array.
+    """
+
+    def __init__(self, features: Any, labels: Any, global_batch: int, processes: Processes,
+                 seed: int) -> None:
+        import numpy as np
+
+        self.np, self.features, self.labels = np, features, labels
+        self.global_batch, self.seed = global_batch, seed
+        self.local = global_batch // processes.count
+        self.offset = processes.index * self.local
+        self.per_pass = len(features) // global_batch
+        self._pass: tuple[int, Any] | None = None
+
+    @classmethod
+    def of(cls, made: Any, global_batch: int, processes: Processes, job: Job) -> Batches:
+        import numpy as np
+
+        if not (isinstance(made, tuple) and len(made) == 2
+                and all(isinstance(a, np.ndarray) for a in made)):
+            raise BuildError(
+                f"{job.dataset_fn}() returned {type(made).__module__}.{type(made).__qualname__}"
+                ": on job.backend jax, return a tuple (features, labels) of NumPy arrays; the "
+                "runtime shuffles them and gives each process its part of every global batch")
+        features, labels = made
+        if len(features) != len(labels):
+            raise BuildError(
+                f"{job.dataset_fn}() returned {len(features)} features and {len(labels)} "
+                "labels: return as many of each")
+        if len(features) < global_batch:
+            raise BuildError(
+                f"{job.dataset_fn}() returned {len(features)} examples, fewer than one global "
+                f"batch of {global_batch}: lower job.per_replica_batch_size or give more data")
+        seed = 0 if job.seed is None else job.seed
+        return cls(features, labels, global_batch, processes, seed)
+
+    def local_batch(self, step: int) -> tuple[Any, Any]:
+        """This process's part of global step ``step`` (counted from 0)."""
+        number, index = divmod(step, self.per_pass)
+        if self._pass is None or self._pass[0] != number:
+            order = self.np.random.default_rng([self.seed, number]).permutation(
+                len(self.features))
+            self._pass = (number, order)
+        start = index * self.global_batch + self.offset
+        rows = self._pass[1][start:start + self.local]
+        return self.features[rows], self.labels[rows]
+
+
+class JaxTraining:
+    """The compiled model, trained step by step with ``train_on_batch`` on global batches."""
+
+    def __init__(self, jax: Any, keras: Any, job: Job, model: Any, batches: Batches,
+                 processes: Processes) -> None:
+        self.jax, self.keras, self.job, self.model = jax, keras, job, model
+        self.batches, self.processes = batches, processes
+        self.chief_dir = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
+        self.signalled = False
+        # Built before a restore: the optimizer's variables exist only once it is.
+        features, _ = batches.local_batch(0)
+        model.build(features.shape)
+        model.optimizer.build(model.trainable_variables)
+        self.step = self.saved_step = self._restore()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _restore(self) -> int:
+        """The chief's newest checkpoint restored on every process; the step it resumes at."""
+        names = index_names(self.chief_dir)
+        if not names:
+            return 0
+        import numpy as np
+
+        path = os.path.join(self.chief_dir, names[-1])
+        self.model.load_weights(path + WEIGHTS)
+        with np.load(path + STATE) as state:
+            by_path = {v.path: v for v in self.model.non_trainable_variables}
+            for key in state.files:
+                if key in by_path:
+                    by_path[key].assign(state[key])
+            return int(state[STEP_KEY])
+
+    def save(self, reason: str | None = None) -> None:
+        """A checkpoint of this step. Every process saves (a save is a collective); the chief's
+        goes to its directory and is named in the index, the others' are written to a scratch
+        directory and removed."""
+        import numpy as np
+
+        if self.processes.chief:
+            os.makedirs(self.chief_dir, exist_ok=True)
+            directory = self.chief_dir
+        else:
+            directory = tempfile.mkdtemp(prefix="orchestrate-ckpt-")
+        name = f"ckpt-{self.step}"
+        path = os.path.join(directory, name)
+        self.model.save_weights(path + WEIGHTS)
+        state: dict[str, Any] = {v.path: np.asarray(v.value)
+                                 for v in self.model.non_trainable_variables}
+        state[STEP_KEY] = np.asarray(self.step)
+        with open(path + STATE + ".tmp", "wb") as f:
+            np.savez(f, **state)
+        os.replace(path + STATE + ".tmp", path + STATE)
+        self.saved_step = self.step
+        if not self.processes.chief:
+            _remove_tree(directory)
+            return
+        kept = [n for n in index_names(directory) if n != name][-(KEEP - 1):]
+        write_index(directory, [*kept, name])
+        emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
+             **({"reason": reason} if reason else {}))
+
+    def save_model(self) -> str:
+        """Every process saves the model (a collective); only the chief's is kept."""
+        model_dir = os.environ["ORCHESTRATE_MODEL_DIR"]
+        if self.processes.chief:
+            os.makedirs(model_dir, exist_ok=True)
+            path = os.path.join(model_dir, "model.keras")
+            self.model.save(path)
+            return path
+        scratch = tempfile.mkdtemp(prefix="orchestrate-model-")
+        try:
+            self.model.save(os.path.join(scratch, "model.keras"))
+        finally:
+            _remove_tree(scratch)
+        return ""
+
+    def weights_digest(self) -> str:
+        import hashlib
+
+        digest = hashlib.sha256()
+        for weight in self.model.get_weights():
+            digest.update(weight.tobytes())
+        return digest.hexdigest()
+
+    # -- training ----------------------------------------------------------------------------
+
+    def fit(self) -> tuple[dict[str, float], int]:
+        from jax.experimental import multihost_utils
+
+        job = self.job
+        self._take_sigterm()
+        emit("resumed" if self.step else "training", step=self.step, total_steps=job.total_steps)
+        logs: dict[str, float] = {}
+        self._mark = (time.monotonic(), self.step)
+        for epoch in range(self.step // job.steps_per_epoch, job.epochs):
+            self._sums: dict[str, float] = {}
+            self._count = 0
+            while self.step < (epoch + 1) * job.steps_per_epoch:
+                x, y = self.batches.local_batch(self.step)
+                self._add(self.model.train_on_batch(x, y, return_dict=True))
+                self.step += 1
+                if self.step < job.total_steps and \
+                        multihost_utils.reached_preemption_sync_point(self.step):
+                    self._stop()
+                if self.step % job.checkpoint_every_steps == 0:
+                    self.save()
+                if self.step % job.progress_every_steps == 0 or self.step == job.total_steps:
+                    self._progress()
+            logs = self._means()
+            emit("epoch", epoch=epoch, logs=logs)
+        return logs, self.step
+
+    def _add(self, logs: dict[str, Any]) -> None:
+        for key, value in logs.items():
+            self._sums[key] = self._sums.get(key, 0.0) + float(value)
+        self._count += 1
+        self._since_progress = {k: float(v) for k, v in logs.items()}
+
+    def _means(self) -> dict[str, float]:
+        """The loss and metrics averaged over the epoch's steps so far (every global batch is the
+        same size: the mean of the per-example means)."""
+        return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+
+    def _progress(self) -> None:
+        now, (last, last_step) = time.monotonic(), self._mark
+        steps = self.step - last_step
+        rate = steps / (now - last) if now > last and steps > 0 else 0.0
+        self._mark = (now, self.step)
+        means = self._means()
+        emit("progress", step=self.step, total_steps=self.job.total_steps,
+             loss=means.pop("loss", float("nan")), metrics=means,
+             steps_per_s=round(rate, 3),
+             examples_per_s=round(rate * self.batches.global_batch, 1))
+
+    def _epoch(self) -> int:
+        return max(self.step - 1, 0) // self.job.steps_per_epoch
+
+    # -- SIGTERM -----------------------------------------------------------------------------
+
+    def _take_sigterm(self) -> None:
+        """SIGTERM to this process tells JAX's preemption service, which agrees a step with every
+        process (replacing JAX's own C++ notifier, which would do the same without a word)."""
+        from jax._src import distributed
+
+        client: Any = distributed.global_state.client
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.signalled = True
+            when = datetime.datetime.now(datetime.timezone.utc).isoformat()
+            with contextlib.suppress(Exception):  # another process told it first
+                client.key_value_set(PREEMPTION_NOTICE_KEY, when)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _stop(self) -> None:
+        """The group agreed to stop at this step: save it, say so, exit."""
+        if self.saved_step != self.step:
+            self.save(reason="stop")
+        elif self.processes.chief:
+            emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
+                 reason="stop")
+        emit("stopped", step=self.step, signal="SIGTERM" if self.signalled else "peer")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(STOPPED_EXIT)
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
