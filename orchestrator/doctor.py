@@ -580,6 +580,7 @@ def diagnose(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
         *_storage(plan, ok),
         *_ports(plan, ok),
         *_network(spec, plan, checks, links),
+        *(_host_names(ok) if spec.job.backend == "jax" and len(checks) > 1 else []),
     ]
     return sorted(found, key=lambda p: not p.blocking)
 
@@ -617,7 +618,7 @@ def _majority(seen: Mapping[str, list[str]]) -> str:
 
 
 def _tensorflow(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]:
-    rules = runtime_for(spec.job).doctor_rules
+    rules = runtime_for(spec.job).rules(spec.job)
     extras = "".join(f" {name}" for name in rules.install_with)
     problems = []
     versions = _spread(checks, lambda c: c.tf_version)
@@ -878,6 +879,54 @@ def _network(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
             "GCP the cluster's rule orchestrate-NAME-grpc does this",
             hosts=(link.source, target.host.name)))
     return problems
+
+
+def _host_names(checks: Sequence[HostCheck]) -> list[Problem]:
+    """On JAX, every host's name must resolve to an address its peers reach: JAX's CPU
+    collectives (gloo) listen on the first address of the host's name that the host can bind
+    and tell the other processes to connect there (the preflight's ``hostname_lookup``). On
+    GPUs the collectives are NCCL's, which do not look the name up: there only a warning."""
+    return [p for p in map(_host_name, checks) if p is not None]
+
+
+def _host_name(c: HostCheck) -> Problem | None:
+    name, lookup = c.text("hostname"), c.fact("hostname_lookup")
+    if name is None or not isinstance(lookup, Mapping):
+        return None  # not read (a preflight of another version): nothing is guessed
+    if _is_ip(c.address) and ipaddress.ip_address(c.address).is_loopback:
+        return None  # its peers reach it over loopback: they are on this machine
+    bound, error = lookup.get("bindable"), lookup.get("error")
+    addresses = [str(a) for a in lookup.get("addresses") or []]
+    if error or not addresses:
+        what, action = f"does not resolve ({error or 'no address'})", "add the line"
+    elif bound is None:
+        what = (f"resolves to {', '.join(addresses)}, none of them an address of {c.name} "
+                "(gloo: 'Unable to find address for')")
+        action = f"replace the line '{addresses[0]} ... {name}' with"
+    elif ipaddress.ip_address(str(bound).split("%")[0]).is_loopback:
+        what = (f"resolves to {bound}, a loopback address: the other hosts would connect to "
+                f"themselves ('Gloo context initialization failed ... remote=[{bound}]')")
+        action = f"replace the line '{bound} ... {name}' with"
+    else:
+        return None
+    gpus = (f" ({c.name} has GPUs, whose collectives (NCCL) do not use the name: only "
+            "collectives of CPU arrays would fail)" if c.gpu_count else "")
+    address = c.address if _is_ip(c.address) else "ADDRESS"
+    return Problem(
+        "hostname", f"{c.name}'s host name {name!r} {what}. With job.backend: jax the CPU "
+        "collectives (gloo) listen on the address of the host's name and tell every other "
+        f"process to connect there{gpus}",
+        f"in /etc/hosts on {c.name}, map {name} to the address the other hosts reach it at "
+        f"({c.address}): {action} '{address} {name}'", blocking=not c.gpu_count,
+        hosts=(c.name,))
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 # -- small helpers -----------------------------------------------------------------------------

@@ -31,6 +31,15 @@ its own disk at that path. ``ip netns exec NS``, which starts each host's sshd,
 bind-mounts ``/etc/netns/NS/ENTRY`` over ``/etc/ENTRY`` for the processes it
 starts; the controller sees the empty mount point. None in the loopback fallback.
 
+Host names: the namespaces share this machine's host name, which this machine's
+/etc/hosts maps to loopback (as Debian's 127.0.1.1 line does). Each host gets an /etc/hosts
+of its own the same way (``LabHost.hosts_path``, /etc/netns/NS/hosts): this machine's, with
+the host name (and its short form) mapped to the host's lab address instead, so a process
+that looks its own host's name up (JAX's gloo collectives advertise that address to their
+peers) finds the address the other hosts reach, as on a well-configured real host.
+``LabHost.map_hostname(address)`` maps it elsewhere (e.g. Debian's 127.0.1.1) until
+``heal()``. None in the loopback fallback, where every host's name is this machine's.
+
 An unprivileged login: ``hostlab.plain_user()`` names a user with a uid of its own (not a
 root alias), made on first use, whose ``$HOME`` on each host is that host's
 ``LabHost.plain_home`` (owned by it), and who can execute this test run's Python (each
@@ -90,6 +99,7 @@ SSHD = "/usr/sbin/sshd"
 INIT_DIR = "/usr/libexec/podman"  # podman 4.3's helpers: catatonit, its init for --init
 STALE_NAME = re.compile(r"^orch(\d+)[a-z](?:br|t|g|q|[hpnu]\d+)$")
 STALE_DIR = re.compile(r"^orchlab-(\d+)[a-z]-")
+HOSTS_FILE = "hosts"  # each host's own /etc/hosts, in /etc/netns/NS/
 _LAB_SERIAL = itertools.count()
 _OPEN_LABS: set[HostLab] = set()
 
@@ -265,6 +275,34 @@ def _keygen(path: Path, comment: str) -> str:
     return f"{kind} {b64}"
 
 
+def hostname_aliases() -> list[str]:
+    """This machine's host name and, where it has a domain, its short form."""
+    name = socket.gethostname()
+    return list(dict.fromkeys([name, name.split(".", 1)[0]]))
+
+
+def _read_hosts() -> str:
+    with contextlib.suppress(FileNotFoundError):
+        return Path("/etc/hosts").read_text()
+    return ""
+
+
+def hosts_file(text: str, names: Sequence[str], address: str) -> str:
+    """``text`` (an /etc/hosts) with ``names`` resolving to ``address`` alone: they leave
+    every other line (a line left without a name goes) and a line of their own maps them."""
+    drop = {name.lower() for name in names}
+    lines = []
+    for line in text.splitlines():
+        entry, hash_, comment = line.partition("#")
+        fields = entry.split()
+        kept = [name for name in fields[1:] if name.lower() not in drop]
+        if len(fields) < 2 or len(kept) == len(fields) - 1:
+            lines.append(line)
+        elif kept:
+            lines.append(" ".join([fields[0], *kept]) + (f" {hash_}{comment}" if hash_ else ""))
+    return "\n".join([*lines, f"{address} {' '.join(names)}"]) + "\n"
+
+
 # -- tools and stale leftovers -----------------------------------------------
 def ensure_tools(acl: bool = False) -> None:
     """Install openssh-server and iproute2 with apt-get where sshd or ip is missing (and acl,
@@ -390,6 +428,7 @@ class LabHost:
     podman: subprocess.Popen[bytes] | None = None
     podman_without_init: bool = False  # the running podman service's (see serve_podman)
     session_env: str = ""  # extra `SetEnv` words for the plain user's SSH sessions
+    hostname_address: str = ""  # what the host name resolves to in the host (map_hostname)
 
     @property
     def plain_home(self) -> str:
@@ -400,6 +439,22 @@ class LabHost:
     def private_dir(self) -> str | None:
         """A directory that only this host sees at its path (see the module docstring)."""
         return f"/etc/{self.lab.private_name}" if self.namespace else None
+
+    @property
+    def hosts_path(self) -> str | None:
+        """The host's own /etc/hosts, as this machine sees it (see the module docstring)."""
+        return f"/etc/netns/{self.namespace}/{HOSTS_FILE}" if self.namespace else None
+
+    def map_hostname(self, address: str | None = None) -> None:
+        """Make this machine's host name resolve to ``address`` inside the host (None: the
+        host's lab address, as the lab sets it up); ``heal()`` maps it back. It applies at
+        once, to the running sshd's logins too (the file is rewritten in place)."""
+        self.lab.require_partition()
+        address = address or self.address
+        path = Path(str(self.hosts_path))
+        path.write_text(hosts_file(_read_hosts(), hostname_aliases(), address))
+        path.chmod(0o644)
+        self.hostname_address = address
 
     def endpoint(self, **overrides: Any) -> SSHEndpoint:
         """An SSHEndpoint for this host with the lab's client key and known_hosts."""
@@ -648,11 +703,14 @@ class LabHost:
         self._reap_sshd()
 
     def heal(self) -> None:
-        """Undo cut(), throttle() and kill(): link up at full speed, sshd running."""
+        """Undo cut(), throttle(), map_hostname() and kill(): link up at full speed, the host
+        name resolving to the host's address, sshd running."""
         if self.is_cut:
             self.restore()
         if self.throttled_to is not None:
             self.unthrottle()
+        if self.namespace and self.hostname_address != self.address:
+            self.map_hostname()
         if not self.sshd_running:
             self._reap_sshd()
             self.start_sshd()
@@ -847,6 +905,8 @@ class HostLab:
         if host.namespace:
             self._plug(host)
             self._make_private_dir(host)
+            self.created["path"].append(str(host.hosts_path))
+            host.map_hostname()
         self._add_user(host.user, host.home)
         if f"{self.tag}q" in self.created["user"]:
             self._plain_home(host, f"{self.tag}q")
@@ -995,14 +1055,17 @@ class HostLab:
             _delete_user(user)
 
     def _delete_paths(self) -> None:
-        """Remove the directories the lab made, newest first: the private ones with what tests
-        left in them, /etc/netns/NS (empty by then), and /etc/netns if still empty."""
+        """Remove the directories and files the lab made, newest first: the hosts' /etc/hosts
+        (which a lab built on this one may have removed already), the private directories with
+        what tests left in them, /etc/netns/NS (empty by then), and /etc/netns if still empty."""
         for path in reversed(self.created["path"]):
             if Path(path).name == self.private_name:
                 shutil.rmtree(path)
             elif path == "/etc/netns":
                 with contextlib.suppress(OSError):  # another lab's namespace may use it now
                     os.rmdir(path)
+            elif Path(path).name == HOSTS_FILE:
+                Path(path).unlink(missing_ok=True)
             else:
                 os.rmdir(path)
 

@@ -202,3 +202,25 @@ def test_another_tensorflow_on_one_host_is_blocking(hostlab: HostLab, tmp_path: 
     assert f"({python} -m pip install 'tensorflow==2.21.0')" in versions.fix
     # its tf_keras follows from it; the lab's task ports are open to this machine (see above)
     assert [p.check for p in report.problems] == ["tensorflow", "exposure"]
+
+
+@pytest.mark.netns
+def test_on_jax_a_host_whose_name_resolves_to_loopback_is_blocking(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    hosts = hostlab.hosts(2)
+    path = write_spec(tmp_path, hostlab, hosts, "name: doc-jax\n"
+                      "job: {command: [python, train.py], backend: jax}\n" + PORTS)
+    hosts[1].map_hostname("127.0.1.1")  # as Debian's installer leaves /etc/hosts
+    try:
+        report = Cluster.from_spec(path).doctor()
+    finally:
+        hosts[1].map_hostname()
+    name = socket.gethostname()  # the lab's hosts share this machine's
+    (problem,) = report.blocking
+    assert problem.check == "hostname" and problem.hosts == ("doc-jax-1",)
+    assert problem.message.startswith(f"doc-jax-1's host name {name!r} resolves to 127.0.1.1, "
+                                      "a loopback address")
+    assert problem.fix == (f"in /etc/hosts on doc-jax-1, map {name} to the address the other "
+                           f"hosts reach it at ({hosts[1].address}): replace the line "
+                           f"'127.0.1.1 ... {name}' with '{hosts[1].address} {name}'")
+    assert report.hosts[0].fact("hostname_lookup", "bindable") == hosts[0].address

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from orchestrator import plan as planning
 from orchestrator.doctor import HostCheck, diagnose
 from orchestrator.hosts import Host, SSHEndpoint
+from orchestrator.problems import Problem
 from orchestrator.spec import parse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +25,8 @@ A100 = {"smi": "/usr/bin/nvidia-smi", "driver": "570.124.06", "cuda": "12.8", "e
         "gpus": [{"name": "NVIDIA A100-SXM4-40GB", "memory_mib": 40960, "driver": "570.124.06"}]}
 T4 = {"smi": "/usr/bin/nvidia-smi", "driver": "470.256.02", "cuda": "11.4", "error": None,
       "gpus": [{"name": "Tesla T4", "memory_mib": 15360, "driver": "470.256.02"}]}
-NO_GPU = {"smi": None, "driver": None, "cuda": None, "gpus": [], "error": "nvidia-smi not found"}
+NO_GPU: dict[str, Any] = {"smi": None, "driver": None, "cuda": None, "gpus": [],
+                          "error": "nvidia-smi not found"}
 
 
 def facts(tf: str | None = "2.21.0", keras: str | None = "2.21.0", nvidia: Any = NO_GPU,
@@ -129,3 +132,81 @@ def test_preflight_reads_nvidia_smi_where_there_is_one(tmp_path: Path) -> None:
     assert nvidia["driver"] == "550.90.07" and nvidia["cuda"] == "12.4"
     assert nvidia["gpus"] == [{"name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
                                "driver": "550.90.07"}] * 2
+
+
+JAX = "{command: [python, t.py], backend: jax}"
+
+
+def named(name: str, *addresses: str, bindable: str | None = "first",
+          error: str | None = None) -> dict[str, Any]:
+    """Preflight facts whose host name ``name`` resolves to ``addresses`` (``bindable``: the
+    first this host can bind; by default the first of them)."""
+    bound = addresses[0] if bindable == "first" and addresses else bindable
+    return facts() | {"hostname": name, "hostname_lookup": {
+        "addresses": list(addresses), "bindable": bound, "error": error}}
+
+
+@pytest.mark.parametrize(("answers", "job", "expected"), [
+    pytest.param([named("vm0", "10.0.0.1"), named("vm1", "10.0.0.2")], JAX, [],
+                 id="names resolve to the hosts' addresses"),
+    pytest.param([named("vm0", "127.0.1.1"), named("vm1", "10.0.0.2")], JAX,
+                 [("hostname", True, "h0's host name 'vm0' resolves to 127.0.1.1, a loopback "
+                   "address: the other hosts would connect to themselves")],
+                 id="Debian's 127.0.1.1 line"),
+    pytest.param([named("vm0", "10.0.0.1"),
+                  named("vm1", error="Name or service not known (errno -2)")], JAX,
+                 [("hostname", True, "h1's host name 'vm1' does not resolve (Name or service "
+                   "not known (errno -2))")], id="a name that does not resolve"),
+    pytest.param([named("vm0", "10.9.9.9", bindable=None), named("vm1", "10.0.0.2")], JAX,
+                 [("hostname", True, "h0's host name 'vm0' resolves to 10.9.9.9, none of them "
+                   "an address of h0")], id="a stale address"),
+    pytest.param([named("vm0", "127.0.1.1") | {"nvidia": A100},
+                  named("vm1", "10.0.0.2") | {"nvidia": A100}], JAX,
+                 [("hostname", False, "h0's host name 'vm0' resolves to 127.0.1.1")],
+                 id="a GPU host: NCCL does not use the name"),
+    pytest.param([named("vm0", "127.0.1.1"), named("vm1", "127.0.1.1")],
+                 "{command: [python, t.py]}", [], id="TensorFlow: task addresses only"),
+    pytest.param([named("vm0", "127.0.1.1")], JAX, [], id="one machine: loopback is enough"),
+    pytest.param([facts(), facts()], JAX, [], id="not reported: nothing guessed"),
+])
+def test_on_jax_every_hosts_name_must_resolve_to_an_address_its_peers_reach(
+        answers: list[dict[str, Any]], job: str, expected: list[tuple[str, bool, str]]) -> None:
+    found = [p for p in problems_for(*answers, job=job) if p[0] != "collectives"]
+    assert len(found) == len(expected), found
+    for (check, blocking, message), want in zip(found, expected, strict=True):
+        assert (check, blocking) == want[:2] and message.startswith(want[2]), message
+
+
+def jax_problems(addresses: list[str], answers: list[dict[str, Any]]) -> list[Problem]:
+    """The problems diagnosed for a JAX job on hosts h0, h1, ... at ``addresses``."""
+    spec = parse(f"name: c\nworkers: {len(addresses)}\njob: {JAX}\n")
+    hosts = [Host(f"h{i}", a, "/r", ssh=SSHEndpoint(a, "ml")) for i, a in enumerate(addresses)]
+    plan = planning.build(spec, hosts, run_id="r", python="python3", local_workdir="/w")
+    checks = [HostCheck(h.name, h.address, (t.key,), "python3", True, facts=a)
+              for h, t, a in zip(hosts, plan.tasks, answers, strict=True)]
+    return diagnose(spec, plan, checks, [])
+
+
+def test_the_hostname_fix_names_the_line_and_the_address_peers_reach() -> None:
+    (problem,) = jax_problems(["10.0.0.1", "10.0.0.2"],
+                              [named("vm0", "127.0.1.1"), named("vm1", "10.0.0.2")])
+    assert problem.hosts == ("h0",)
+    assert problem.fix == ("in /etc/hosts on h0, map vm0 to the address the other hosts reach it "
+                           "at (10.0.0.1): replace the line '127.0.1.1 ... vm0' with '10.0.0.1 vm0'")
+
+
+def test_hosts_at_loopback_addresses_may_have_a_name_on_loopback() -> None:
+    assert jax_problems(["127.0.0.2", "127.0.0.3"],  # one machine's sshds, as in a test lab
+                        [named("vm", "127.0.0.1"), named("vm", "127.0.0.1")]) == []
+
+
+def test_preflight_reports_what_this_hosts_name_resolves_to() -> None:
+    proc = subprocess.run([sys.executable, "-m", "worker", "preflight", "--dir", str(REPO),
+                           "--import-tensorflow", "never"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    expected = list(dict.fromkeys(i[4][0] for i in socket.getaddrinfo(
+        report["hostname"], None, type=socket.SOCK_STREAM)))
+    assert report["hostname_lookup"] == {"addresses": expected, "bindable": expected[0],
+                                         "error": None}

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hostlab import FORCE_LOOPBACK_ENV, HostLab, LabHost, clean_stale
+from hostlab import FORCE_LOOPBACK_ENV, HostLab, LabHost, clean_stale, hosts_file
 
 from orchestrator.errors import HostUnreachableError
 from orchestrator.remote.base import LaunchSpec
@@ -34,6 +34,11 @@ else:
 """
 
 
+# The addresses this host's name resolves to, in order (gloo binds the first it can).
+RESOLVE_OWN_NAME = ("import socket; print(*dict.fromkeys(i[4][0] for i in socket.getaddrinfo("
+                    "socket.gethostname(), None, type=socket.SOCK_STREAM)))")
+
+
 def in_namespace(host: LabHost, *argv: str, cwd: str | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         ["ip", "netns", "exec", str(host.namespace), *argv],
@@ -44,11 +49,14 @@ def in_namespace(host: LabHost, *argv: str, cwd: str | None = None) -> subproces
 
 
 def leftovers(tag: str) -> list[str]:
-    """Every namespace, link and user whose name holds ``tag``."""
+    """Every namespace, link, user and /etc/netns entry (a host's own /etc files) whose name
+    holds ``tag``."""
+    netns = Path("/etc/netns")
     listings = (
         subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout,
         subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout,
         Path("/etc/passwd").read_text(),
+        "\n".join(str(p) for p in netns.iterdir()) if netns.is_dir() else "",
     )
     return [line for text in listings for line in text.splitlines() if tag in line]
 
@@ -108,6 +116,37 @@ def test_hosts_reach_each_other_over_tcp_across_namespaces(hostlab: HostLab, tmp
 def test_loopback_is_up_inside_each_host(hostlab: HostLab) -> None:
     for host in hostlab.hosts(2):
         assert "UP" in host.run(["ip", "-o", "link", "show", "lo"]).stdout
+
+
+@pytest.mark.netns
+def test_each_hosts_name_resolves_to_its_own_address_over_ssh_until_mapped_elsewhere(
+        hostlab: HostLab) -> None:
+    user = hostlab.plain_user()
+    hosts = hostlab.hosts(2)
+    for host in hosts:
+        with SSHRunner(host.name, host.endpoint(user=user)) as r:
+            own = r.run([sys.executable, "-c", RESOLVE_OWN_NAME]).stdout.split()
+            assert own == [host.address]
+            assert r.run([sys.executable, "-c", "import socket; print(socket.gethostbyname("
+                          "'localhost'))"]).stdout.split() == ["127.0.0.1"]
+    here = subprocess.run([sys.executable, "-c", RESOLVE_OWN_NAME], capture_output=True,
+                          text=True, check=True).stdout.split()
+    assert not set(here) & {h.address for h in hosts}  # this machine's /etc/hosts is untouched
+    host = hosts[1]
+    host.map_hostname("127.0.1.1")  # Debian's line: for the running sshd's logins at once
+    with SSHRunner(host.name, host.endpoint(user=user)) as r:
+        assert r.run([sys.executable, "-c", RESOLVE_OWN_NAME]).stdout.split() == ["127.0.1.1"]
+    (healed,) = hostlab.hosts(2)[1:]
+    with SSHRunner(healed.name, healed.endpoint()) as r:
+        assert r.run([sys.executable, "-c", RESOLVE_OWN_NAME]).stdout.split() == [host.address]
+
+
+def test_a_hosts_file_maps_the_names_to_the_address_alone() -> None:
+    debian = ("127.0.0.1\tlocalhost\n127.0.1.1\tvm.example.com vm\n"
+              "::1 localhost ip6-localhost VM # the IPv6 ones\n\n# a comment\n10.0.0.5 db\n")
+    assert hosts_file(debian, ["vm.example.com", "vm"], "198.18.0.2") == (
+        "127.0.0.1\tlocalhost\n::1 localhost ip6-localhost # the IPv6 ones\n\n# a comment\n"
+        "10.0.0.5 db\n198.18.0.2 vm.example.com vm\n")
 
 
 @pytest.mark.netns
@@ -213,12 +252,15 @@ def test_a_second_lab_leaves_nothing_behind_after_close(hostlab: HostLab) -> Non
             home = hosts[0].home
             handle = r.start(LaunchSpec(("sleep", "300"), home, f"{home}/t.log", f"{home}/t.rc"))
         sshd_pids = [h.sshd.pid for h in hosts if h.sshd]
+        files = [h.hosts_path for h in hosts if h.hosts_path]
+        assert len(files) == 2 * lab.can_partition and all(Path(f).is_file() for f in files)
         assert lab.tag != hostlab.tag
         assert lab.network is None or lab.network != hostlab.network
         assert leftovers(lab.tag)
     finally:
         lab.close()
     assert leftovers(lab.tag) == []
+    assert not any(Path(f).exists() for f in files)
     assert all(dead(pid) for pid in [*sshd_pids, handle.pgid])
     assert not lab.dir.exists()
 

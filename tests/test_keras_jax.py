@@ -2,10 +2,10 @@
 a command job whose script follows Keras's distribution guide and only calls
 ``keras.distribution.initialize()``; every process ends with the same weights, and the losses
 are one process's at the same global batch; a process SIGKILLed restarts the whole group.
-
-Not on the SSH lab's hosts yet: gloo advertises the address the host's name resolves to, and
-the lab's namespaces share this machine's name, which resolves to loopback (as Debian's
-127.0.1.1 line does on a real host): "Gloo context initialization failed ... remote=[127.0.0.1]".
+Also on two SSH lab hosts as the unprivileged user: gloo advertises the address the host's
+name resolves to, and every lab host's name resolves to its own lab address there (the lab
+gives each namespace an /etc/hosts of its own, as a real host's must map its name to the
+address peers reach, not to Debian's 127.0.1.1).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import REPO
+from helpers import REPO, write_spec
+from hostlab import HostLab
 
 from orchestrator.api import Cluster
 
@@ -101,3 +102,24 @@ def test_a_killed_process_restarts_the_whole_jax_group(tmp_path: Path) -> None:
     again = results(api, result.run_id, attempt=second.number)
     assert set(again) == {"worker:0", "worker:1"}
     assert len({r["weights_sha256"] for r in again.values()}) == 1
+
+
+@pytest.mark.ssh
+def test_a_keras_distribution_script_trains_on_jax_across_ssh_hosts_as_a_plain_user(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    hosts = hostlab.hosts(2)
+    path = write_spec(tmp_path, hostlab, hosts, """\
+        name: jax-ssh
+        job: {command: [python, examples/keras_jax.py], backend: jax}
+        env: {EPOCHS: "3"}
+        retry: {max_restarts: 1, backoff_initial_s: 0}
+        """, user=hostlab.plain_user())
+    api, result = train(path)
+    assert result.status == "succeeded" and len(result.attempts) == 1, result.attempts
+    both = results(api, result.run_id)
+    assert set(both) == {"worker:0", "worker:1"}
+    assert {r["process"] for r in both.values()} == {0, 1}
+    assert {(r["processes"], r["devices"]) for r in both.values()} == {(2, 2)}
+    assert len({r["weights_sha256"] for r in both.values()}) == 1  # identical on both hosts
+    for h, task in zip(hosts, result.attempts[0].tasks, strict=True):
+        assert task.log.startswith(h.plain_home)  # each ran on its own host, as the plain user

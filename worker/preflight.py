@@ -1,8 +1,9 @@
 """`python -m worker preflight`: what this host offers a task, printed as one JSON line.
 
 Python and TensorFlow versions, the GPUs (nvidia-smi where present, and TensorFlow's own
-view), free disk where checkpoints go, whether the tasks' ports are free, and whether this
-host can open a TCP connection to every other host's task port while it listens on its own.
+view), free disk where checkpoints go, what this host's name resolves to, whether the tasks'
+ports are free, and whether this host can open a TCP connection to every other host's task
+port while it listens on its own.
 With ``--write-check DIR`` it also creates DIR and writes (then deletes) a file there, or
 for a gs:// URL does the same through TensorFlow's ``tf.io.gfile``, under a deadline; with
 ``--marker`` it leaves a file there that the controller then reads from the other hosts
@@ -71,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     nvidia = nvidia_facts()
     do_import = args.import_tensorflow == "always" or (
         args.import_tensorflow == "auto" and bool(nvidia["gpus"]))
+    hostname = socket.gethostname()
     report: dict[str, Any] = {
-        "hostname": socket.gethostname(),
+        "hostname": hostname,
+        "hostname_lookup": hostname_facts(hostname),
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "tensorflow": tensorflow_facts(do_import),
         "tf_keras": {"version": installed_version("tf_keras", "tf-keras")},
@@ -210,6 +213,29 @@ def _tf_gpu(tf: Any, device: Any) -> dict[str, Any]:
     capability = details.get("compute_capability")
     return {"name": str(details.get("device_name", device.name)),
             "compute_capability": ".".join(map(str, capability)) if capability else None}
+
+
+# -- network identity ----------------------------------------------------------------------
+def hostname_facts(name: str) -> dict[str, Any]:
+    """What ``name`` (this host's name) resolves to: every address, in the resolver's order,
+    and ``bindable``, the first one this host can bind. That one is the address JAX's CPU
+    collectives (gloo) listen on and tell their peers, as gloo finds it without an interface."""
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        return {"addresses": [], "bindable": None, "error": _describe(exc)}
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    bindable = next((str(info[4][0]) for info in infos if _can_bind(info[0], info[4])), None)
+    return {"addresses": addresses, "bindable": bindable, "error": None}
+
+
+def _can_bind(family: int, address: Any) -> bool:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind(address)
+    except OSError:
+        return False
+    return True
 
 
 # -- hardware ------------------------------------------------------------------------------
