@@ -18,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, orchestrate_home_at
+from helpers import REPO, events_in, orchestrate_home_at, write_spec
+from hostlab import HostLab
 from test_keras3_e2e import at_step, events_of
 
+from orchestrator import paths
 from orchestrator.api import Cluster
 from orchestrator.errors import RunFailed
 from orchestrator.state import AttemptRecord, Store
@@ -224,3 +226,33 @@ def test_a_torn_newest_checkpoint_is_dropped_for_the_one_before_without_tensorfl
     assert sorted(p.name for p in (base / "chief").iterdir()) == [
         "checkpoint", "ckpt-60.state.npz", "ckpt-60.weights.h5", "ckpt-70.state.npz",
         "ckpt-70.weights.h5"]
+
+
+@pytest.mark.ssh
+def test_on_three_ssh_hosts_as_a_plain_user_a_killed_process_resumes_from_the_copied_checkpoint(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """Each host checkpoints to its own disk: before the relaunch the controller verifies the
+    chief's newest (Keras's .weights.h5 and the .state.npz) and copies it to the others."""
+    hosts = hostlab.hosts(3)
+    path = write_spec(tmp_path, hostlab, hosts, """\
+        name: jax-static
+        job: {module: tests.workloads.paced_jax_digits, backend: jax, epochs: 2,
+              steps_per_epoch: 30, progress_every_steps: 1}
+        checkpoint: {every_steps: 10}
+        retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 30}
+        """, user=hostlab.plain_user())
+    cluster = Cluster.from_spec(path)
+    listener = at_step(15, lambda pid: hosts[2].run(["kill", "-9", str(pid)]), task="worker:2",
+                       roots=[paths.host_root(h.plain_home, "jax-static") for h in hosts])
+    result = cluster.train(listener=listener).wait()
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:2")
+    assert second.resumed_from_step and second.resumed_from_step % 10 == 0
+    for h, task in zip(hosts, second.tasks, strict=True):
+        assert task.log.startswith(h.plain_home)  # the unprivileged user's own home
+        resumed = [e for e in events_in(h, task.log) if e.kind == "resumed"]
+        assert resumed and resumed[0].get("step") == second.resumed_from_step
+    assert len(result.digests) == 3 and len(set(result.digests.values())) == 1
+    assert Path(result.model_path).is_file()  # fetched from the chief host
+    cluster.down()
