@@ -118,16 +118,28 @@ def check_warm_cost(record: dict[str, Any]) -> None:
     assert record["rss_mib"]["median"] > 0 and record["go_over_cold"] > 0
 
 
+def check_jax(record: dict[str, Any]) -> None:
+    result = record["results"]
+    assert measured(result["jax_steps_per_s"]) and measured(result["tensorflow_steps_per_s"])
+    assert measured(result["jax_first_step_s"]) and measured(result["tensorflow_first_step_s"])
+    assert all(loss is not None and loss > 0 for loss in result["final_loss"].values())
+    recovery = result["recovery"]
+    assert measured(recovery["kill_to_first_step_s"]) and measured(recovery["cold_start_s"])
+    assert recovery["ratio_to_cold_start"] > 0 and isinstance(recovery["goal_met"], bool)
+    assert recovery["warm_told_to_go"]["median"] == 2  # the relaunch used the warm tasks
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "launch": check_launch, "steady": check_steady, "recovery": check_recovery,
     "peer": check_peer, "provision": check_provision, "controller": check_controller,
     "control_path": check_control_path, "checkpoints": check_checkpoints,
-    "keras3": check_keras3, "warm_cost": check_warm_cost,
+    "keras3": check_keras3, "warm_cost": check_warm_cost, "jax": check_jax,
 }
 
 
 MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
          "peer": [pytest.mark.tf], "keras3": [pytest.mark.tf], "warm_cost": [pytest.mark.tf],
+         "jax": [pytest.mark.tf],
          "controller": [pytest.mark.ssh],
          "control_path": [pytest.mark.ssh], "checkpoints": [pytest.mark.ssh, pytest.mark.tf]}
 

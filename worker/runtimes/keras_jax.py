@@ -104,6 +104,7 @@ def run(job: Job) -> int:
 def _connect(processes: Processes) -> Any:
     import jax
 
+    _cache_compilations(jax)
     jax.distributed.initialize(
         coordinator_address=processes.coordinator, num_processes=processes.count,
         process_id=processes.index, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
@@ -111,11 +112,51 @@ def _connect(processes: Processes) -> Any:
     return jax
 
 
+def _cache_compilations(jax: Any) -> None:
+    """JAX's persistent compilation cache in this user's cache directory, unless the user set
+    one (JAX_COMPILATION_CACHE_DIR): a relaunch, and the next run of the same model, then
+    loads the compiled steps and initializers instead of compiling them again (measured
+    here: 2.2 s to build the digits model and 2.2 s to its second step without, 0.2 s and
+    0.45 s with). Every compilation is kept, however fast: on a relaunch they add up."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    directory = os.path.join(base, "orchestrate", "jax")
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError:  # a read-only home (a container's): compile every time, as without
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def _seed(keras: Any, seed: int) -> None:
+    """``keras.utils.set_random_seed`` without its ``tf.random.set_seed``: that imports
+    TensorFlow where it is installed (1.5 s here) for the tf.data pipelines this runtime does
+    not use. The rest is what it does: Python's, NumPy's and Keras's global seed."""
+    import random
+
+    import numpy as np
+
+    try:
+        from keras.src.backend.common import global_state
+        from keras.src.random import seed_generator
+        from keras.src.utils.rng_utils import GLOBAL_RANDOM_SEED
+    except ImportError:  # another Keras layout: its own function, TensorFlow and all
+        keras.utils.set_random_seed(seed)
+        return
+    global_state.set_global_attribute(GLOBAL_RANDOM_SEED, seed)
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
     import importlib
 
     if job.seed is not None:
-        keras.utils.set_random_seed(job.seed)
+        _seed(keras, job.seed)
     else:  # one seed agreed by every process, as keras.distribution.initialize() agrees it
         from keras.src.backend.jax.distribution_lib import initialize_rng
 
@@ -138,6 +179,20 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
     emit("built", global_batch_size=global_batch, learning_rate=lr, replicas=replicas,
          parameters=int(model.count_params()))
     return training
+
+
+def _reporter(training: JaxTraining) -> Any:
+    """A Keras callback that hands every step's and epoch's end to ``training``."""
+    import keras
+
+    class Reporter(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            training.after_step(logs or {})
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            training.after_epoch(epoch, logs or {})
+
+    return Reporter()
 
 
 def _check_model(keras: Any, model: Any) -> None:
@@ -247,6 +302,7 @@ class JaxTraining:
         directory and removed."""
         import numpy as np
 
+        self.model.jax_state_sync()  # inside fit, the newest state is the trainer's, not yet the model's
         if self.processes.chief:
             os.makedirs(self.chief_dir, exist_ok=True)
             directory = self.chief_dir
@@ -296,48 +352,66 @@ class JaxTraining:
     # -- training ----------------------------------------------------------------------------
 
     def fit(self) -> tuple[dict[str, float], int]:
-        from jax.experimental import multihost_utils
+        """Keras's own ``fit`` on JAX, which keeps the state on the devices between steps; a
+        callback reports, checkpoints and stops. ``train_on_batch`` would cost 4 collectives a
+        step more: resetting the metrics puts host zeros on every process's devices, which
+        JAX checks are equal across processes (measured: 3 ms a step on 1 process, 50 ms on 2).
 
+        A run resumed mid-epoch first fits the rest of that epoch, then the epochs after it."""
         job = self.job
         self._take_sigterm()
         emit("resumed" if self.step else "training", step=self.step, total_steps=job.total_steps)
-        logs: dict[str, float] = {}
         self._mark = (time.monotonic(), self.step)
-        for epoch in range(self.step // job.steps_per_epoch, job.epochs):
-            self._sums: dict[str, float] = {}
-            self._count = 0
-            while self.step < (epoch + 1) * job.steps_per_epoch:
-                x, y = self.batches.local_batch(self.step)
-                self._add(self.model.train_on_batch(x, y, return_dict=True))
-                self.step += 1
-                if self.step < job.total_steps and \
-                        multihost_utils.reached_preemption_sync_point(self.step):
-                    self._stop()
-                if self.step % job.checkpoint_every_steps == 0:
-                    self.save()
-                if self.step % job.progress_every_steps == 0 or self.step == job.total_steps:
-                    self._progress()
-            logs = self._means()
-            emit("epoch", epoch=epoch, logs=logs)
-        return logs, self.step
+        self._logs: dict[str, float] = {}
+        callback = _reporter(self)
+        batches = self._local_batches()
+        epoch, done = divmod(self.step, job.steps_per_epoch)
+        if done:
+            self._fit(batches, callback, epochs=epoch + 1, initial_epoch=epoch,
+                      steps=job.steps_per_epoch - done)
+            epoch += 1
+        if epoch < job.epochs:
+            self._fit(batches, callback, epochs=job.epochs, initial_epoch=epoch,
+                      steps=job.steps_per_epoch)
+        return self._logs, self.step
 
-    def _add(self, logs: dict[str, Any]) -> None:
-        for key, value in logs.items():
-            self._sums[key] = self._sums.get(key, 0.0) + float(value)
-        self._count += 1
-        self._since_progress = {k: float(v) for k, v in logs.items()}
+    def _fit(self, batches: Any, callback: Any, *, epochs: int, initial_epoch: int,
+             steps: int) -> None:
+        self.model.fit(batches, epochs=epochs, initial_epoch=initial_epoch,
+                       steps_per_epoch=steps, callbacks=[callback], verbose=0)
 
-    def _means(self) -> dict[str, float]:
-        """The loss and metrics averaged over the epoch's steps so far (every global batch is the
-        same size: the mean of the per-example means)."""
-        return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+    def _local_batches(self) -> Any:
+        """This process's part of every global batch from the current step on."""
+        step = self.step
+        while True:
+            yield self.batches.local_batch(step)
+            step += 1
 
-    def _progress(self) -> None:
+    def after_step(self, logs: dict[str, Any]) -> None:
+        """What follows every step: a stop the group agreed on, a checkpoint, a progress event.
+        ``logs`` are the loss and metrics over the epoch so far."""
+        from jax.experimental import multihost_utils
+
+        job = self.job
+        self.step += 1
+        if self.step < job.total_steps and \
+                multihost_utils.reached_preemption_sync_point(self.step):
+            self._stop()
+        if self.step % job.checkpoint_every_steps == 0:
+            self.save()
+        if self.step % job.progress_every_steps == 0 or self.step == job.total_steps:
+            self._progress({k: float(v) for k, v in logs.items()})
+
+    def after_epoch(self, epoch: int, logs: dict[str, Any]) -> None:
+        self._logs = {k: float(v) for k, v in logs.items()}
+        emit("epoch", epoch=epoch, logs=self._logs)
+
+    def _progress(self, means: dict[str, float]) -> None:
         now, (last, last_step) = time.monotonic(), self._mark
         steps = self.step - last_step
         rate = steps / (now - last) if now > last and steps > 0 else 0.0
         self._mark = (now, self.step)
-        means = self._means()
+        means = dict(means)
         emit("progress", step=self.step, total_steps=self.job.total_steps,
              loss=means.pop("loss", float("nan")), metrics=means,
              steps_per_s=round(rate, 3),

@@ -1,0 +1,151 @@
+"""Benchmark: Keras 3 on JAX against Keras 3 on TensorFlow, and recovery on JAX against a cold start.
+
+Steady: the same module (``examples.keras3_digits``: Dense 64, LayerNormalization, Dropout,
+Dense 32, Dense 10 over the 8x8 digits, written with keras and NumPy only) and the same data,
+2 local workers under `orchestrate train --no-doctor`, once with ``backend: jax`` (the JAX
+runtime: JAX's distributed service, gloo collectives on CPU, Keras's DataParallel) and once
+on TensorFlow (``keras: 3``: the runtime's distributed loop under MultiWorkerMirroredStrategy),
+taking turns. Figures: the chief's steps/s from its own event times (the first 20% of the steps
+left out) and start to first step (from the `orchestrate train` subprocess's start).
+
+Recovery: the JAX job paced (tests/workloads/paced_jax_digits.py) with warm tasks, worker:1
+SIGKILLed at step 25 once the next attempt's warm tasks are ready (benchmarks/recovery.py's
+Recorder, which fires the fault and reads the supervisor's phases); fault to the chief's first
+step after the relaunch, against a cold start of the same tasks launched by hand. Goal: <= 0.5x.
+
+    python benchmarks/jax.py             # 3 x 200 steps, 3 repeats of each; recovery 3 times
+    python benchmarks/jax.py --quick     # 2 x 40 steps, once each; recovery once
+
+(Named as the issue asks; run it as a script: imported from benchmarks/, it would shadow JAX.)
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    REPO,
+    describe_machine,
+    median_of,
+    note,
+    parser,
+    publish,
+    ratio,
+    repeats,
+    show,
+    spread,
+    table,
+    temp_home,
+)
+from jobs import LOCAL, PORTS, Run, by_hand, orchestrated, write_spec
+from recovery import EPOCHS, EVERY, STEPS_PER_EPOCH, WORKERS, kill, recover, settings
+
+RECOVERY_GOAL = 0.5  # fault to first step over the cold start, with warm tasks
+MODULE = "examples.keras3_digits"
+PACED = "tests.workloads.paced_jax_digits"
+BACKENDS = {"jax": {"backend": "jax"}, "tensorflow": {"keras": "3"}}
+
+
+def steady_spec(directory: Path, backend: str, epochs: int, steps: int) -> Path:
+    return write_spec(directory, {
+        "name": f"{backend}-bench", "workers": WORKERS, "workdir": str(REPO),
+        "job": {"module": MODULE, **BACKENDS[backend], "epochs": epochs,
+                "steps_per_epoch": steps, "progress_every_steps": 1},
+        "checkpoint": {"every_steps": 50}, "ports": PORTS,
+        "timeouts": {"stop_grace_s": 10, "startup_s": 180},
+    })
+
+
+def recovery_spec(directory: Path, *, paced: bool) -> Path:
+    """The JAX job the fault is fired into (paced, warm tasks), or its unpaced cold start."""
+    return write_spec(directory, {
+        "name": "jax-recovery", "workers": WORKERS, "workdir": str(REPO),
+        "job": {"module": PACED, "backend": "jax", "epochs": EPOCHS,
+                "steps_per_epoch": STEPS_PER_EPOCH, "progress_every_steps": 1},
+        "checkpoint": {"every_steps": EVERY}, "ports": PORTS,
+        **({} if paced else {"env": {"DIGITS_PACE_S": "0"}}), **settings(paced),
+    }, stem="jax-recovery" if paced else "jax-recovery-unpaced")
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    host, started = describe_machine(), time.monotonic()
+    runs = repeats(args)
+    epochs, steps = (2, 40) if args.quick else (3, 200)
+    found: dict[str, list[Run]] = {b: [] for b in BACKENDS}
+    recoveries: list[dict[str, Any]] = []
+    cold: list[float | None] = []
+    with temp_home("jax"), tempfile.TemporaryDirectory(prefix="orchestrate-bench-") as scratch:
+        directory = Path(scratch)
+        paths = {b: steady_spec(directory, b, epochs, steps) for b in BACKENDS}
+        for i in range(runs):
+            for backend in (list(BACKENDS) if i % 2 == 0 else list(BACKENDS)[::-1]):
+                run = orchestrated(paths[backend], "--no-doctor")
+                found[backend].append(run)
+                note(f"{backend}: {run.steps_per_s() or 0:.1f} steps/s, first step at "
+                     f"{run.first_step_s() or 0:.2f}s")
+        paced, unpaced = recovery_spec(directory, paced=True), recovery_spec(directory, paced=False)
+        for _ in range(runs):
+            cold.append(by_hand(unpaced, LOCAL).first_step_s())
+            sample = recover(paced, kill("worker:1"), LOCAL)
+            recoveries.append(sample)
+            note(f"cold start {cold[-1] or 0:.2f}s; worker killed at step {sample['fault_step']}"
+                 f": first step {sample['kill_to_first_step_s']:.2f}s after the fault, "
+                 f"{sample['warm_told_to_go']} warm task(s) told to go")
+            for warning in sample["warnings"]:
+                note(f"WARNING: {warning}")
+    rates = {b: [r.steps_per_s() for r in v] for b, v in found.items()}
+    firsts = {b: [r.first_step_s() for r in v] for b, v in found.items()}
+    back = [s["kill_to_first_step_s"] for s in recoveries]
+    recovery_ratio = ratio(median_of(back), median_of(cold))
+    results: dict[str, Any] = {
+        "workers": WORKERS, "steps": epochs * steps,
+        "jax_steps_per_s": spread(rates["jax"], 2),
+        "tensorflow_steps_per_s": spread(rates["tensorflow"], 2),
+        "steps_per_s_ratio": ratio(median_of(rates["jax"]), median_of(rates["tensorflow"])),
+        "jax_first_step_s": spread(firsts["jax"]),
+        "tensorflow_first_step_s": spread(firsts["tensorflow"]),
+        "first_step_ratio": ratio(median_of(firsts["jax"]), median_of(firsts["tensorflow"])),
+        "final_loss": {b: _final_loss(v) for b, v in found.items()},
+        "recovery": {
+            "kill_to_first_step_s": spread(back), "cold_start_s": spread(cold),
+            "ratio_to_cold_start": recovery_ratio,
+            "steps_repeated": spread([s["steps_repeated"] for s in recoveries], 1),
+            "warm_told_to_go": spread([s["warm_told_to_go"] for s in recoveries], 1),
+            "phases": {p: spread([s["recorded_phases"].get(p) for s in recoveries])
+                       for p in recoveries[0]["recorded_phases"]} if recoveries else {},
+            "goal": f"<= {RECOVERY_GOAL}x the cold start",
+            "goal_met": recovery_ratio is not None and recovery_ratio <= RECOVERY_GOAL,
+            "warnings": [w for s in recoveries for w in s["warnings"]],
+        },
+    }
+    rec = results["recovery"]
+    print(table(["phase", "median s"], [[p, show(v)] for p, v in rec["phases"].items()]),
+          file=sys.stderr, flush=True)
+    publish("jax", args, host, started,
+            {"goal": f"recovery on JAX (warm tasks) <= {RECOVERY_GOAL}x a cold start; steps/s "
+                     "and start to first step reported against Keras 3 on TensorFlow",
+             "job": f"examples.keras3_digits, {epochs} x {steps} steps, {WORKERS} local workers, "
+                    "checkpoint every 50, progress every step",
+             "results": results},
+            ["backend", "steps/s", "first step", "recovery", "cold start", "ratio", "goal"],
+            [["jax", show(results["jax_steps_per_s"]), show(results["jax_first_step_s"], "s"),
+              show(rec["kill_to_first_step_s"], "s"), show(rec["cold_start_s"], "s"),
+              rec["ratio_to_cold_start"], "yes" if rec["goal_met"] else "no"],
+             ["tensorflow", show(results["tensorflow_steps_per_s"]),
+              show(results["tensorflow_first_step_s"], "s"), "", "", "", ""]])
+
+
+def _final_loss(runs: list[Run]) -> float | None:
+    """The chief's last reported loss of the last run: both backends learn the same task."""
+    losses = [e.get("loss") for e in runs[-1].events
+              if e.kind == "progress" and e.task == "worker:0"] if runs else []
+    return round(float(losses[-1]), 4) if losses else None
+
+
+if __name__ == "__main__":
+    main()
