@@ -41,7 +41,7 @@ from common import (
     table,
     temp_home,
 )
-from jobs import LOCAL, PORTS, Run, by_hand, orchestrated, write_spec
+from jobs import LOCAL, PORTS, Run, by_hand, final_loss, orchestrated, write_spec
 from recovery import EPOCHS, EVERY, STEPS_PER_EPOCH, WORKERS, kill, recover, settings
 
 RECOVERY_GOAL = 0.5  # fault to first step over the cold start, with warm tasks
@@ -110,7 +110,7 @@ def main() -> None:
         "jax_first_step_s": spread(firsts["jax"]),
         "tensorflow_first_step_s": spread(firsts["tensorflow"]),
         "first_step_ratio": ratio(median_of(firsts["jax"]), median_of(firsts["tensorflow"])),
-        "final_loss": {b: _final_loss(v) for b, v in found.items()},
+        "final_loss": {b: final_loss(v) for b, v in found.items()},
         "recovery": {
             "kill_to_first_step_s": spread(back), "cold_start_s": spread(cold),
             "ratio_to_cold_start": recovery_ratio,
@@ -138,13 +138,6 @@ def main() -> None:
               rec["ratio_to_cold_start"], "yes" if rec["goal_met"] else "no"],
              ["tensorflow", show(results["tensorflow_steps_per_s"]),
               show(results["tensorflow_first_step_s"], "s"), "", "", "", ""]])
-
-
-def _final_loss(runs: list[Run]) -> float | None:
-    """The chief's last reported loss of the last run: both backends learn the same task."""
-    losses = [e.get("loss") for e in runs[-1].events
-              if e.kind == "progress" and e.task == "worker:0"] if runs else []
-    return round(float(losses[-1]), 4) if losses else None
 
 
 if __name__ == "__main__":

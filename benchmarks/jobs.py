@@ -180,6 +180,13 @@ class Run:
         return (last[0] - first[0]) / (last[1] - first[1]) if last[1] > first[1] else None
 
 
+def final_loss(runs: list[Run]) -> float | None:
+    """The chief's last reported loss of the last of ``runs``."""
+    losses = [e.get("loss") for e in runs[-1].events
+              if e.kind == "progress" and e.task == "worker:0"] if runs else []
+    return round(float(losses[-1]), 4) if losses else None
+
+
 def cli(*args: str, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """``orchestrate ARGS`` in a subprocess with this process's ORCHESTRATE_HOME."""
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,

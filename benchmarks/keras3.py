@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common import describe_machine, median_of, note, parser, publish, ratio, repeats, show, spread, temp_home
-from jobs import PORTS, Run, orchestrated, write_spec
+from jobs import PORTS, Run, final_loss, orchestrated, write_spec
 
 GOAL_RATIO = 0.95
 WORKERS = 2
@@ -85,7 +85,7 @@ def main() -> None:
         "tf_keras_fit_steps_per_s": spread(rates["2"], 2),
         "keras3_loop_steps_per_s": spread(rates["3"], 2),
         "ratio": value, "paired_ratio": spread(paired),
-        "final_loss": {k: _final_loss(v) for k, v in found.items()},
+        "final_loss": {k: final_loss(v) for k, v in found.items()},
         "goal_met": value is not None and value >= GOAL_RATIO,
     }
     publish("keras3", args, host, started,
@@ -97,13 +97,6 @@ def main() -> None:
             [[WORKERS, epochs * steps, show(results["tf_keras_fit_steps_per_s"]),
               show(results["keras3_loop_steps_per_s"]), value,
               "yes" if results["goal_met"] else "no"]])
-
-
-def _final_loss(runs: list[Run]) -> float | None:
-    """The chief's last reported loss of the last run: both Keras learn the same task."""
-    losses = [e.get("loss") for e in runs[-1].events
-              if e.kind == "progress" and e.task == "worker:0"] if runs else []
-    return round(float(losses[-1]), 4) if losses else None
 
 
 if __name__ == "__main__":
