@@ -240,7 +240,9 @@ class Cluster:
 
         Args:
             tensorflow: "auto" imports TensorFlow only on hosts with GPUs (to see the GPUs it
-                sees); "always" everywhere (seconds per host); "never".
+                sees); "always" everywhere (seconds per host); "never". For a job with
+                ``job.backend: jax`` the same for JAX, in a child process (the devices it
+                sees), and TensorFlow is not imported.
         """
         started = time.monotonic()
         plan = self.plan()

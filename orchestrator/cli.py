@@ -70,7 +70,8 @@ def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False,
     import_tf: Annotated[bool, typer.Option(
         "--import-tf", help="Import TensorFlow on every host (seconds each); by default only "
-        "on hosts with GPUs, to see the GPUs it sees.")] = False,
+        "on hosts with GPUs, to see the GPUs it sees. For a job with job.backend: jax, JAX "
+        "instead.")] = False,
 ) -> None:
     """Check every host in parallel: SSH, Python, TensorFlow, GPUs, disk, ports, network."""
     from orchestrator.api import Cluster

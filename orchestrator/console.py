@@ -380,7 +380,7 @@ def render_doctor(console: Console, report: DoctorReport, scaling: Scaling | Non
     say_parts(console, (f"doctor: {report.cluster}", "bold"),
               f" ({report.provider}), {hosts} machine(s) checked in {report.seconds:.1f}s")
     for h in report.hosts:
-        _render_host(console, h)
+        _render_host(console, h, report.backend)
     if report.links:
         say_parts(console, f"network: {_links_text(report)} (every host to every other "
                   "host's task port)")
@@ -430,12 +430,14 @@ def doctor_line(report: DoctorReport) -> str:
     links = f", {_links_text(report)}" if report.links else ""
     image = first.fact("container", "image_id")
     stack = (f"image {str(image)[:19]}" if image else
+             f"python {first.python_version}, jax {first.jax_version}, keras "
+             f"{first.keras_version}" if report.backend == "jax" else
              f"python {first.python_version}, tensorflow {first.tf_version}")
     return (f"doctor: {len(report.hosts)} machine(s) ok in {report.seconds:.1f}s: {stack}, "
             f"{gpus or 'no'} GPU(s){links}")
 
 
-def _render_host(console: Console, h: HostCheck) -> None:
+def _render_host(console: Console, h: HostCheck, backend: str) -> None:
     say = _printer(console)
     say_parts(console, (h.name, "bold"), f"  {h.address}  tasks {', '.join(h.tasks)}")
     if not h.checked:
@@ -445,16 +447,21 @@ def _render_host(console: Console, h: HostCheck) -> None:
     cuda = f" (built for CUDA {h.tf_cuda})" if h.tf_cuda else ""
     if h.fact("container"):  # the tasks run the image's Python and TensorFlow
         say(f"  python {h.python_version} ({h.python}) on the host, for its checks")
+    elif backend == "jax":
+        say(f"  python {h.python_version} ({h.python}), jax {h.jax_version or 'MISSING'} "
+            f"(jaxlib {h.jaxlib_version or '-'}), keras {h.keras_version or 'MISSING'}")
     else:
         say(f"  python {h.python_version} ({h.python}), tensorflow {h.tf_version or 'MISSING'}"
             f"{cuda}, tf_keras {h.tf_keras_version or '-'}")
+    jax = backend == "jax" and not h.fact("container")  # JAX's view: the host's own
+    collectives = f", collectives {h.jax_collectives}" if jax and h.jax_collectives else ""
     if h.gpus:
-        seen = "" if h.tf_gpus is None else f"; TensorFlow sees {len(h.tf_gpus)}"
+        seen = _seen(h, jax)
         models = ", ".join(f"{g.name} ({human_bytes((g.memory_mib or 0) << 20)})" for g in h.gpus)
-        say(f"  GPUs: {models}; driver {h.driver}, CUDA {h.driver_cuda}{seen}")
+        say(f"  GPUs: {models}; driver {h.driver}, CUDA {h.driver_cuda}{seen}{collectives}")
     else:
         say(f"  GPUs: none ({h.fact('nvidia', 'error') or 'nvidia-smi lists none'}): tasks "
-            "train on the CPU")
+            f"train on the CPU{collectives}")
     engine = h.fact("container")
     if engine:
         image = engine.get("image_id")
@@ -467,6 +474,13 @@ def _render_host(console: Console, h: HostCheck) -> None:
     free = human_bytes(h.free_bytes) if h.free_bytes is not None else "?"
     ports = ", ".join(f"{p['port']} {'free' if p['free'] else 'IN USE'}" for p in h.ports)
     say(f"  disk: {free} free for {h.fact('disk', 'path')}; ports: {ports}")
+
+
+def _seen(h: HostCheck, jax: bool) -> str:
+    """How many of a host's GPUs the job's framework sees, where it looked."""
+    if jax:
+        return "" if h.jax_gpus is None else f"; JAX sees {h.jax_gpus}"
+    return "" if h.tf_gpus is None else f"; TensorFlow sees {len(h.tf_gpus)}"
 
 
 # -- status ------------------------------------------------------------------------------------

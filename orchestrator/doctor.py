@@ -42,6 +42,10 @@ GCS_FIX = ("give the VM's service account write access to the bucket (roles/stor
            "and the storage scope (provider.scopes: "
            "https://www.googleapis.com/auth/devstorage.read_write), or use an absolute path on a "
            "shared file system")
+# What the fix of a host without JAX installs: the range of pyproject.toml's jax extra.
+JAX_REQUIREMENT = "jax>=0.10,<0.11"
+KERAS_REQUIREMENT = "keras>=3.15,<4"
+DUPLICATE_GPU = "refuses two ranks on one GPU ('Duplicate GPU detected')"
 TensorFlowImport = Literal["auto", "always", "never"]
 
 
@@ -108,6 +112,39 @@ class HostCheck:
         return self.text("tf_keras", "version")
 
     @property
+    def jax_version(self) -> str | None:
+        return self.text("jax", "version")
+
+    @property
+    def jaxlib_version(self) -> str | None:
+        return self.text("jax", "jaxlib_version")
+
+    @property
+    def keras_version(self) -> str | None:
+        return self.text("keras", "version")
+
+    @property
+    def jax_gpus(self) -> int | None:
+        """GPUs JAX sees; None where it did not list its devices."""
+        backend = self.fact("jax", "devices", "backend")
+        if backend is None:
+            return None
+        return int(self.fact("jax", "devices", "count") or 0) if backend == "gpu" else 0
+
+    @property
+    def jax_collectives(self) -> str | None:
+        """What JAX all-reduces with here: NCCL between the GPUs it sees, else gloo on the CPU;
+        None where a host with GPUs did not list JAX's devices."""
+        if self.jax_version is None or (self.jax_gpus is None and self.gpus):
+            return None
+        return "NCCL" if self.jax_gpus else "gloo"
+
+    @property
+    def blind(self) -> bool:
+        """nvidia-smi lists GPUs here, and the framework that listed its devices sees none."""
+        return bool(self.gpus) and (self.tf_gpus == [] or self.jax_gpus == 0)
+
+    @property
     def gpus(self) -> list[Gpu]:
         return [Gpu(str(g["name"]), g.get("memory_mib"), g.get("driver"))
                 for g in self.fact("nvidia", "gpus") or []]
@@ -132,8 +169,11 @@ class HostCheck:
 
     @property
     def gpu_count(self) -> int:
-        """GPUs each task here would use: those TensorFlow sees where it was imported, else
-        those nvidia-smi lists (every task of a machine sees all of them)."""
+        """GPUs each task here would use: those JAX sees where it listed its devices (a job
+        on JAX), those TensorFlow sees where it was imported, else those nvidia-smi lists
+        (every task of a machine sees all of them)."""
+        if self.jax_gpus is not None:
+            return self.jax_gpus
         seen = self.tf_gpus
         return len(seen) if seen is not None else len(self.gpus)
 
@@ -162,6 +202,7 @@ class DoctorReport:
     links: tuple[Link, ...]
     problems: tuple[Problem, ...]
     seconds: float
+    backend: str = "tensorflow"  # the job's: which software each host's line shows
 
     @property
     def blocking(self) -> list[Problem]:
@@ -195,7 +236,8 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "cluster": self.cluster, "provider": self.provider, "ok": self.ok,
+            "cluster": self.cluster, "provider": self.provider, "backend": self.backend,
+            "ok": self.ok,
             "seconds": round(self.seconds, 3), "replicas": self.replicas,
             "hosts": [{"name": h.name, "address": h.address, "tasks": list(h.tasks),
                        "python": h.python, "reachable": h.reachable, "error": h.error,
@@ -258,7 +300,9 @@ def examine(
 
     Args:
         runner: the runner for a machine's host (connecting may fail: that host is unreachable).
-        tensorflow: import TensorFlow on each host ("auto": only where nvidia-smi lists GPUs).
+        tensorflow: import TensorFlow on each host ("auto": only where nvidia-smi lists GPUs);
+            for a job with ``job.backend: jax``, JAX instead, in a child process, to list the
+            devices it sees (TensorFlow is then never imported).
         found: problems found before any host was asked (the provider's ``cloud_check``):
             the report lists them first, among the blocking ones or the warnings.
     """
@@ -268,10 +312,11 @@ def examine(
     errors = {r.name: r.error for r in reached.failed}
     live = [m for m in machines if m.name not in errors]
     storage = StorageCheck.of(spec, plan, machines)
-    if spec.container is not None:  # TensorFlow is the image's, not the host's
+    if spec.container is not None:  # TensorFlow and JAX are the image's, not the host's
         tensorflow = "never"
+    imports = Imports("never", tensorflow) if spec.job.backend == "jax" else Imports(tensorflow)
     outside = Outside.of(live)
-    answers = fan_out(live, lambda m: _preflight(m, live, runner(m.host), tensorflow, storage,
+    answers = fan_out(live, lambda m: _preflight(m, live, runner(m.host), imports, storage,
                                                  outside.probing),
                       name_of=lambda m: m.name)
     exposed = outside.problems(spec)
@@ -286,7 +331,7 @@ def examine(
     problems = sorted([*found, *diagnose(spec, plan, checks, links), *engine_problems, *exposed],
                       key=lambda p: not p.blocking)
     return DoctorReport(spec.name, provider, tuple(checks), tuple(links), tuple(problems),
-                        time.monotonic() - started)
+                        time.monotonic() - started, spec.job.backend)
 
 
 def _engines(container: Container, live: Sequence[Machine], runner: Callable[[Host], Runner]
@@ -303,14 +348,22 @@ def _engines(container: Container, live: Sequence[Machine], runner: Callable[[Ho
     return {name: asdict(f) for name, f in facts.items()}, found
 
 
-def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner,
-               tensorflow: TensorFlowImport, storage: StorageCheck | None,
-               outsider: bool = False) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Imports:
+    """What each host's preflight imports to see the devices: TensorFlow for a job on it, JAX
+    (in a child process) for a job on JAX."""
+
+    tensorflow: TensorFlowImport
+    jax: TensorFlowImport = "never"
+
+
+def _preflight(machine: Machine, live: Sequence[Machine], runner: Runner, imports: Imports,
+               storage: StorageCheck | None, outsider: bool = False) -> dict[str, Any]:
     peers = [t.endpoint for m in live if m is not machine for t in m.tasks]
     argv = [machine.python, "-c", PREFLIGHT.read_text(), "--name", machine.name,
             "--dir", machine.host.root or "~", "--expect", str(len(live) - 1),
             "--window", str(WINDOW_S), "--linger", str(LINGER_S),
-            "--import-tensorflow", tensorflow]
+            "--import-tensorflow", imports.tensorflow, "--import-jax", imports.jax]
     for task in machine.tasks:
         argv += ["--port", str(task.port)]
     for endpoint in peers:
@@ -570,10 +623,11 @@ def diagnose(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
              links: Sequence[Link]) -> list[Problem]:
     """Every problem the answers show, blocking ones first."""
     ok = [c for c in checks if c.checked]
-    hosted = spec.container is None  # else Python and TensorFlow are the image's
+    hosted = spec.container is None  # else Python, TensorFlow and JAX are the image's
+    on_jax = spec.job.backend == "jax"
     found = [
         *_unreachable(checks),
-        *(_tensorflow(spec, ok) if hosted else []),
+        *((_jax(ok) if on_jax else _tensorflow(spec, ok)) if hosted else []),
         *_gpus(spec, ok),
         *(_python(ok) if hosted else []),
         *_disk(ok),
@@ -667,6 +721,91 @@ def _matching(package: MatchingPackage, checks: Sequence[HostCheck]) -> list[Pro
     return problems
 
 
+def _jax(checks: Sequence[HostCheck]) -> list[Problem]:
+    """For a job on JAX: JAX, a jaxlib it imports with, and Keras 3 on every host, and one
+    version of JAX and jaxlib everywhere. A host whose preflight said nothing of JAX (another
+    version's) is left out: nothing is guessed."""
+    told = [c for c in checks if c.fact("jax") is not None]
+    sound = [c for c in told if c.jax_version and _jaxlib_fault(c) is None]
+    pairs = _spread(sound, _jax_pair)
+    want = next((c for c in sound if _jax_pair(c) == _majority(pairs)), None) if pairs else None
+    problems = [p for c in told for p in _jax_install(c, want)]
+    odd = [c for c in sound if want and _jax_pair(c) != _jax_pair(want)]
+    if want and odd:
+        problems.append(Problem(
+            "jax", f"JAX versions differ: {_spread_text(pairs)}. Processes of different versions "
+            "can fail to join JAX's distributed service or compile collectives that do not match",
+            f"install jax {want.jax_version} and jaxlib {want.jaxlib_version} on "
+            f"{', '.join(c.name for c in odd)} ({odd[0].python} -m pip install "
+            f"{_jax_pins(odd[0], want)}), or build the hosts from one image",
+            hosts=tuple(c.name for c in odd)))
+    return problems
+
+
+def _jax_pair(c: HostCheck) -> str:
+    return f"jax {c.jax_version} with jaxlib {c.jaxlib_version}"
+
+
+def _jax_pins(c: HostCheck, want: HostCheck | None) -> str:
+    """pip's arguments for the jax and jaxlib of ``want`` (else jaxlib in ``c``'s JAX version)
+    on ``c``, and ``c``'s CUDA plugin in that jaxlib's version (JAX loads no other)."""
+    jax = want.jax_version if want else c.jax_version
+    jaxlib = want.jaxlib_version if want else c.jax_version
+    plugin = c.text("jax", "cuda_plugin", "name")
+    return " ".join(f"'{name}=={version}'" for name, version in
+                    (("jax", jax), ("jaxlib", jaxlib), (plugin, jaxlib)) if name and version)
+
+
+def _jaxlib_fault(c: HostCheck) -> str | None:
+    """Why JAX does not import with this host's jaxlib, as JAX's own check on import says;
+    None where it does."""
+    jax, jaxlib, minimum = c.jax_version, c.jaxlib_version, c.text("jax", "minimum_jaxlib")
+    if jaxlib is None:
+        return f"jaxlib is not installed on {c.name}: JAX {jax} does not import without it"
+    if minimum and _version(jaxlib) < _version(minimum):
+        return (f"jaxlib {jaxlib} on {c.name} is older than JAX {jax} imports with (>= "
+                f"{minimum}): JAX does not import")
+    if _version(jaxlib) > _version(jax or ""):
+        return (f"jaxlib {jaxlib} on {c.name} is newer than JAX {jax}: JAX does not import "
+                "('newer than and incompatible with jax version')")
+    return None
+
+
+def _jax_install(c: HostCheck, want: HostCheck | None) -> list[Problem]:
+    """JAX, a jaxlib that JAX imports with, and Keras 3 on host ``c``; ``want``, the host
+    whose JAX and jaxlib the others should have (None: no host has a sound pair)."""
+    keras = c.keras_version
+    keras_3 = keras is not None and _version(keras)[:1] == (3,)
+    if c.jax_version is None:
+        pin = f"jax=={want.jax_version}" if want else JAX_REQUIREMENT
+        return [Problem(
+            "jax", f"JAX is not installed for {c.python} on {c.name}"
+            + ("" if keras_3 else ", nor Keras 3") + ": the job's tasks run on JAX "
+            "(job.backend: jax)",
+            f"install it there: {c.python} -m pip install '{pin}'"
+            + ("" if keras_3 else f" '{KERAS_REQUIREMENT}'")
+            + " (or, from this project's checkout on the host: pip install -e '.[jax]')",
+            hosts=(c.name,))]
+    problems = []
+    fault, error = _jaxlib_fault(c), c.text("jax", "error")
+    if fault:
+        problems.append(Problem("jax", fault, "install a JAX and jaxlib that match there: "
+                                f"{c.python} -m pip install {_jax_pins(c, want)}",
+                                hosts=(c.name,)))
+    elif error:
+        problems.append(Problem(
+            "jax", f"JAX did not list its devices on {c.name}: {error}",
+            f"run {c.python} -c 'from jax import devices; print(devices())' on {c.name} to see "
+            "why", blocking=False, hosts=(c.name,)))
+    if not keras_3:
+        what = "not installed" if keras is None else f"{keras}, not Keras 3"
+        problems.append(Problem(
+            "keras", f"Keras on {c.name} is {what}: on JAX the tasks train with Keras 3",
+            f"install it there: {c.python} -m pip install '{KERAS_REQUIREMENT}'",
+            hosts=(c.name,)))
+    return problems
+
+
 def _gpus(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]:
     problems = [*_gpu_counts(checks), *_collectives(spec, checks)]
     gpu_hosts = [c for c in checks if c.gpus]
@@ -691,14 +830,17 @@ def _gpus(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem]:
             "NCCL errors and uneven speed)", "install one driver version on every host "
             "(GPU VMs from one image)", blocking=False, hosts=tuple(c.name for c in gpu_hosts)))
     for c in gpu_hosts:
-        problems += _gpu_stack(c)
+        if spec.job.backend != "jax":
+            problems += _gpu_stack(c)
+        elif spec.container is None:
+            problems += _jax_gpus(c)
     return problems
 
 
 def _gpu_counts(checks: Sequence[HostCheck]) -> list[Problem]:
     """Every task must run as many replicas as every other: MultiWorkerMirroredStrategy sizes
     its collective group as a task's own replicas times the tasks."""
-    counted = [c for c in checks if not (c.gpus and c.tf_gpus == [])]  # blind TF: blocking already
+    counted = [c for c in checks if not c.blind]  # said already, host by host
     if len({c.replicas for c in counted}) < 2:
         return []
     seen = _spread(counted, lambda c: f"{c.gpu_count} GPU(s)" if c.gpu_count else "no GPU")
@@ -718,6 +860,9 @@ def _collectives(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem
     task per GPU; RING where every host has GPUs leaves NCCL's speed unused."""
     if not checks:
         return []
+    if spec.job.backend == "jax":  # JAX picks its own: NCCL between GPUs, else gloo
+        return _shared_gpus(checks, "with job.backend: jax the GPUs all-reduce with NCCL, "
+                            f"which {DUPLICATE_GPU}", "")
     asked = spec.job.collectives
     choice = resolve_collectives(asked, [c.gpu_count for c in checks for _ in c.tasks])
     named = f"job.collectives: {asked}" + (" (NCCL here)" if asked != choice else "")
@@ -736,16 +881,22 @@ def _collectives(spec: ClusterSpec, checks: Sequence[HostCheck]) -> list[Problem
             "there would stop at start",
             "give every host a GPU (and TensorFlow with CUDA), or set job.collectives: auto "
             "(RING when a task has no GPU) or ring", hosts=tuple(cpu)))
+    nccl = choice == "nccl"
+    return problems + _shared_gpus(checks, f"with {named}, NCCL {DUPLICATE_GPU}" if nccl else "",
+                                   ", or set job.collectives: ring" if nccl else "")
+
+
+def _shared_gpus(checks: Sequence[HostCheck], nccl: str, fix: str) -> list[Problem]:
+    """Machines whose tasks would each use all of their GPUs: blocking where ``nccl`` says
+    that NCCL all-reduces there (it refuses two ranks on one GPU); ``fix``, another way out."""
+    problems = []
     for c in checks:
         if len(c.tasks) > 1 and c.gpu_count:
-            nccl = choice == "nccl"
             problems.append(Problem(
                 "gpu", f"{c.name} runs {len(c.tasks)} tasks and each uses all {c.gpu_count} of "
-                "its GPUs" + (f": with {named}, NCCL refuses two ranks on one GPU ('Duplicate "
-                              "GPU detected')" if nccl else ": they compete for GPU memory and time"),
-                "run one task per machine (a task uses every GPU of its host)"
-                + (", or set job.collectives: ring" if nccl else ""),
-                blocking=nccl, hosts=(c.name,)))
+                "its GPUs: " + (nccl or "they compete for GPU memory and time"),
+                f"run one task per machine (a task uses every GPU of its host){fix}",
+                blocking=bool(nccl), hosts=(c.name,)))
     return problems
 
 
@@ -768,6 +919,38 @@ def _gpu_stack(c: HostCheck) -> list[Problem]:
             f"install TensorFlow with CUDA there: {c.python} -m pip install "
             f"'tensorflow[and-cuda]=={c.tf_version}'", hosts=(c.name,)))
     return problems
+
+
+def _jax_gpus(c: HostCheck) -> list[Problem]:
+    """On a host with GPUs, a job on JAX: whether JAX sees them (where it listed its devices),
+    or why it would not (its CPU wheel, a CUDA plugin of another version than jaxlib's)."""
+    jax = c.jax_version
+    if jax is None:
+        return []  # blocking already
+    plugin, version = c.text("jax", "cuda_plugin", "name"), c.text("jax", "cuda_plugin", "version")
+    if plugin is None:
+        why = ": JAX is installed without CUDA (the CPU wheel, no jax-cuda12-plugin)"
+    elif c.jaxlib_version and _version(version or "") != _version(c.jaxlib_version):
+        why = (f": its {plugin} {version} is not jaxlib's version ({c.jaxlib_version}), so JAX "
+               "does not load it")
+    else:
+        why = ""
+    listed = c.jax_gpus is not None
+    if (listed and c.jax_gpus) or not (listed or why):  # it sees them, or nothing says it won't
+        return []
+    extra = (plugin or "jax-cuda12-plugin").split("-")[1]
+    fix = f"install JAX with CUDA there: {c.python} -m pip install 'jax[{extra}]=={jax}'"
+    if c.driver_cuda and _version(c.driver_cuda)[:1] < (12,):
+        fix = (f"upgrade the NVIDIA driver on {c.name} (it supports CUDA up to {c.driver_cuda}; "
+               f"JAX's CUDA wheels need 12 or newer), then {fix}")
+    elif not why:
+        fix = (f"run {c.python} -c 'from jax import devices; print(devices())' on {c.name} to see why "
+               "(the CUDA libraries, the driver)")
+    seen = "sees none" if listed else "would see none"
+    return [Problem(
+        "gpu", f"JAX on {c.name} {seen} of its {len(c.gpus)} GPU(s) ({c.gpus[0].name}){why}: "
+        "its tasks would train on the CPU, with gloo's collectives", fix, blocking=False,
+        hosts=(c.name,))]
 
 
 def _python(checks: Sequence[HostCheck]) -> list[Problem]:

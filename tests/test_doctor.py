@@ -4,6 +4,7 @@ its fix."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import socket
@@ -49,6 +50,30 @@ def test_doctor_checks_this_machine_once_for_the_local_provider(
     assert "ports: 24190 free, 24191 free" in proc.stdout
     assert "global batch 64" in proc.stdout and "network" not in proc.stdout
     assert lines[-1] == "✓ ready to train"
+
+
+def test_on_jax_the_doctor_checks_jax_and_keras_and_says_what_jax_all_reduces_with(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    """No TensorFlow line for a job on JAX: JAX, jaxlib and Keras; with --import-tf, the
+    devices JAX lists in a child process of the preflight, and TensorFlow is not imported."""
+    spec = tmp_path / "c.yaml"
+    spec.write_text(f"name: here-jax\nworkers: 2\nworkdir: {REPO}\n"
+                    "ports: {start: 24180, end: 24189}\n"
+                    "job: {command: [python, train.py], backend: jax}\n")
+    proc = cli("doctor", str(spec), home=orchestrate_home)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jax, jaxlib, keras = (importlib.metadata.version(d) for d in ("jax", "jaxlib", "keras"))
+    assert f"jax {jax} (jaxlib {jaxlib}), keras {keras}" in proc.stdout
+    assert "tensorflow" not in proc.stdout
+    assert "tasks train on the CPU, collectives gloo" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "✓ ready to train"
+    proc = cli("doctor", str(spec), "--json", "--import-tf", home=orchestrate_home)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    (host,) = report["hosts"]
+    assert report["backend"] == "jax" and report["problems"] == []
+    assert host["facts"]["jax"]["devices"]["backend"] == "cpu"
+    assert host["facts"]["tensorflow"]["imported"] is False
 
 
 def test_a_taken_local_port_is_a_warning_since_train_picks_another(

@@ -4,6 +4,7 @@ machine has none)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import socket
@@ -13,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from orchestrator import plan as planning
-from orchestrator.doctor import HostCheck, diagnose
+from orchestrator.console import doctor_line, render_doctor
+from orchestrator.doctor import DoctorReport, HostCheck, diagnose
 from orchestrator.hosts import Host, SSHEndpoint
 from orchestrator.problems import Problem
 from orchestrator.spec import parse
+from worker import preflight
 
 REPO = Path(__file__).resolve().parent.parent
 A100 = {"smi": "/usr/bin/nvidia-smi", "driver": "570.124.06", "cuda": "12.8", "error": None,
@@ -210,3 +214,215 @@ def test_preflight_reports_what_this_hosts_name_resolves_to() -> None:
         report["hostname"], None, type=socket.SOCK_STREAM)))
     assert report["hostname_lookup"] == {"addresses": expected, "bindable": expected[0],
                                          "error": None}
+
+
+# -- a job on JAX: JAX, jaxlib and Keras 3 instead of TensorFlow; the devices JAX sees ----------
+A100_ON_GPU = {"backend": "gpu", "count": 1, "kinds": ["NVIDIA A100-SXM4-40GB"]}
+ON_CPU = {"backend": "cpu", "count": 1, "kinds": ["cpu"]}
+
+
+def on_jax(jax: str | None = "0.10.2", jaxlib: str | None = "0.10.2",
+           keras: str | None = "3.15.1", nvidia: Any = NO_GPU,
+           devices: dict[str, Any] | None = None, plugin: str | None = None,
+           error: str | None = None) -> dict[str, Any]:
+    """Preflight facts of a host without TensorFlow that has ``jax`` (with ``jaxlib``, and
+    jax-cuda12-plugin ``plugin``), Keras ``keras``, and where JAX listed ``devices``."""
+    return facts(tf=None, keras=None, nvidia=nvidia) | {
+        "jax": {"version": jax, "jaxlib_version": jaxlib,
+                "minimum_jaxlib": "0.10.1" if jax else None,
+                "cuda_plugin": None if plugin is None else {"name": "jax-cuda12-plugin",
+                                                            "version": plugin},
+                "devices": devices, "error": error},
+        "keras": {"version": keras}}
+
+
+@pytest.mark.parametrize(("answers", "expected"), [
+    pytest.param([on_jax(), on_jax()], [], id="healthy CPU hosts, no TensorFlow"),
+    pytest.param([on_jax(jax=None, jaxlib=None), on_jax()],
+                 [("jax", True, "JAX is not installed for python3 on h0: the job's tasks run on "
+                   "JAX (job.backend: jax)")], id="no JAX"),
+    pytest.param([on_jax(jax=None, jaxlib=None, keras=None), on_jax()],
+                 [("jax", True, "JAX is not installed for python3 on h0, nor Keras 3")],
+                 id="neither JAX nor Keras"),
+    pytest.param([on_jax(), on_jax(jax="0.10.1", jaxlib="0.10.1")],
+                 [("jax", True, "JAX versions differ: jax 0.10.2 with jaxlib 0.10.2 on h0; "
+                   "jax 0.10.1 with jaxlib 0.10.1 on h1")], id="two JAX releases"),
+    pytest.param([on_jax(jaxlib="0.10.1"), on_jax(jaxlib="0.10.1")], [],
+                 id="jaxlib a release behind, which JAX still imports with"),
+    pytest.param([on_jax(jax="0.10.1", jaxlib="0.10.2"), on_jax(jax="0.10.1", jaxlib="0.10.2")],
+                 [("jax", True, "jaxlib 0.10.2 on h0 is newer than JAX 0.10.1: JAX does not "
+                   "import"),
+                  ("jax", True, "jaxlib 0.10.2 on h1 is newer than JAX 0.10.1")],
+                 id="jaxlib newer than JAX"),
+    pytest.param([on_jax(jaxlib="0.9.0"), on_jax(jaxlib="0.9.0")],
+                 [("jax", True, "jaxlib 0.9.0 on h0 is older than JAX 0.10.2 imports with "
+                   "(>= 0.10.1)"), ("jax", True, "jaxlib 0.9.0 on h1 is older")],
+                 id="jaxlib older than JAX's minimum"),
+    pytest.param([on_jax(jaxlib=None), on_jax()],
+                 [("jax", True, "jaxlib is not installed on h0: JAX 0.10.2 does not import")],
+                 id="no jaxlib"),
+    pytest.param([on_jax(keras="2.15.0"), on_jax(keras=None)],
+                 [("keras", True, "Keras on h0 is 2.15.0, not Keras 3"),
+                  ("keras", True, "Keras on h1 is not installed")], id="no Keras 3"),
+    pytest.param([on_jax(nvidia=A100, devices=ON_CPU), on_jax(nvidia=A100, devices=A100_ON_GPU,
+                                                              plugin="0.10.2")],
+                 [("gpu", False, "JAX on h0 sees none of its 1 GPU(s) (NVIDIA A100-SXM4-40GB): "
+                   "JAX is installed without CUDA (the CPU wheel, no jax-cuda12-plugin): its "
+                   "tasks would train on the CPU, with gloo's collectives")],
+                 id="JAX's CPU wheel on a GPU host"),
+    pytest.param([on_jax(nvidia=A100, plugin="0.10.1"), on_jax(nvidia=A100, plugin="0.10.2")],
+                 [("gpu", False, "JAX on h0 would see none of its 1 GPU(s) (NVIDIA A100-SXM4-40GB)"
+                   ": its jax-cuda12-plugin 0.10.1 is not jaxlib's version (0.10.2), so JAX does "
+                   "not load it")], id="a CUDA plugin of another release, devices not listed"),
+    pytest.param([on_jax(nvidia=A100, devices=A100_ON_GPU, plugin="0.10.2")] * 2, [],
+                 id="GPU hosts: no job.collectives rule on JAX"),
+    pytest.param([on_jax(nvidia=A100, error="JAX did not list its devices within 60 s",
+                         plugin="0.10.2"), on_jax()],
+                 [("jax", False, "JAX did not list its devices on h0: JAX did not list its "
+                   "devices within 60 s"),
+                  ("gpu", False, "h1 has no GPU while h0 do")], id="devices not listed in time"),
+    pytest.param([facts(), facts()], [], id="JAX not reported: nothing guessed"),
+])
+def test_on_jax_every_host_has_one_jax_a_jaxlib_it_imports_with_and_keras_3(
+        answers: list[dict[str, Any]], expected: list[tuple[str, bool, str]]) -> None:
+    found = problems_for(*answers, job=JAX)
+    assert len(found) == len(expected), found
+    for (check, blocking, message), want in zip(found, expected, strict=True):
+        assert (check, blocking) == want[:2] and message.startswith(want[2]), message
+
+
+def test_a_tensorflow_job_keeps_its_tensorflow_rules_on_hosts_with_jax() -> None:
+    assert problems_for(on_jax(), on_jax(), job="{module: m}") == [
+        ("tensorflow", True, "TensorFlow is not installed for python3 on h0 (No module)"),
+        ("tensorflow", True, "TensorFlow is not installed for python3 on h1 (No module)")]
+
+
+def fixes_for(*answers: dict[str, Any]) -> list[str]:
+    return [p.fix for p in jax_problems([f"10.0.0.{i + 1}" for i in range(len(answers))],
+                                        list(answers))]
+
+
+def test_the_jax_fixes_name_what_to_install_in_which_version() -> None:
+    assert fixes_for(on_jax(jax=None, jaxlib=None, keras=None), on_jax()) == [
+        "install it there: python3 -m pip install 'jax==0.10.2' 'keras>=3.15,<4' (or, from "
+        "this project's checkout on the host: pip install -e '.[jax]')"]
+    assert fixes_for(on_jax(jax=None, jaxlib=None)) == [
+        "install it there: python3 -m pip install 'jax>=0.10,<0.11' (or, from this project's "
+        "checkout on the host: pip install -e '.[jax]')"]
+    assert fixes_for(on_jax(), on_jax(), on_jax(jax="0.10.1", jaxlib="0.10.1", plugin="0.10.1")
+                     ) == ["install jax 0.10.2 and jaxlib 0.10.2 on h2 (python3 -m pip install "
+                           "'jax==0.10.2' 'jaxlib==0.10.2' 'jax-cuda12-plugin==0.10.2'), or build "
+                           "the hosts from one image"]
+    assert fixes_for(on_jax(jaxlib="0.9.0"), on_jax(jax="0.10.1", jaxlib="0.10.2",
+                                                    plugin="0.10.2")) == [
+        "install a JAX and jaxlib that match there: python3 -m pip install 'jax==0.10.2' "
+        "'jaxlib==0.10.2'",  # with no host's pair to follow, jaxlib in JAX's version
+        "install a JAX and jaxlib that match there: python3 -m pip install 'jax==0.10.1' "
+        "'jaxlib==0.10.1' 'jax-cuda12-plugin==0.10.1'"]
+    assert fixes_for(on_jax(jaxlib="0.9.0"), on_jax(jax="0.10.1", jaxlib="0.10.1")) == [
+        "install a JAX and jaxlib that match there: python3 -m pip install 'jax==0.10.1' "
+        "'jaxlib==0.10.1'"]  # the pair of a host whose JAX imports, not its own version
+    assert fixes_for(on_jax(nvidia=A100, devices=ON_CPU)) == [
+        "install JAX with CUDA there: python3 -m pip install 'jax[cuda12]==0.10.2'"]
+    assert fixes_for(on_jax(nvidia=T4, devices=ON_CPU)) == [
+        "upgrade the NVIDIA driver on h0 (it supports CUDA up to 11.4; JAX's CUDA wheels need "
+        "12 or newer), then install JAX with CUDA there: python3 -m pip install "
+        "'jax[cuda12]==0.10.2'"]
+
+
+def test_on_jax_two_tasks_on_one_gpu_machine_are_blocking() -> None:
+    spec = parse(f"name: c\nworkers: 2\njob: {JAX}\n")
+    hosts = [Host(f"h0-{t}", "10.0.0.1", "/r", ssh=SSHEndpoint("10.0.0.1", "ml")) for t in (0, 1)]
+    plan = planning.build(spec, hosts, run_id="r", python="python3", local_workdir="/w")
+    check = HostCheck("h0-0", "10.0.0.1", tuple(t.key for t in plan.tasks), "python3", True,
+                      facts=on_jax(nvidia=A100, devices=A100_ON_GPU, plugin="0.10.2"))
+    (problem,) = diagnose(spec, plan, [check], [])
+    assert (problem.check, problem.blocking) == ("gpu", True)
+    assert problem.message == ("h0-0 runs 2 tasks and each uses all 1 of its GPUs: with "
+                               "job.backend: jax the GPUs all-reduce with NCCL, which refuses two "
+                               "ranks on one GPU ('Duplicate GPU detected')")
+
+
+def test_the_doctor_shows_what_jax_sees_and_its_collectives_on_each_host() -> None:
+    spec = parse(f"name: c\nworkers: 2\njob: {JAX}\n")
+    hosts = [Host(f"h{i}", f"10.0.0.{i + 1}", "/r", ssh=SSHEndpoint(f"10.0.0.{i + 1}", "ml"))
+             for i in range(2)]
+    plan = planning.build(spec, hosts, run_id="r", python="python3", local_workdir="/w")
+    answers = [on_jax(nvidia=A100, devices=A100_ON_GPU, plugin="0.10.2"), on_jax()]
+    checks = [HostCheck(h.name, h.address, (t.key,), "python3", True, facts=a)
+              for h, t, a in zip(hosts, plan.tasks, answers, strict=True)]
+    report = DoctorReport("c", "static", tuple(checks), (), tuple(diagnose(spec, plan, checks, [])),
+                          0.0, spec.job.backend)
+    console = Console(record=True, width=200, color_system=None)
+    render_doctor(console, report)
+    text = console.export_text()
+    assert text.count("python 3.11.7 (python3), jax 0.10.2 (jaxlib 0.10.2), keras 3.15.1") == 2
+    assert "driver 570.124.06, CUDA 12.8; JAX sees 1, collectives NCCL" in text
+    assert "tasks train on the CPU, collectives gloo" in text
+    assert "tensorflow" not in text
+    assert doctor_line(report).startswith("doctor: 2 machine(s) ok in 0.0s: python 3.11.7, jax "
+                                          "0.10.2, keras 3.15.1, 1 GPU(s)")
+
+
+def preflight_json(*args: str, path: str | None = None) -> dict[str, Any]:
+    """What the real preflight prints here, with ``path`` first on PATH."""
+    env = {**os.environ, "PATH": f"{path}:{os.environ['PATH']}" if path else os.environ["PATH"]}
+    proc = subprocess.run([sys.executable, "-m", "worker", "preflight", "--dir", str(REPO),
+                           "--import-tensorflow", "never", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    report: dict[str, Any] = json.loads(proc.stdout)
+    return report
+
+
+def test_preflight_reports_jax_jaxlib_and_keras_from_what_is_installed() -> None:
+    from jax import version  # this test's own reading; the preflight imports nothing of JAX
+
+    report = preflight_json()
+    assert report["jax"] == {"version": importlib.metadata.version("jax"),
+                             "jaxlib_version": importlib.metadata.version("jaxlib"),
+                             "minimum_jaxlib": version._minimum_jaxlib_version,
+                             "cuda_plugin": None, "devices": None, "error": None}
+    assert report["keras"] == {"version": importlib.metadata.version("keras")}
+    assert report["keras"]["version"].startswith("3.")
+
+
+def test_preflight_lists_the_devices_jax_sees_in_a_child_process() -> None:
+    import jax
+
+    report = preflight_json("--import-jax", "always")
+    assert report["jax"]["devices"] == {"backend": "cpu", "count": jax.device_count(),
+                                        "kinds": ["cpu"]}
+    assert report["jax"]["error"] is None
+
+
+@pytest.mark.parametrize(("child", "error"), [
+    pytest.param("import time; time.sleep(30)", "JAX did not list its devices within 0.5 s",
+                 id="a hung CUDA start is cut at the deadline"),
+    pytest.param("raise RuntimeError('Unable to initialize backend cuda')",
+                 "RuntimeError: Unable to initialize backend cuda", id="JAX's own error line"),
+])
+def test_the_jax_listing_is_bounded_and_says_why_it_failed(
+        monkeypatch: pytest.MonkeyPatch, child: str, error: str) -> None:
+    monkeypatch.setattr(preflight, "JAX_DEVICES", child)
+    monkeypatch.setattr(preflight, "JAX_DEVICES_LIMIT_S", 0.5)
+    facts = preflight.jax_facts(list_devices=True)
+    assert (facts["version"], facts["devices"], facts["error"]) == (
+        importlib.metadata.version("jax"), None, error)
+
+
+def test_on_a_gpu_host_with_jaxs_cpu_wheel_the_doctor_warns_from_the_real_preflight(
+        tmp_path: Path) -> None:
+    """This machine's JAX is the CPU wheel; a stand-in nvidia-smi lists two H100s: "auto"
+    lists JAX's devices, which are the CPU, and the doctor says so with the fix."""
+    (tmp_path / "nvidia-smi").write_text(NVIDIA_SMI)
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    assert preflight_json("--import-jax", "auto")["jax"]["devices"] is None  # no GPU here
+    report = preflight_json("--import-jax", "auto", path=str(tmp_path))
+    assert report["jax"]["devices"]["backend"] == "cpu"
+    (problem,) = jax_problems(["10.0.0.1"], [report])
+    assert (problem.check, problem.blocking) == ("gpu", False)
+    assert problem.message.startswith("JAX on h0 sees none of its 2 GPU(s) (NVIDIA H100 80GB "
+                                      "HBM3): JAX is installed without CUDA")
+    assert problem.fix == ("install JAX with CUDA there: python3 -m pip install "
+                           f"'jax[cuda12]=={importlib.metadata.version('jax')}'")

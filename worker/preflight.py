@@ -1,16 +1,17 @@
 """`python -m worker preflight`: what this host offers a task, printed as one JSON line.
 
-Python and TensorFlow versions, the GPUs (nvidia-smi where present, and TensorFlow's own
-view), free disk where checkpoints go, what this host's name resolves to, whether the tasks'
-ports are free, and whether this host can open a TCP connection to every other host's task
-port while it listens on its own.
+Python and TensorFlow versions, JAX's, jaxlib's and Keras's, the GPUs (nvidia-smi where
+present, and TensorFlow's or JAX's own view), free disk where checkpoints go, what this host's
+name resolves to, whether the tasks' ports are free, and whether this host can open a TCP
+connection to every other host's task port while it listens on its own.
 With ``--write-check DIR`` it also creates DIR and writes (then deletes) a file there, or
 for a gs:// URL does the same through TensorFlow's ``tf.io.gfile``, under a deadline; with
 ``--marker`` it leaves a file there that the controller then reads from the other hosts
 (``--read-marker``, ``--remove-marker``: small modes of their own).
-Only the standard library is needed; TensorFlow is imported when asked, in a thread that
-overlaps the network checks. The controller also runs this file as ``python -c SOURCE``,
-so it imports nothing from the ``worker`` package.
+Only the standard library is needed; TensorFlow is imported when asked, while threads do the
+network checks; JAX, when asked, in a child process under a deadline (a hung CUDA start is
+killed there, and nothing of it stays in this process). The controller also runs this file
+as ``python -c SOURCE``, so it imports nothing from the ``worker`` package.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ GCS_CODE_RE = re.compile(r"HTTP response code (\d+)")
 GCS_MESSAGE_RE = re.compile(r'"message":\s*("(?:[^"\\]|\\.)*")')
 STORAGE_CHECK_S = 20.0  # a storage write that takes longer is reported as failed
 IMPORT_LIMIT_S = 120.0  # the longest wait for TensorFlow's import before a gs:// check
+JAX_DEVICES_LIMIT_S = 60.0  # the longest a child process may take to import JAX and list devices
+# Run by a child process: the devices JAX would train on, as one JSON line.
+JAX_DEVICES = """\
+import json
+import jax
+devices = jax.devices()
+print(json.dumps({"backend": jax.default_backend(), "count": len(devices),
+                  "kinds": sorted({str(d.device_kind) for d in devices})}))
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,15 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     for thread in threads:
         thread.start()
     nvidia = nvidia_facts()
-    do_import = args.import_tensorflow == "always" or (
-        args.import_tensorflow == "auto" and bool(nvidia["gpus"]))
+    has_gpus = bool(nvidia["gpus"])
     hostname = socket.gethostname()
     report: dict[str, Any] = {
         "hostname": hostname,
         "hostname_lookup": hostname_facts(hostname),
         "python": {"version": platform.python_version(), "executable": sys.executable},
-        "tensorflow": tensorflow_facts(do_import),
+        "tensorflow": tensorflow_facts(_asked(args.import_tensorflow, has_gpus)),
         "tf_keras": {"version": installed_version("tf_keras", "tf-keras")},
+        "jax": jax_facts(_asked(args.import_jax, has_gpus)),
+        "keras": {"version": installed_version("keras")},
         "nvidia": nvidia,
         "disk": disk_facts(args.dir),
     }
@@ -118,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--import-tensorflow", choices=("auto", "always", "never"),
                         default="auto", help="import TensorFlow (seconds) to see the GPUs it "
                         "sees: auto = only where nvidia-smi lists GPUs")
+    parser.add_argument("--import-jax", choices=("auto", "always", "never"), default="never",
+                        help="import JAX in a child process (seconds) to list the devices it "
+                        "sees: auto = only where nvidia-smi lists GPUs (the controller asks "
+                        "for a job with job.backend: jax)")
     parser.add_argument("--write-check", metavar="DIR",
                         help="create DIR (a path, ~ expanded, or a gs:// URL) and write and "
                         "delete a file there")
@@ -133,6 +148,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="only print what the file PATH holds (or why it cannot be read)")
     parser.add_argument("--remove-marker", metavar="PATH", help="only delete the file PATH")
     return parser
+
+
+def _asked(mode: str, has_gpus: bool) -> bool:
+    """Whether an ``--import-*`` mode imports here: "auto" only where nvidia-smi lists GPUs."""
+    return mode == "always" or (mode == "auto" and has_gpus)
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -213,6 +233,66 @@ def _tf_gpu(tf: Any, device: Any) -> dict[str, Any]:
     capability = details.get("compute_capability")
     return {"name": str(details.get("device_name", device.name)),
             "compute_capability": ".".join(map(str, capability)) if capability else None}
+
+
+def jax_facts(list_devices: bool) -> dict[str, Any]:
+    """JAX's and jaxlib's versions, the oldest jaxlib this JAX imports with, and the CUDA plugin
+    that gives JAX the GPUs, from what is installed (nothing imported); with ``list_devices``,
+    the devices JAX sees (``devices``: None where not listed)."""
+    version = installed_version("jax")
+    facts: dict[str, Any] = {
+        "version": version, "jaxlib_version": installed_version("jaxlib"),
+        "minimum_jaxlib": _minimum_jaxlib() if version else None,
+        "cuda_plugin": _cuda_plugin(), "devices": None, "error": None,
+    }
+    if version and list_devices:
+        facts.update(_jax_devices())
+    return facts
+
+
+def _minimum_jaxlib() -> str | None:
+    """The oldest jaxlib this JAX imports with (``_minimum_jaxlib_version`` in jax/version.py)."""
+    spec = importlib.util.find_spec("jax")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py")
+                         .read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
+                isinstance(t, ast.Name) and t.id == "_minimum_jaxlib_version"
+                for t in node.targets):
+            return str(node.value.value)
+    return None
+
+
+def _cuda_plugin() -> dict[str, str] | None:
+    """The CUDA plugin JAX would load, in JAX's own order of preference (None: CPU only)."""
+    for module in ("jax_cuda13_plugin", "jax_cuda12_plugin"):
+        version = installed_version(module, module.replace("_", "-"))
+        if version is not None:
+            return {"name": module.replace("_", "-"), "version": version}
+    return None
+
+
+def _jax_devices() -> dict[str, Any]:
+    """The devices JAX sees, from a child process under ``JAX_DEVICES_LIMIT_S``."""
+    try:
+        done = subprocess.run([sys.executable, "-c", JAX_DEVICES], capture_output=True,
+                              text=True, timeout=JAX_DEVICES_LIMIT_S,  # no GPU memory
+                              env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    except subprocess.TimeoutExpired:
+        return {"error": f"JAX did not list its devices within {JAX_DEVICES_LIMIT_S:g} s"}
+    except OSError as exc:
+        return {"error": f"JAX could not be started: {_os_error(exc)}"}
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    if done.returncode != 0 or not last.startswith("{"):
+        said = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        return {"error": said[-1].strip() if said else f"exit {done.returncode}"}
+    devices: dict[str, Any] = json.loads(last)
+    return {"devices": devices}
 
 
 # -- network identity ----------------------------------------------------------------------
