@@ -93,15 +93,18 @@ def test_up_reaches_each_vm_with_its_published_host_key_and_a_second_up_attaches
 
 
 @pytest.mark.tf
+@pytest.mark.parametrize("job", [{"module": "examples.digits"},
+                                 {"module": "examples.keras3_digits", "backend": "jax"}],
+                         ids=["tf_keras", "jax"])
 def test_up_train_preempt_recover_down(hostlab: HostLab, lab_hosts: list[LabHost],
                                        fake: FakeCompute, tmp_path: Path,
-                                       orchestrate_home: Path) -> None:
+                                       orchestrate_home: Path, job: dict[str, str]) -> None:
     """A spot VM preempted mid-training: its guest shuts down (SIGTERM to the task, as the ACPI
     soft off makes systemd do), every task saves at the step they agree on and stops, the VM is
-    started again and the next attempt resumes at exactly that step: no step is redone."""
+    started again and the next attempt resumes at exactly that step: no step is redone. On
+    TensorFlow (tf_keras) and on JAX (the Keras 3 module, JAX's preemption service)."""
     path = write_spec(tmp_path, hostlab,
-                      job={"module": "examples.digits", "epochs": 2, "steps_per_epoch": 40,
-                           "progress_every_steps": 1},
+                      job={**job, "epochs": 2, "steps_per_epoch": 40, "progress_every_steps": 1},
                       checkpoint={"every_steps": 10},
                       retry={"max_restarts": 2, "backoff_initial_s": 0.5, "backoff_max_s": 2},
                       timeouts={"stop_grace_s": 20})
