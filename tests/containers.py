@@ -3,13 +3,16 @@
 Public registries cannot be reached on the CI machines, so the base is made here: a Debian
 root file system from mmdebstrap (Debian's packages: python3, pip), ``podman import``-ed as
 ``localhost/orchestrate-test-base:bookworm``; the Dockerfile then pip-installs the worker's
-requirements from PyPI through the host's network (``podman build --network host``).
+requirements from PyPI through the host's network (``podman build --network host``). It is
+the JAX variant (``--build-arg JAX=1``: the `jax` extra too), so the same image runs TensorFlow
+jobs and ``job.backend: jax`` jobs.
 
 The image is tagged ``localhost/orchestrate-worker:test-<hash>``, the hash covering
-docker/Dockerfile, docker/requirements-worker.txt, .dockerignore, the worker/ sources (built
-from a snapshot of them, so the tag names what was built) and the base image's id: a rerun with
-the same sources finds the image and builds nothing (under a second), and a change to worker/
-only rebuilds the last layers (about 10 s: podman's layer cache keeps the pip layer).
+docker/Dockerfile, its two requirements files, .dockerignore, the worker/ sources (built
+from a snapshot of them, so the tag names what was built), the build arguments and the base
+image's id: a rerun with the same sources finds the image and builds nothing (under a second),
+and a change to worker/ only rebuilds the last layers (about 10 s: podman's layer cache keeps
+the pip layers).
 A file lock keeps two pytest processes (or checkouts) from building at once; each build's
 output goes to $ORCHESTRATE_TEST_IMAGES (default /tmp/orchestrate-test-images)/build-*.log.
 
@@ -21,7 +24,8 @@ Use::
     image = worker_image()        # waits for the build (started at collection, see conftest)
 
 A cold build makes the base (mmdebstrap, about 30 s) and downloads TensorFlow (a 572 MB
-wheel) and the rest from PyPI: about 2 minutes in all on the CI machine, for a 2.6 GB image.
+wheel), jaxlib (85 MB) and the rest from PyPI: about 2 to 3 minutes in all on the CI machine,
+for a 3 GB image (JAX adds about 20 to 50 s and 400 MB; docker/README.md has the figures).
 Tests that wait for it need ``@pytest.mark.timeout(IMAGE_TIMEOUT_S)`` (pytest-timeout counts
 fixture set-up).
 """
@@ -46,11 +50,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 REQUIREMENTS = REPO / "docker" / "requirements-worker.txt"
+REQUIREMENTS_JAX = REPO / "docker" / "requirements-jax.txt"
 IGNORE_FILE = REPO / ".dockerignore"
 
 BASE_IMAGE = "localhost/orchestrate-test-base:bookworm"
 BASE_PACKAGES = "python3,python3-pip,python3-venv,ca-certificates"
 IMAGE_NAME = "localhost/orchestrate-worker"
+BUILD_ARGS = {"JAX": "1"}  # the JAX variant: tests/test_container_e2e.py runs a JAX job in it
 TEST_TAG_PREFIX = "test-"
 # runc: crun fails on the CI machines (cgroups in hybrid mode). Their containers.conf also sets
 # `default_ulimits = []` (.ci/run writes it when there is none).
@@ -107,14 +113,15 @@ def image_tag(root: Path = REPO) -> str:
     digest = hashlib.sha256()
     for path in _context_files(root):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update("".join(f"{k}={v}\0" for k, v in sorted(BUILD_ARGS.items())).encode())
     digest.update(f"base={BASE_IMAGE}@{_image_id(BASE_IMAGE) or 'to-build'}".encode())
     return f"{IMAGE_NAME}:{TEST_TAG_PREFIX}{digest.hexdigest()[:16]}"
 
 
 def _context_files(root: Path) -> list[Path]:
     """What the build reads: the Dockerfile, its requirements, .dockerignore and worker/."""
-    files = [root / DOCKERFILE.relative_to(REPO), root / REQUIREMENTS.relative_to(REPO),
-             root / IGNORE_FILE.relative_to(REPO)]
+    files = [root / p.relative_to(REPO)
+             for p in (DOCKERFILE, REQUIREMENTS, REQUIREMENTS_JAX, IGNORE_FILE)]
     return [*files, *sorted(p for p in (root / "worker").rglob("*") if p.is_file() and
                             "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"))]
 
@@ -211,6 +218,7 @@ def _ensure_image(build: _Build) -> str:
             *PODMAN, "build", "--network", "host", "--pull=never",
             "--file", str(context / DOCKERFILE.relative_to(REPO)), "--tag", tag,
             "--build-arg", f"BASE={BASE_IMAGE}",
+            *(word for k, v in BUILD_ARGS.items() for word in ("--build-arg", f"{k}={v}")),
             "--label", "org.orchestrate.test-image=1",
             *_host_ca_mount(),
             str(context),

@@ -1,8 +1,9 @@
 """Tasks in containers, driven the way a user drives them: the worker image built from
-docker/Dockerfile (tests/containers.py), real podman containers with the host's network,
-TensorFlow's gRPC RING collectives between containers, on 2 local tasks and on sshd hosts in
-network namespaces logged into as an unprivileged user (a podman service per host, its socket
-given to that user as docker's is to the docker group)."""
+docker/Dockerfile (tests/containers.py, its JAX variant), real podman containers with the host's
+network, TensorFlow's gRPC RING collectives (and, for a JAX job, JAX's distributed service and
+gloo) between containers, on 2 local tasks and on sshd hosts in network namespaces logged into
+as an unprivileged user (a podman service per host, its socket given to that user as docker's
+is to the docker group)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ pytestmark = [pytest.mark.tf, pytest.mark.container,
 
 PACED = ("{module: tests.workloads.paced_digits, epochs: 2, steps_per_epoch: 30, "
          "progress_every_steps: 1}")
+JAX_JOB = ("{module: examples.keras3_digits, backend: jax, epochs: 1, steps_per_epoch: 20, "
+           "deterministic: true}")
 
 
 
@@ -54,10 +57,11 @@ def podman_on(host: LabHost | None, *argv: str,
 
 # The local container tests use this machine's own network (`--network host`), which tests
 # on other xdist workers share: each cluster its own port range, which no other test uses.
-LOCAL_PORTS = {"ct-local": 25600, "ct-attach": 25640, "ct-term": 25680}
+LOCAL_PORTS = {"ct-local": 25600, "ct-attach": 25640, "ct-term": 25680, "ct-jax": 25720}
 
 
-def local_spec(tmp_path: Path, name: str, image: str, *, pace: str = "0.05") -> Path:
+def local_spec(tmp_path: Path, name: str, image: str, *, pace: str = "0.05",
+               job: str = PACED) -> Path:
     path = tmp_path / f"{name}.yaml"
     start = LOCAL_PORTS[name]
     path.write_text(textwrap.dedent(f"""\
@@ -65,7 +69,7 @@ def local_spec(tmp_path: Path, name: str, image: str, *, pace: str = "0.05") -> 
         workdir: {REPO}
         workers: 2
         ports: {{start: {start}, end: {start + 39}}}
-        job: {PACED}
+        job: {job}
         container: {{image: "{image}", runtime: podman, pull: never}}
         checkpoint: {{every_steps: 10}}
         retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
@@ -75,7 +79,7 @@ def local_spec(tmp_path: Path, name: str, image: str, *, pace: str = "0.05") -> 
     return path
 
 
-def kill_container_at(step: int, kill: Callable[[str], None], task: str = "worker:1"
+def kill_container_at(step: int, kill: Callable[[str], object], task: str = "worker:1"
                       ) -> Callable[[RunView, Event | None], None]:
     """A listener that kills ``task``'s container of attempt 1 once it reports ``step``."""
     done: list[int] = []
@@ -111,9 +115,32 @@ def test_two_local_tasks_train_in_containers_and_a_killed_container_resumes(
     cluster.down()
 
 
+def test_a_keras3_module_trains_on_jax_in_two_local_containers_to_one_model(
+        image: str, tmp_path: Path, orchestrate_home: Path) -> None:
+    """``job.backend: jax`` in the image's JAX variant: the managed runtime's processes find
+    each other through JAX's distributed service on the host's network, and end as one model."""
+    cluster = Cluster.from_spec(local_spec(tmp_path, "ct-jax", image, job=JAX_JOB))
+    cluster.up()
+    result = cluster.train().wait()
+    assert result.status == "succeeded" and len(result.attempts) == 1, result.attempts
+    assert len(result.digests) == 2 and len(set(result.digests.values())) == 1
+    for task in result.attempts[0].tasks:
+        assert task.launcher == "podman"
+        events = [json.loads(line.split(" ", 1)[1]) for line in Path(task.log).read_text()
+                  .splitlines() if line.startswith("@orchestrate ")]
+        connected = next(e for e in events if e["event"] == "connected")
+        assert (connected["replicas"], connected["collectives"]) == (2, "gloo"), connected
+        assert connected["jax_version"].startswith("0.10."), connected
+        assert [e["step"] for e in events if e["event"] == "finished"] == [20]
+    assert containers_of("ct-jax") == []
+    cluster.down()
+
+
 def cli(*args: str, **kwargs: object) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)  # type: ignore[call-overload]
+    process: subprocess.Popen[str] = subprocess.Popen(  # type: ignore[call-overload]
+        [sys.executable, "-m", "orchestrator.cli", *args], text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+    return process
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -1,6 +1,7 @@
-"""docker/Dockerfile: its requirements match pyproject's `worker` extra, and the image it builds
-(from the local Debian base, with podman) runs `python3 -m worker preflight` with TensorFlow
-2.21, imports Keras 3 and tf-keras, and holds none of the controller's dependencies."""
+"""docker/Dockerfile: its requirements match pyproject's `worker` and `jax` extras, and the image
+it builds (from the local Debian base, with podman; the JAX variant, --build-arg JAX=1) runs
+`python3 -m worker preflight` with TensorFlow 2.21, imports Keras 3 and tf-keras, runs Keras on
+JAX 0.10, and holds none of the controller's dependencies."""
 
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ def test_requirements_match_the_worker_extra() -> None:
     assert image == extra, ("docker/requirements-worker.txt and pyproject's `worker` extra "
                             f"differ: only in the file {sorted(image - extra)}, only in "
                             f"pyproject {sorted(extra - image)}")
+
+
+def test_jax_requirements_match_the_jax_extra() -> None:
+    image = _requirements((REPO / "docker" / "requirements-jax.txt").read_text().splitlines())
+    extra = _requirements(PYPROJECT["project"]["optional-dependencies"]["jax"])
+    assert image == extra, ("docker/requirements-jax.txt and pyproject's `jax` extra differ: "
+                            f"only in the file {sorted(image - extra)}, only in pyproject "
+                            f"{sorted(extra - image)}")
 
 
 def test_dockerfile_version_label_is_the_project_version() -> None:
@@ -106,6 +115,21 @@ def test_image_has_keras_and_no_controller(image: str) -> None:
 
 @pytest.mark.container
 @pytest.mark.timeout(IMAGE_TIMEOUT_S)
+def test_image_runs_keras_on_jax_0_10_on_cpu(image: str) -> None:
+    probe = ("import jax, keras, worker.runtimes.keras_jax; "
+             "print(jax.__version__, keras.backend.backend(), "
+             "[d.platform for d in jax.devices()], float(jax.numpy.arange(4.0).sum()))")
+    done = _run(image, "python3", "-c", probe,
+                options=("--workdir", "/tmp", "--user", "12345:12345",
+                         "--env", "KERAS_BACKEND=jax", "--env", "HOME=/tmp"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    version, backend, platforms, total = done.stdout.strip().splitlines()[-1].split(" ", 3)
+    assert version.startswith("0.10."), version
+    assert (backend, platforms, total) == ("jax", "['cpu']", "6.0"), done.stdout
+
+
+@pytest.mark.container
+@pytest.mark.timeout(IMAGE_TIMEOUT_S)
 def test_synced_worker_on_pythonpath_shadows_the_image_copy(image: str,
                                                             tmp_path: Path) -> None:
     (tmp_path / "worker").mkdir()
@@ -131,4 +155,5 @@ def test_image_labels(image: str) -> None:
     labels = json.loads(done.stdout)
     assert labels["org.opencontainers.image.title"] == "orchestrate-worker"
     assert labels["org.opencontainers.image.version"] == PYPROJECT["project"]["version"]
+    assert labels["org.opencontainers.image.description"].endswith(", and JAX 0.10 (CPU)")
     assert "org.opencontainers.image.source" in labels
