@@ -125,10 +125,10 @@ class Scaling:
 
     @classmethod
     def of(cls, plan: ClusterPlan, replicas: int | None = None) -> Scaling:
-        n = replicas or len(plan.tasks)
         rule = plan.scaling  # the job runtime's: how batch and learning rate follow replicas
+        n = rule.replicas or replicas or len(plan.tasks)
         return cls(
-            replicas=n, replicas_known=replicas is not None,
+            replicas=n, replicas_known=bool(rule.replicas) or replicas is not None,
             per_replica_batch_size=rule.per_replica_batch_size,
             global_batch_size=rule.global_batch_size(n), learning_rate=rule.learning_rate,
             scaled_learning_rate=rule.scaled_learning_rate(n),

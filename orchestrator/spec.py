@@ -873,8 +873,32 @@ class ManagedJob(GpuJob):
         default=False, description="Op determinism + seeds: a resumed run matches an unbroken one."
     )
     progress_every_steps: int = Field(default=1, ge=1, le=MAX_STEPS)
+    distribution: Literal["data_parallel", "model_parallel"] = Field(
+        default="data_parallel",
+        description="On JAX: data_parallel (every variable on every device, each batch split "
+        "over them: Keras's DataParallel) or model_parallel (variables split over a device "
+        "mesh by the module's layout map: Keras's ModelParallel; needs job.mesh).",
+    )
+    mesh: tuple[int, int] | None = Field(
+        default=None,
+        description="model_parallel's device mesh, [batch, model]: batch x model must be every "
+        "device of every task; each batch is split over the batch axis, the variables the "
+        "layout map names over the model axis.",
+    )
+    layout_map_fn: str = Field(
+        default="layout_map", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="model_parallel: the module's function that takes the "
+        "keras.distribution.DeviceMesh and returns a keras.distribution.LayoutMap.",
+    )
 
     _keras = field_validator("keras", mode="before")(_keras_major)
+
+    @field_validator("mesh")
+    @classmethod
+    def _mesh(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and min(value) < 1:
+            raise ValueError(f"each axis of the mesh is at least 1, received {list(value)}")
+        return value
 
 
 class CommandJob(GpuJob):
@@ -1529,18 +1553,29 @@ def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None
 
 
 def _check_backend(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
-    """``backend: jax`` is Keras 3; a managed job on JAX checkpoints to a path, not a bucket."""
+    """``backend: jax`` is Keras 3; a managed job on JAX checkpoints to a path, not a bucket;
+    model_parallel is JAX's, with a mesh."""
     job = spec.job
-    if job.backend != "jax":
-        return
 
     def refuse(field: str, message: str, fix: str) -> NoReturn:
         raise SpecError(message, file=file, field=field,
                         line=_nearest_line(lines, field.split(".")), fix=fix)
 
+    if job.backend != "jax":
+        if isinstance(job, ManagedJob) and job.distribution == "model_parallel":
+            refuse("job.distribution", "model_parallel is Keras's ModelParallel, which runs on "
+                   "JAX, and job.backend is tensorflow",
+                   "set job.backend: jax (the module's model in Keras 3), or job.distribution: "
+                   "data_parallel")
+        return
     if job.keras == "2":
         refuse("job.keras", "keras: 2 (tf_keras) runs only on TensorFlow, and job.backend is jax",
                "remove job.keras (on JAX it is 3), or set job.backend: tensorflow")
+    if isinstance(job, ManagedJob) and job.distribution == "model_parallel" and not job.mesh:
+        refuse("job.mesh", "job.distribution is model_parallel, which splits the variables over "
+               "a device mesh, and job.mesh is not set",
+               "set job.mesh: [BATCH, MODEL], e.g. [1, 2] to split the layout map's variables "
+               "over 2 devices (BATCH x MODEL must be every device of every task)")
     if isinstance(job, ManagedJob) and spec.checkpoint.dir and is_url(spec.checkpoint.dir):
         refuse("checkpoint.dir", f"checkpoint.dir is {spec.checkpoint.dir}, a bucket: the "
                "managed runtime on JAX writes its checkpoints to a file system only, so far",

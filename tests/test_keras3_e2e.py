@@ -65,7 +65,7 @@ def events_of(log: str) -> list[Event]:
     return [e for e in map(parse_line, Path(log).read_text().splitlines()) if e is not None]
 
 
-def at_step(step: int, act: Callable[[int], None], task: str = "worker:1",
+def at_step(step: int, act: Callable[[int], object], task: str = "worker:1",
             roots: Sequence[str] | None = None) -> Callable[[RunView, Event | None], None]:
     """A listener that calls ``act(pid of task)`` once, when ``task`` of attempt 1 reports
     ``step``, then releases the paced run (the steps after the act need no pacing) under the

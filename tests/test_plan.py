@@ -7,6 +7,7 @@ import json
 import pytest
 
 from orchestrator import plan, spec
+from orchestrator.api import Scaling
 from orchestrator.errors import PlanError, SpecError
 from orchestrator.hosts import Host, SSHEndpoint
 from orchestrator.runtimes import runtime_for
@@ -207,6 +208,10 @@ def test_a_jax_job_gives_every_task_what_keras_distribution_initialize_reads() -
      "runs only on TensorFlow"),
     ("{module: m, backend: jax}\ncheckpoint: {dir: 'gs://ckpt-bucket/runs'}", "checkpoint.dir",
      "writes its checkpoints to a file system only"),
+    ("{module: m, backend: jax, distribution: model_parallel}", "job.mesh",
+     "job.mesh is not set"),
+    ("{module: m, distribution: model_parallel, mesh: [1, 2]}", "job.distribution",
+     "runs on JAX"),
     ("{command: [python, t.py], backend: pytorch}", "job.backend", ""),
 ])
 def test_jax_jobs_that_cannot_run_are_refused_by_their_field(job: str, field: str,
@@ -224,6 +229,21 @@ def test_a_managed_jax_job_runs_the_managed_worker_with_its_backend_and_jax_envi
     assert p.tasks[1].env["KERAS_BACKEND"] == "jax"
     assert p.tasks[1].env["KERAS_DISTRIBUTION_PROCESS_ID"] == "1"
     assert "Keras 3 on JAX" in runtime_for(s.job).describe(s.job).summary
-    # TensorFlow jobs send no backend: the worker's default.
+    # TensorFlow jobs send none of JAX's fields: the worker's defaults.
     tf = build(make_spec(2), local_hosts(2))
-    assert '"backend"' not in tf.tasks[0].argv[-1]
+    assert not {"backend", "distribution", "mesh", "layout_map_fn"} & set(
+        json.loads(tf.tasks[0].argv[-1]))
+
+
+def test_a_model_parallel_job_shows_its_mesh_and_splits_the_batch_over_its_batch_axis() -> None:
+    s = spec.parse("name: demo\nworkers: 4\njob: {module: m, backend: jax, "
+                   "distribution: model_parallel, mesh: [2, 2], per_replica_batch_size: 16}\n")
+    p = build(s, local_hosts(4))
+    job = Job.from_json(p.tasks[0].argv[-1])
+    assert (job.distribution, job.mesh, job.layout_map_fn) == ("model_parallel", (2, 2),
+                                                               "layout_map")
+    summary = runtime_for(s.job).describe(s.job).summary
+    assert "mesh 2 x 2 = 4 device(s), each batch split over 2" in summary
+    assert "m.layout_map(mesh)" in summary
+    scaling = Scaling.of(p)
+    assert (scaling.replicas, scaling.replicas_known, scaling.global_batch_size) == (2, True, 32)

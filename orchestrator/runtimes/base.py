@@ -125,6 +125,7 @@ class BatchScaling:
     per_replica_batch_size: int | None = None
     learning_rate: float | None = None
     scale_learning_rate: bool = False
+    replicas: int | None = None  # fixed by the job itself: a model-parallel mesh's batch axis
 
     def global_batch_size(self, replicas: int) -> int | None:
         per = self.per_replica_batch_size

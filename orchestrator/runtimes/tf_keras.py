@@ -25,6 +25,7 @@ TF_KERAS = MatchingPackage(
     "managed jobs train with tf_keras (Keras 3's fit fails under MultiWorkerMirroredStrategy)")
 
 
+JAX_FIELDS = {"backend", "distribution", "mesh", "layout_map_fn"}
 _KERAS = {"auto": "auto (by the model build_model() returns)", "3": "3 (distributed custom loop)",
           "2": "2 (tf_keras fit)"}
 
@@ -39,8 +40,8 @@ class TfKerasFit(JobRuntime[ManagedJob]):
 
     def argv(self, spec: ClusterSpec, python: str) -> tuple[str, ...]:
         job = self.job_of(spec)
-        # The backend only where it is not TensorFlow: the worker's default.
-        payload = job.model_dump(exclude={"mode"} | ({"backend"} if job.backend == "tensorflow"
+        # JAX's fields only on JAX (on TensorFlow, the worker's defaults).
+        payload = job.model_dump(exclude={"mode"} | (JAX_FIELDS if job.backend == "tensorflow"
                                                      else set()))
         payload["checkpoint_every_steps"] = spec.checkpoint.every_steps
         payload["collective_timeout_s"] = spec.timeouts.collective_s
@@ -56,14 +57,23 @@ class TfKerasFit(JobRuntime[ManagedJob]):
 
     def describe(self, job: ManagedJob) -> JobDescription:
         total = job.epochs * job.steps_per_epoch
-        keras = ("3 on JAX (DataParallel over every device of every task)"
-                 if job.backend == "jax" else _KERAS[job.keras])
+        keras = _KERAS[job.keras]
+        if job.backend == "jax" and job.mesh and job.distribution == "model_parallel":
+            batch, model = job.mesh
+            keras = (f"3 on JAX (ModelParallel: mesh {batch} x {model} = {batch * model} "
+                     f"device(s), each batch split over {batch}, the variables of "
+                     f"{job.module}.{job.layout_map_fn}(mesh) over {model})")
+        elif job.backend == "jax":
+            keras = "3 on JAX (DataParallel over every device of every task)"
         return JobDescription(
             runtime=self.name, settings=job.model_dump(mode="json"), total_steps=total,
             summary=f"managed: {job.module}, {job.epochs} epoch(s) x {job.steps_per_epoch} "
                     f"steps = {total} steps, optimizer {job.optimizer}, Keras {keras}")
 
     def scaling(self, job: ManagedJob) -> BatchScaling:
+        # Model parallel: the batch is split over the mesh's batch axis only.
+        mesh = job.mesh if job.backend == "jax" and job.distribution == "model_parallel" else None
         return BatchScaling(per_replica_batch_size=job.per_replica_batch_size,
                             learning_rate=job.learning_rate,
-                            scale_learning_rate=job.scale_learning_rate)
+                            scale_learning_rate=job.scale_learning_rate,
+                            replicas=mesh[0] if mesh else None)

@@ -35,6 +35,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,16 +162,18 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
         from keras.src.backend.jax.distribution_lib import initialize_rng
 
         initialize_rng()
-    keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False))
     module = importlib.import_module(job.module)
+    distribution = _distribution(jax, keras, job, module)
+    keras.distribution.set_distribution(distribution)
     model = getattr(module, job.model_fn)()
     _check_model(keras, model)
-    replicas = jax.device_count()
+    # The replicas in sync: every device, or model parallel's batch axis.
+    replicas = job.mesh[0] if job.mesh and job.distribution == "model_parallel" \
+        else jax.device_count()
     global_batch = job.per_replica_batch_size * replicas
     lr = job.learning_rate * (replicas if job.scale_learning_rate else 1)
     made = getattr(module, job.dataset_fn)(global_batch_size=global_batch, seed=job.seed)
-    batches = Batches.of(made, global_batch, processes, job)
+    batches = Batches.of(made, global_batch, _local_rows(distribution, global_batch), job)
     model.compile(
         optimizer=keras.optimizers.get({"class_name": job.optimizer,
                                         "config": {"learning_rate": lr}}),
@@ -195,6 +198,45 @@ def _reporter(training: JaxTraining) -> Any:
     return Reporter()
 
 
+def _distribution(jax: Any, keras: Any, job: Job, module: Any) -> Any:
+    """Keras's DataParallel over every device, or its ModelParallel over ``job.mesh`` with the
+    module's layout map; a BuildError where the mesh or the layout map cannot be."""
+    if job.distribution != "model_parallel" or not job.mesh:
+        return keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
+    batch, model = job.mesh
+    if batch * model != jax.device_count():
+        raise BuildError(
+            f"job.mesh is [{batch}, {model}], {batch * model} device(s), and the tasks have "
+            f"{jax.device_count()} ({jax.local_device_count()} in this one): set job.mesh so "
+            "that BATCH x MODEL is every device of every task")
+    make = getattr(module, job.layout_map_fn, None)
+    if not callable(make):
+        raise BuildError(
+            f"{job.module} has no function {job.layout_map_fn}(): job.distribution is "
+            "model_parallel, which needs one that takes the keras.distribution.DeviceMesh and "
+            "returns a keras.distribution.LayoutMap (or set job.layout_map_fn to its name)")
+    mesh = keras.distribution.DeviceMesh(shape=(batch, model), axis_names=("batch", "model"),
+                                         devices=jax.devices())
+    layout_map = make(mesh)
+    if not isinstance(layout_map, keras.distribution.LayoutMap):
+        raise BuildError(
+            f"{job.layout_map_fn}() returned {type(layout_map).__module__}."
+            f"{type(layout_map).__qualname__}: return a keras.distribution.LayoutMap of the "
+            "mesh it is given, e.g. layout_map['dense.*kernel'] = (None, 'model')")
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch",
+                                            auto_shard_dataset=False)
+
+
+def _local_rows(distribution: Any, global_batch: int) -> tuple[int, int]:
+    """The rows of every global batch that this process's devices hold (from, to): its part
+    of the batch axis (all of them where the batch axis is 1, as in a model-only mesh)."""
+    sharding = distribution.get_data_layout((global_batch,)).backend_layout
+    spans = [index[0] for index in sharding.addressable_devices_indices_map(
+        (global_batch,)).values()]
+    return (min(s.start or 0 for s in spans),
+            max(global_batch if s.stop is None else s.stop for s in spans))
+
+
 def _check_model(keras: Any, model: Any) -> None:
     received = f"{type(model).__module__}.{type(model).__qualname__}"
     if not isinstance(model, keras.Model):
@@ -214,23 +256,22 @@ class Batches:
 
     The examples are shuffled once per pass (a seeded permutation of pass ``k``), cut into
     global batches (the remainder dropped), and pass after pass follow: the examples of global
-    step ``s`` depend on the seed and ``s`` only. Process ``p`` of ``n`` takes the ``p``-th of
-    ``n`` equal parts of each global batch, which is where JAX puts its rows in the global array.
+    step ``s`` depend on the seed and ``s`` only. A process takes the rows of each global batch
+    that its devices hold in the global array (``_local_rows``).
     """
 
-    def __init__(self, features: Any, labels: Any, global_batch: int, processes: Processes,
+    def __init__(self, features: Any, labels: Any, global_batch: int, rows: tuple[int, int],
                  seed: int) -> None:
         import numpy as np
 
         self.np, self.features, self.labels = np, features, labels
         self.global_batch, self.seed = global_batch, seed
-        self.local = global_batch // processes.count
-        self.offset = processes.index * self.local
+        self.offset, self.local = rows[0], rows[1] - rows[0]
         self.per_pass = len(features) // global_batch
         self._pass: tuple[int, Any] | None = None
 
     @classmethod
-    def of(cls, made: Any, global_batch: int, processes: Processes, job: Job) -> Batches:
+    def of(cls, made: Any, global_batch: int, rows: tuple[int, int], job: Job) -> Batches:
         import numpy as np
 
         if not (isinstance(made, tuple) and len(made) == 2
@@ -249,7 +290,7 @@ class Batches:
                 f"{job.dataset_fn}() returned {len(features)} examples, fewer than one global "
                 f"batch of {global_batch}: lower job.per_replica_batch_size or give more data")
         seed = 0 if job.seed is None else job.seed
-        return cls(features, labels, global_batch, processes, seed)
+        return cls(features, labels, global_batch, rows, seed)
 
     def local_batch(self, step: int) -> tuple[Any, Any]:
         """This process's part of global step ``step`` (counted from 0)."""
@@ -310,8 +351,9 @@ class JaxTraining:
             directory = tempfile.mkdtemp(prefix="orchestrate-ckpt-")
         name = f"ckpt-{self.step}"
         path = os.path.join(directory, name)
-        self.model.save_weights(path + WEIGHTS)
-        state: dict[str, Any] = {v.path: np.asarray(v.value)
+        with _gathering():
+            self.model.save_weights(path + WEIGHTS)
+        state: dict[str, Any] = {v.path: to_host(v.value)
                                  for v in self.model.non_trainable_variables}
         state[STEP_KEY] = np.asarray(self.step)
         with open(path + STATE + ".tmp", "wb") as f:
@@ -332,21 +374,24 @@ class JaxTraining:
         if self.processes.chief:
             os.makedirs(model_dir, exist_ok=True)
             path = os.path.join(model_dir, "model.keras")
-            self.model.save(path)
+            with _gathering():
+                self.model.save(path)
             return path
         scratch = tempfile.mkdtemp(prefix="orchestrate-model-")
         try:
-            self.model.save(os.path.join(scratch, "model.keras"))
+            with _gathering():
+                self.model.save(os.path.join(scratch, "model.keras"))
         finally:
             _remove_tree(scratch)
         return ""
 
     def weights_digest(self) -> str:
+        """Of every weight, whole (gathered from every process where it is split: a collective)."""
         import hashlib
 
         digest = hashlib.sha256()
-        for weight in self.model.get_weights():
-            digest.update(weight.tobytes())
+        for weight in self.model.weights:
+            digest.update(to_host(weight.value).tobytes())
         return digest.hexdigest()
 
     # -- training ----------------------------------------------------------------------------
@@ -448,6 +493,48 @@ class JaxTraining:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(STOPPED_EXIT)
+
+
+def to_host(value: Any) -> Any:
+    """A JAX array as a NumPy array, whole: one split over other processes' devices (a
+    model-parallel variable) is gathered from every process, a collective that every process
+    must make at the same point; a replicated one is read here."""
+    import jax
+    import numpy as np
+
+    if isinstance(value, jax.Array) and not value.is_fully_addressable \
+            and not value.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
+
+
+@contextlib.contextmanager
+def _gathering() -> Iterator[None]:
+    """Keras's saving reads each variable with ``backend.convert_to_numpy`` (the layers') or
+    ``Variable.numpy`` (the optimizer's), which cannot read an array split over other
+    processes' devices (Keras 3.15: "Fetching value for jax.Array that spans non-addressable
+    devices is not possible"); while saving, those are gathered (``to_host``). Every process
+    saves, in the same order, so the gathers meet."""
+    from keras.src import backend
+    from keras.src.backend.common.variables import Variable
+
+    convert, numpy = backend.convert_to_numpy, Variable.numpy
+
+    def gathered(x: Any) -> Any:
+        value = getattr(x, "value", x)
+        if not isinstance(x, str) and hasattr(value, "is_fully_addressable"):
+            return to_host(value)
+        return convert(x)
+
+    backend.convert_to_numpy = gathered
+    Variable.numpy = lambda self: to_host(self.value)
+    try:
+        yield
+    finally:
+        backend.convert_to_numpy = convert
+        Variable.numpy = numpy
 
 
 def _remove_tree(path: str) -> None:

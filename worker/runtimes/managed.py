@@ -68,6 +68,9 @@ class Job:
     collectives: str = "ring"  # "ring", "nccl", or "auto" (the controller had no GPU count)
     gpu_memory_growth: bool = True
     backend: str = "tensorflow"  # or "jax": Keras 3 on JAX (``keras_jax.py``), no TensorFlow
+    distribution: str = "data_parallel"  # or "model_parallel" (JAX only)
+    mesh: tuple[int, int] | None = None  # model_parallel's [batch, model]
+    layout_map_fn: str = "layout_map"  # model_parallel: the module's LayoutMap of a DeviceMesh
 
     @classmethod
     def from_json(cls, text: str) -> Job:
@@ -75,8 +78,10 @@ class Job:
         unknown = set(payload) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown job field(s): {', '.join(sorted(unknown))}")
+        mesh = payload.get("mesh")
         return cls(**{**payload, "keras": str(payload["keras"]),
-                      "metrics": tuple(payload["metrics"])})
+                      "metrics": tuple(payload["metrics"]),
+                      "mesh": None if mesh is None else tuple(mesh)})
 
     @property
     def total_steps(self) -> int:
