@@ -12,7 +12,8 @@ jax 0.10.2 and keras 3.15 (the facts are in issue 30), and how this runtime does
   every device and must agree), then Keras's DataParallel over every device of every process.
 - Each process feeds its own part of every global batch (``Batches``): which examples make up
   global step ``s`` is a function of the seed and ``s`` alone, so a resumed run reads what an
-  unbroken one reads.
+  unbroken one reads. With ``distribution: model_parallel``, Keras's ModelParallel over the
+  spec's mesh and the module's layout map instead; a split variable is gathered to be saved.
 - Saving is a collective: every process saves, only the chief's copy is kept (the others write
   to a scratch directory). Checkpoints are Keras's own ``.weights.h5`` (model and optimizer),
   plus ``.state.npz`` (the step, and the non-trainable variables ``.weights.h5`` leaves out:
@@ -305,7 +306,7 @@ class Batches:
 
 
 class JaxTraining:
-    """The compiled model, trained step by step with ``train_on_batch`` on global batches."""
+    """The compiled model, trained with ``fit`` on global batches, and its checkpoints."""
 
     def __init__(self, jax: Any, keras: Any, job: Job, model: Any, batches: Batches,
                  processes: Processes) -> None:
