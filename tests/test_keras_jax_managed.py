@@ -260,25 +260,25 @@ def test_on_three_ssh_hosts_as_a_plain_user_a_killed_process_resumes_from_the_co
 
 MODEL_PARALLEL = ("{module: tests.workloads.model_parallel_digits, backend: jax, epochs: 2, "
                   "steps_per_epoch: 40, progress_every_steps: 1, deterministic: true, "
-                  "scale_learning_rate: false, distribution: model_parallel, mesh: [1, 2], "
+                  "learning_rate: 0.002, distribution: model_parallel, mesh: [1, 2], "
                   "per_replica_batch_size: %d}")
 
 
 def test_model_parallel_splits_the_variables_over_both_processes_and_resumes_bit_identical(
-        tmp_path: Path, orchestrate_home: Path) -> None:
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
     """Mesh [1, 2] over 2 processes of 1 device each: every Dense kernel is split between the
     processes, each process feeds the whole global batch (the batch axis is 1). It trains as
-    data parallelism does at the same global batch, and a process killed mid-run resumes from
-    the chief's checkpoint (the split variables gathered to save) to the same weights."""
-    unbroken = train(local_spec(tmp_path, "jax-mp", MODEL_PARALLEL, batch=64))
-    assert unbroken.status == "succeeded" and len(unbroken.attempts) == 1
-    events = events_of(unbroken.attempts[0].tasks[0].log)
+    data parallelism does at the same global batch and learning rate (the module's unbroken
+    run: 2 replicas of 32, 0.001 x 2), and a process killed mid-run resumes from the chief's
+    checkpoint (the split variables gathered to save) to the same weights."""
+    whole = train(local_spec(tmp_path, "jax-mp", MODEL_PARALLEL, batch=64))
+    assert whole.status == "succeeded" and len(whole.attempts) == 1
+    events = events_of(whole.attempts[0].tasks[0].log)
     built = next(e for e in events if e.kind == "built")
     assert built.get("replicas") == 1 and built.get("global_batch_size") == 64
-    data_parallel = JOB.replace("backend: jax,", "backend: jax, scale_learning_rate: false,")
-    same = train(local_spec(tmp_path, "jax-dp", data_parallel, batch=32))
-    np.testing.assert_allclose(epoch_losses(unbroken.attempts[0]), epoch_losses(same.attempts[0]),
-                               rtol=1e-4)
+    assert built.get("learning_rate") == 0.002
+    np.testing.assert_allclose(epoch_losses(whole.attempts[0]),
+                               epoch_losses(unbroken.attempts[0]), rtol=1e-4)
 
     paced = MODEL_PARALLEL.replace("tests.workloads.model_parallel_digits",
                                    "tests.workloads.paced_model_parallel_digits")
@@ -287,4 +287,4 @@ def test_model_parallel_splits_the_variables_over_both_processes_and_resumes_bit
     first, second = result.attempts
     assert (first.cause, first.failed_task) == ("crashed", "worker:1")
     assert second.resumed_from_step == 20
-    assert set(result.digests.values()) == set(unbroken.digests.values())
+    assert set(result.digests.values()) == set(whole.digests.values())
