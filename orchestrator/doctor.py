@@ -19,7 +19,7 @@ from typing import Any, Literal
 import worker as worker_package
 from orchestrator import containers
 from orchestrator.errors import CommandError, OrchestratorError
-from orchestrator.hosts import Host
+from orchestrator.hosts import Host, is_loopback
 from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.problems import Problem
 from orchestrator.remote.base import ExecResult, Runner
@@ -634,7 +634,7 @@ def diagnose(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
         *_storage(plan, ok),
         *_ports(plan, ok),
         *_network(spec, plan, checks, links),
-        *(_host_names(ok) if spec.job.backend == "jax" and len(checks) > 1 else []),
+        *(_host_names(ok) if on_jax and len(checks) > 1 else []),
     ]
     return sorted(found, key=lambda p: not p.blocking)
 
@@ -1086,7 +1086,7 @@ def _host_name(c: HostCheck) -> Problem | None:
         what = (f"resolves to {', '.join(addresses)}, none of them an address of {c.name} "
                 "(gloo: 'Unable to find address for')")
         action = f"replace the line '{addresses[0]} ... {name}' with"
-    elif ipaddress.ip_address(str(bound).split("%")[0]).is_loopback:
+    elif is_loopback(str(bound).split("%")[0]):
         what = (f"resolves to {bound}, a loopback address: the other hosts would connect to "
                 f"themselves ('Gloo context initialization failed ... remote=[{bound}]')")
         action = f"replace the line '{bound} ... {name}' with"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 INDEX = "checkpoint"
@@ -108,18 +109,20 @@ def _keras_dir(base: str) -> str | None:
     return None
 
 
-def verify_keras(directory: str) -> dict[str, Any]:
-    """``verify`` for the Keras format."""
-    names = index_names(directory)
+def newest_good(directory: str, names: list[str], problem: Callable[[str], str | None],
+                keep: Callable[[list[str], list[dict[str, str]]], None]) -> dict[str, Any]:
+    """The newest of ``names`` (oldest first) in ``directory`` that restores (``problem`` of
+    its path is None); where newer ones do not, ``keep(the names up to it, the rejected)``
+    leaves only those in the index."""
     rejected: list[dict[str, str]] = []
     for i in range(len(names) - 1, -1, -1):
         path = os.path.join(directory, names[i])
-        problem = keras_restores(path)
-        if problem is None:
+        why = problem(path)
+        if why is None:
             if rejected:
-                write_index(directory, names[: i + 1])
+                keep(names[: i + 1], rejected)
             return {"ok": True, "dir": directory, "path": path, "rejected": rejected}
-        rejected.append({"path": path, "problem": problem})
+        rejected.append({"path": path, "problem": why})
     return {"ok": False, "dir": directory, "path": None, "rejected": rejected}
 
 
@@ -140,7 +143,8 @@ def verify(base: str) -> dict[str, Any]:
     """
     keras_dir = _keras_dir(base)
     if keras_dir is not None:
-        return verify_keras(keras_dir)
+        return newest_good(keras_dir, index_names(keras_dir), keras_restores,
+                           lambda kept, _: write_index(keras_dir, kept))
     import tensorflow as tf
 
     directory = restore_dir(tf, base)
@@ -149,20 +153,15 @@ def verify(base: str) -> dict[str, Any]:
         return {"ok": True, "dir": directory, "path": None, "rejected": []}
     names = [os.path.basename(p) for p in
              (state.all_model_checkpoint_paths or [state.model_checkpoint_path])]
-    rejected: list[dict[str, str]] = []
-    for i in range(len(names) - 1, -1, -1):
-        path = os.path.join(directory, names[i])
-        problem = restores(tf, path)
-        if problem is None:
-            if rejected:
-                tf.compat.v1.train.update_checkpoint_state(
-                    directory, names[i], all_model_checkpoint_paths=names[: i + 1])
-                for bad in rejected:
-                    for leftover in tf.io.gfile.glob(bad["path"] + ".*"):
-                        tf.io.gfile.remove(leftover)
-            return {"ok": True, "dir": directory, "path": path, "rejected": rejected}
-        rejected.append({"path": path, "problem": problem})
-    return {"ok": False, "dir": directory, "path": None, "rejected": rejected}
+
+    def keep(kept: list[str], rejected: list[dict[str, str]]) -> None:
+        tf.compat.v1.train.update_checkpoint_state(directory, kept[-1],
+                                                   all_model_checkpoint_paths=kept)
+        for bad in rejected:
+            for leftover in tf.io.gfile.glob(bad["path"] + ".*"):
+                tf.io.gfile.remove(leftover)
+
+    return newest_good(directory, names, lambda path: restores(tf, path), keep)
 
 
 def main(directory: str) -> int:

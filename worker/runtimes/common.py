@@ -12,10 +12,11 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from worker.events import emit
 from worker.storage import is_url
@@ -186,11 +187,32 @@ class Preemption:
         step, epoch = self._saved
         if self._chief:
             emit("checkpoint", step=step, epoch=epoch, path=self._chief_dir, reason="stop")
-        emit("stopped", step=step, signal="SIGTERM" if self.signalled else "peer")
-        sys.stderr.flush()
-        # At once, not through the interpreter's shutdown: destroying a distributed input
-        # iterator whose prefetch is inside a py_function waits for the GIL forever.
-        os._exit(STOPPED_EXIT)
+        exit_stopped(step, self.signalled)
+
+
+def exit_stopped(step: int, signalled: bool) -> NoReturn:
+    """Say that this task saved ``step`` and stops (``signal``: "SIGTERM" where it was
+    received, else "peer"), then exit with STOPPED_EXIT at once, not through the interpreter's
+    shutdown: destroying a distributed input iterator whose prefetch is inside a py_function
+    waits for the GIL forever."""
+    emit("stopped", step=step, signal="SIGTERM" if signalled else "peer")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(STOPPED_EXIT)
+
+
+def emit_progress(step: int, total_steps: int, means: dict[str, float], global_batch: int,
+                  since: tuple[float, int]) -> tuple[float, int]:
+    """A ``progress`` event at ``step``: the loss and metrics (``means``), and the rate since
+    ``since`` (monotonic time, step); the new ``since``."""
+    now, (last, last_step) = time.monotonic(), since
+    steps = step - last_step
+    rate = steps / (now - last) if now > last and steps > 0 else 0.0
+    metrics = dict(means)
+    emit("progress", step=step, total_steps=total_steps,
+         loss=metrics.pop("loss", float("nan")), metrics=metrics,
+         steps_per_s=round(rate, 3), examples_per_s=round(rate * global_batch, 1))
+    return now, step
 
 
 @contextlib.contextmanager
@@ -207,10 +229,11 @@ def _platform_of_this_machine(tf: Any) -> Iterator[None]:
         util.detect_platform = detect
 
 
-def save_model(strategy: Any, model: Any) -> str:
-    """Every task must save (saving reads synced variables collectively); only the chief keeps it."""
+def save_model(chief: bool, save: Callable[[str], None]) -> str:
+    """``save(path)`` the final model on every task (saving is a collective on TensorFlow and
+    on JAX alike); only the chief's, in ORCHESTRATE_MODEL_DIR, is kept: its path, else ""."""
     model_dir = os.environ["ORCHESTRATE_MODEL_DIR"]
-    if is_chief(strategy):
+    if chief:
         if is_url(model_dir):  # a bucket (a pod without a volume): Keras writes it through gfile
             import tensorflow as tf
 
@@ -218,19 +241,20 @@ def save_model(strategy: Any, model: Any) -> str:
         else:
             os.makedirs(model_dir, exist_ok=True)
         path = f"{model_dir.rstrip('/')}/model.keras"
-        model.save(path)
+        save(path)
         return path
     scratch = tempfile.mkdtemp(prefix="orchestrate-model-")
     try:
-        model.save(os.path.join(scratch, "model.keras"))
+        save(os.path.join(scratch, "model.keras"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return ""
 
 
-def weights_digest(model: Any) -> str:
+def weights_digest(weights: Iterable[Any]) -> str:
+    """The SHA-256 of the weights' bytes (NumPy arrays), in order."""
     digest = hashlib.sha256()
-    for weight in model.get_weights():
+    for weight in weights:
         digest.update(weight.tobytes())
     return digest.hexdigest()
 

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.events import emit
-from worker.runtimes.common import Preemption, checkpoint_dirs, is_chief, remove_dir
+from worker.runtimes.common import (
+    Preemption,
+    checkpoint_dirs,
+    emit_progress,
+    is_chief,
+    remove_dir,
+)
 from worker.runtimes.managed import BuildError, Job
 
 KEEP = 3  # checkpoints kept in the chief's directory, as for tf_keras
@@ -209,14 +215,8 @@ class LoopTraining:
         return max(self.step - 1, 0) // self.job.steps_per_epoch
 
     def _progress(self) -> None:
-        now, (last, last_step) = time.monotonic(), self._mark
-        steps = self.step - last_step
-        rate = steps / (now - last) if now > last and steps > 0 else 0.0
-        self._mark = (now, self.step)
-        means = self.steps.means()
-        emit("progress", step=self.step, total_steps=self.job.total_steps,
-             loss=means.pop("loss", float("nan")), metrics=means,
-             steps_per_s=round(rate, 3), examples_per_s=round(rate * self.steps.global_batch, 1))
+        self._mark = emit_progress(self.step, self.job.total_steps, self.steps.means(),
+                                   self.steps.global_batch, self._mark)
 
 
 def prepare(tf: Any, strategy: Any, job: Job, model: Any, dataset: Any, global_batch: int,

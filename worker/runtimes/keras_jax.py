@@ -32,8 +32,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,7 +42,13 @@ from typing import Any
 
 from worker.checkpoints import STATE, STEP_KEY, WEIGHTS, index_names, write_index
 from worker.events import emit
-from worker.runtimes.common import STOPPED_EXIT, emit_error
+from worker.runtimes.common import (
+    emit_error,
+    emit_progress,
+    exit_stopped,
+    save_model,
+    weights_digest,
+)
 from worker.runtimes.managed import BuildError, Job
 
 KEEP = 3  # checkpoints kept in the chief's directory, as for the TensorFlow runtimes
@@ -168,18 +174,16 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
     keras.distribution.set_distribution(distribution)
     model = getattr(module, job.model_fn)()
     _check_model(keras, model)
-    # The replicas in sync: every device, or model parallel's batch axis.
-    replicas = job.mesh[0] if job.mesh and job.distribution == "model_parallel" \
-        else jax.device_count()
-    global_batch = job.per_replica_batch_size * replicas
-    lr = job.learning_rate * (replicas if job.scale_learning_rate else 1)
+    # The replicas in sync: the mesh's batch axis (DataParallel's mesh is every device).
+    replicas = int(distribution.device_mesh.shape[0])
+    global_batch, lr = job.scaled(replicas)
     made = getattr(module, job.dataset_fn)(global_batch_size=global_batch, seed=job.seed)
     batches = Batches.of(made, global_batch, _local_rows(distribution, global_batch), job)
     model.compile(
         optimizer=keras.optimizers.get({"class_name": job.optimizer,
                                         "config": {"learning_rate": lr}}),
         loss=job.loss, metrics=list(job.metrics))
-    training = JaxTraining(jax, keras, job, model, batches, processes)
+    training = JaxTraining(job, model, batches, processes)
     emit("built", global_batch_size=global_batch, learning_rate=lr, replicas=replicas,
          parameters=int(model.count_params()))
     return training
@@ -308,9 +312,8 @@ class Batches:
 class JaxTraining:
     """The compiled model, trained with ``fit`` on global batches, and its checkpoints."""
 
-    def __init__(self, jax: Any, keras: Any, job: Job, model: Any, batches: Batches,
-                 processes: Processes) -> None:
-        self.jax, self.keras, self.job, self.model = jax, keras, job, model
+    def __init__(self, job: Job, model: Any, batches: Batches, processes: Processes) -> None:
+        self.job, self.model = job, model
         self.batches, self.processes = batches, processes
         self.chief_dir = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
         self.signalled = False
@@ -362,7 +365,7 @@ class JaxTraining:
         os.replace(path + STATE + ".tmp", path + STATE)
         self.saved_step = self.step
         if not self.processes.chief:
-            _remove_tree(directory)
+            shutil.rmtree(directory, ignore_errors=True)
             return
         kept = [n for n in index_names(directory) if n != name][-(KEEP - 1):]
         write_index(directory, [*kept, name])
@@ -371,29 +374,12 @@ class JaxTraining:
 
     def save_model(self) -> str:
         """Every process saves the model (a collective); only the chief's is kept."""
-        model_dir = os.environ["ORCHESTRATE_MODEL_DIR"]
-        if self.processes.chief:
-            os.makedirs(model_dir, exist_ok=True)
-            path = os.path.join(model_dir, "model.keras")
-            with _gathering():
-                self.model.save(path)
-            return path
-        scratch = tempfile.mkdtemp(prefix="orchestrate-model-")
-        try:
-            with _gathering():
-                self.model.save(os.path.join(scratch, "model.keras"))
-        finally:
-            _remove_tree(scratch)
-        return ""
+        with _gathering():
+            return save_model(self.processes.chief, self.model.save)
 
     def weights_digest(self) -> str:
         """Of every weight, whole (gathered from every process where it is split: a collective)."""
-        import hashlib
-
-        digest = hashlib.sha256()
-        for weight in self.model.weights:
-            digest.update(to_host(weight.value).tobytes())
-        return digest.hexdigest()
+        return weights_digest(to_host(weight.value) for weight in self.model.weights)
 
     # -- training ----------------------------------------------------------------------------
 
@@ -453,15 +439,8 @@ class JaxTraining:
         emit("epoch", epoch=epoch, logs=self._logs)
 
     def _progress(self, means: dict[str, float]) -> None:
-        now, (last, last_step) = time.monotonic(), self._mark
-        steps = self.step - last_step
-        rate = steps / (now - last) if now > last and steps > 0 else 0.0
-        self._mark = (now, self.step)
-        means = dict(means)
-        emit("progress", step=self.step, total_steps=self.job.total_steps,
-             loss=means.pop("loss", float("nan")), metrics=means,
-             steps_per_s=round(rate, 3),
-             examples_per_s=round(rate * self.batches.global_batch, 1))
+        self._mark = emit_progress(self.step, self.job.total_steps, means,
+                                   self.batches.global_batch, self._mark)
 
     def _epoch(self) -> int:
         return max(self.step - 1, 0) // self.job.steps_per_epoch
@@ -490,10 +469,7 @@ class JaxTraining:
         elif self.processes.chief:
             emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
                  reason="stop")
-        emit("stopped", step=self.step, signal="SIGTERM" if self.signalled else "peer")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(STOPPED_EXIT)
+        exit_stopped(self.step, self.signalled)
 
 
 def to_host(value: Any) -> Any:
@@ -537,9 +513,4 @@ def _gathering() -> Iterator[None]:
         backend.convert_to_numpy = convert
         Variable.numpy = numpy
 
-
-def _remove_tree(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 

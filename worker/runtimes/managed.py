@@ -29,6 +29,7 @@ from worker.runtimes.common import (
     connected_fields,
     create_strategy,
     emit_error,
+    is_chief,
     prepare_devices,
     save_model,
     weights_digest,
@@ -87,6 +88,11 @@ class Job:
     def total_steps(self) -> int:
         return self.epochs * self.steps_per_epoch
 
+    def scaled(self, replicas: int) -> tuple[int, float]:
+        """The global batch and the learning rate for ``replicas`` in sync."""
+        return (self.per_replica_batch_size * replicas,
+                self.learning_rate * (replicas if self.scale_learning_rate else 1))
+
 
 class Training(Protocol):
     """A model compiled and ready to train on this task (after the ``built`` event)."""
@@ -117,9 +123,9 @@ def run_managed(job: Job) -> int:
         phase = "train"
         metrics, step = training.fit()
         phase = "save"
-        model_path = save_model(strategy, model)
+        model_path = save_model(is_chief(strategy), model.save)
         emit("finished", metrics=metrics, model_path=model_path,
-             weights_sha256=weights_digest(model), step=step)
+             weights_sha256=weights_digest(model.get_weights()), step=step)
         return 0
     except DeviceError as exc:  # the job's GPU settings: the spec's to fix, as a build error
         emit_error(exc, "build")
@@ -138,8 +144,7 @@ def _build(tf: Any, strategy: Any, job: Job) -> tuple[Any, Training]:
         model = model_fn()
     keras = keras_of(model, job.keras)
     replicas = strategy.num_replicas_in_sync
-    global_batch = job.per_replica_batch_size * replicas
-    lr = job.learning_rate * (replicas if job.scale_learning_rate else 1)
+    global_batch, lr = job.scaled(replicas)
     dataset = input_dataset(tf, dataset_fn(global_batch_size=global_batch, seed=job.seed),
                             global_batch, job)
     if keras == "3":
