@@ -1950,13 +1950,14 @@ class _Handler(BaseHTTPRequestHandler):
         store = self.fake.store
         self._start_chunked("text/plain")
         offset, first, budget = 0, True, options.limit_bytes
+        source: Path | None = None
         while not self.fake._closing.is_set():
             try:
                 pod = store.get("pods", route.name, route.namespace)
-            except KubeError:
-                break
-            done = "terminated" in _container_state(pod, container)
-            source = store.log_source(route.namespace, route.name, container, False)
+                done = "terminated" in _container_state(pod, container)
+                source = store.log_source(route.namespace, route.name, container, False)
+            except KubeError:  # the pod went (a graceful deletion ends once its container has):
+                done = True  # the kubelet still sends the file to its end, as for any exit
             lines, offset = read_log_lines(source, offset) if source else ([], offset)
             text = options.render(options.select(lines) if first else lines)
             first = first and not lines

@@ -12,7 +12,7 @@ from typing import Any, TypeAlias
 
 import pytest
 import urllib3
-from fake_kube import FakeKube, jobset_crd_object
+from fake_kube import FakeKube, KubeError, jobset_crd_object
 from kubernetes import client, config, dynamic, watch
 from kubernetes.client.exceptions import ApiException
 
@@ -716,6 +716,19 @@ def test_following_a_log_ends_when_the_container_terminates(fake: FakeKube, core
     cri(log_pod, "2026-01-01T00:00:05Z stdout F five")
     terminated(fake, "p", "worker")
     assert list(lines) == ["five"]
+
+
+def test_following_the_log_of_a_pod_that_goes_sends_its_last_lines(
+        fake: FakeKube, core: Core, log_pod: Path) -> None:
+    """A pod deleted once its container ended (a graceful deletion's end): the kubelet sends
+    the log file to its end all the same, so a follower misses no last line."""
+    lines = new_watch().stream(core.read_namespaced_pod_log, "p", "default", tail_lines=1)
+    assert next(lines) == "three"
+    cri(log_pod, "2026-01-01T00:00:04Z stdout F the last words")
+    fake.store.delete("pods", "p", "default", grace_period_seconds=0)
+    with pytest.raises(KubeError):
+        fake.store.get("pods", "p", "default")
+    assert list(lines) == ["the last words"]
 
 
 def test_log_errors_are_400_with_the_real_messages(fake: FakeKube, core: Core) -> None:
