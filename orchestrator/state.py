@@ -369,7 +369,13 @@ class Store:
                 f"{self.busy_timeout_s:g}s ({text})",
                 fix="wait for that command to finish, then run this one again; if none is "
                 f"running, a stuck process holds the file: find it with 'fuser {self.path}'")
-        if any(word in text for word in ("readonly", "read-only", "unable to open", "disk I/O")):
+        if "disk I/O" in text:
+            return StateError(
+                f"cannot read or write the state store {self.path}: {text}",
+                fix="run the command again; if it comes back, check the disk, and that nothing "
+                "but orchestrate opens the files of " + f"{self.path.parent} (a program that "
+                "reads state.db while a run writes it drops the run's SQLite locks)")
+        if any(word in text for word in ("readonly", "read-only", "unable to open")):
             return StateError(f"cannot write the state store {self.path}: {text}",
                               fix=_WRITABLE_FIX.format(self.path.parent))
         if "not a database" in text:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tarfile
 import uuid
 from collections.abc import Iterator
@@ -13,7 +15,8 @@ from hostlab import HostLab, LabHost
 
 from orchestrator.remote.local import LocalRunner
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import STAMP, pack_dir, sync_dir
+from orchestrator.remote.sync import STAMP, pack_dir, survey, sync_dir
+from orchestrator.state import Store
 
 EXCLUDES = ("*.bin", "secrets", "data/raw")
 
@@ -75,6 +78,35 @@ def test_archive_leaves_out_excluded_paths(tree: Path, tmp_path: Path) -> None:
     assert members["run.sh"].mode == 0o755 and members["train.py"].mode == 0o644
     assert members["link.py"].issym() and members["link.py"].linkname == "train.py"
     assert {m.uid for m in members.values()} == {0}
+
+
+def test_an_orchestrate_home_inside_the_workdir_is_never_uploaded(
+        tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ORCHESTRATE_HOME under the workdir (any name, even with every secret allowed): its keys
+    stay here, and its live store is not read, which would drop this process's SQLite locks
+    on it. Found as a disk I/O error (SQLITE_IOERR_SHORT_READ): another process, taking itself
+    for the store's last user, checkpointed and removed the write-ahead log under ours."""
+    home = tree / "state-here"
+    monkeypatch.setenv("ORCHESTRATE_HOME", str(home))
+    store = Store()
+    store.put_cluster("first", provider="local", spec_path="a.yaml", status="up")
+    (home / "clusters" / "first").mkdir(parents=True)
+    (home / "clusters" / "first" / "id_key").write_text("PRIVATE\n")
+
+    pack_dir(str(tree), str(tmp_path / "a.tar.gz"), EXCLUDES, allowed_secrets=("*",))
+    with tarfile.open(tmp_path / "a.tar.gz") as tar:
+        assert not [n for n in tar.getnames() if n.startswith("state-here")]
+    assert "state-here" in survey(str(tree), EXCLUDES).secrets_left_out
+
+    writes = ("from orchestrator.state import Store\n"
+              "store = Store()\n"
+              "for i in range(30):\n"
+              "    store.put_cluster(f'c{i}', provider='local', spec_path='a.yaml', status='up')\n"
+              "store.close()\n")
+    subprocess.run([sys.executable, "-c", writes], check=True, timeout=60)
+    assert len(store.clusters()) == 31
+    store.put_cluster("last", provider="local", spec_path="a.yaml", status="up")
+    assert len(Store().clusters()) == 32
 
 
 def test_sync_with_local_runner_is_idempotent(tree: Path, tmp_path: Path) -> None:

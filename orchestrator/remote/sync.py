@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from orchestrator import paths
 from orchestrator import spec as specs
 from orchestrator.errors import RemoteError, SpecError
 from orchestrator.remote.base import Runner
@@ -297,12 +298,18 @@ def _patterns(excludes: Sequence[str]) -> tuple[str, ...]:
 
 
 def _walk(root: Path, rel: PurePosixPath, patterns: Sequence[str], allowed: Sequence[str],
-          left_out: list[str]) -> Iterator[PurePosixPath]:
+          left_out: list[str], home: tuple[int, int] | None = None) -> Iterator[PurePosixPath]:
     """Every path to upload, parents first; the secret ones left out are added to ``left_out``.
+
+    The orchestrate home (``ORCHESTRATE_HOME``, wherever it points: ``home`` is its device and
+    inode, found once) is never uploaded, whatever ``allowed`` says: it holds the clusters'
+    keys, and reading its live state store would drop this process's SQLite locks on it.
 
     Raises:
         RemoteError: a directory cannot be read.
     """
+    if not rel.parts:
+        home = _home_identity()
     try:
         with os.scandir(root / rel) as it:
             entries = sorted(it, key=lambda e: e.name)
@@ -312,12 +319,30 @@ def _walk(root: Path, rel: PurePosixPath, patterns: Sequence[str], allowed: Sequ
         child = rel / entry.name
         if is_excluded(child, patterns):
             continue
-        if is_secret(child) and not is_excluded(child, allowed):
+        is_dir = entry.is_dir(follow_symlinks=False)
+        if (is_secret(child) and not is_excluded(child, allowed)) or (
+                is_dir and home is not None and _identity(Path(entry.path)) == home):
             left_out.append(child.as_posix())
             continue
         yield child
-        if entry.is_dir(follow_symlinks=False):
-            yield from _walk(root, child, patterns, allowed, left_out)
+        if is_dir:
+            yield from _walk(root, child, patterns, allowed, left_out, home)
+
+
+def _home_identity() -> tuple[int, int] | None:
+    try:
+        return _identity(paths.home())
+    except (RuntimeError, KeyError):  # no home directory to know
+        return None
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """A directory's device and inode (None when it is not there)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _size(path: Path) -> int:
