@@ -184,9 +184,31 @@ def make_dataset(global_batch_size, seed=None):
 '''
 
 
+# Weights drawn from an unseeded NumPy generator: different in each process.
+UNSEEDED_MODULE = '''\
+import keras
+import numpy as np
+
+
+def build_model():
+    start = float(np.random.default_rng().normal())
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        1, kernel_initializer=keras.initializers.Constant(start))])
+
+
+def make_dataset(global_batch_size, seed=None):
+    return np.zeros((64, 4), "float32"), np.zeros((64, 1), "float32")
+'''
+
+
+@pytest.mark.parametrize(("module", "said"), [
+    (BAD_MODULE, "on job.backend jax, return a tuple (features, labels) of NumPy arrays"),
+    (UNSEEDED_MODULE, "are not the same in process(es) 1 as in process 0: build_model() and "
+                      "what it calls must make the same weights in every process"),
+], ids=["a dict for a dataset", "weights that differ between processes"])
 def test_a_module_that_returns_what_jax_cannot_train_is_a_user_error_not_retried(
-        tmp_path: Path, orchestrate_home: Path) -> None:
-    (tmp_path / "bad_jax.py").write_text(BAD_MODULE)
+        tmp_path: Path, orchestrate_home: Path, module: str, said: str) -> None:
+    (tmp_path / "bad_jax.py").write_text(module)
     path = tmp_path / "bad.yaml"
     path.write_text(textwrap.dedent(f"""\
         name: jax-bad
@@ -197,8 +219,7 @@ def test_a_module_that_returns_what_jax_cannot_train_is_a_user_error_not_retried
         """))
     with pytest.raises(RunFailed) as info:
         Cluster.from_spec(path).train(doctor=False)
-    assert "on job.backend jax, return a tuple (features, labels) of NumPy arrays" in \
-        str(info.value)
+    assert said in str(info.value)
     run = Store().get_run(info.value.run_id)
     assert len(run.attempts) == 1 and run.attempts[0].cause == "user_error"
 

@@ -9,7 +9,8 @@ jax 0.10.2 and keras 3.15 (the facts are in issue 30), and how this runtime does
   timeouts of seconds, so that a process whose peer died aborts in seconds instead of JAX's
   100 to 300 s and the controller restarts the group.
 - The same seed on every process before the model is built (the initial weights are put on
-  every device and must agree), then Keras's DataParallel over every device of every process.
+  every device and must agree: checked once for all of them, ``_placed_once``, not by JAX
+  once per variable), then Keras's DataParallel over every device of every process.
 - Each process feeds its own part of every global batch (``Batches``): which examples make up
   global step ``s`` is a function of the seed and ``s`` alone, so a resumed run reads what an
   unbroken one reads. With ``distribution: model_parallel``, Keras's ModelParallel over the
@@ -59,6 +60,8 @@ SHUTDOWN_TIMEOUT_S = 10
 # The preemption service's key (tsl's preemption_sync_manager.cc): a time, RFC 3339, at which a
 # task will be gone; every process's sync manager then agrees on a step to stop at.
 PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+COORDINATOR_WAIT_S = 60.0  # how long a process waits for the chief's coordination service
+COORDINATOR_POLL_S = 0.02
 
 Phase = str
 
@@ -113,11 +116,31 @@ def _connect(processes: Processes) -> Any:
     import jax
 
     _cache_compilations(jax)
+    if not processes.chief:
+        _await_coordinator(processes.coordinator)
     jax.distributed.initialize(
         coordinator_address=processes.coordinator, num_processes=processes.count,
         process_id=processes.index, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     return jax
+
+
+def _await_coordinator(address: str, *, limit_s: float = COORDINATOR_WAIT_S) -> None:
+    """Until the coordinator's port takes a connection (at most ``limit_s``; then JAX's own
+    wait goes on). A process that asks for the coordination service before the chief has
+    started it is refused, and gRPC tries again only after its first backoff, 1 s: on a
+    relaunch, whose processes all start at once, that second was most of the connect phase."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(COORDINATOR_POLL_S)
 
 
 def _cache_compilations(jax: Any) -> None:
@@ -172,6 +195,18 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
     module = importlib.import_module(job.module)
     distribution = _distribution(jax, keras, job, module)
     keras.distribution.set_distribution(distribution)
+    with _placed_once(jax, processes) as placed:
+        training = _built(keras, job, module, distribution, processes)
+    placed.agree()
+    emit("built", global_batch_size=training.batches.global_batch,
+         learning_rate=training.learning_rate, replicas=training.replicas,
+         parameters=int(training.model.count_params()))
+    return training
+
+
+def _built(keras: Any, job: Job, module: Any, distribution: Any,
+           processes: Processes) -> JaxTraining:
+    """The module's model, compiled, built and restored from the chief's newest checkpoint."""
     model = getattr(module, job.model_fn)()
     _check_model(keras, model)
     # The replicas in sync: the mesh's batch axis (DataParallel's mesh is every device).
@@ -183,10 +218,72 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
         optimizer=keras.optimizers.get({"class_name": job.optimizer,
                                         "config": {"learning_rate": lr}}),
         loss=job.loss, metrics=list(job.metrics))
-    training = JaxTraining(job, model, batches, processes)
-    emit("built", global_batch_size=global_batch, learning_rate=lr, replicas=replicas,
-         parameters=int(model.count_params()))
-    return training
+    return JaxTraining(job, model, batches, processes, learning_rate=lr, replicas=replicas)
+
+
+class _Placement:
+    """What ``_placed_once`` put on the devices: a digest of every value, in order."""
+
+    def __init__(self, processes: Processes) -> None:
+        import hashlib
+
+        self.processes = processes
+        self.digest = hashlib.sha256()
+        self.count = 0
+
+    def agree(self) -> None:
+        """One collective: every process placed the same values, or a BuildError."""
+        if self.processes.count < 2:
+            return
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        mine = np.frombuffer(self.digest.digest(), dtype=np.uint8)
+        every = np.asarray(multihost_utils.process_allgather(mine))
+        differ = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+        if differ:
+            raise BuildError(
+                f"the model's {self.count} initial values (its weights, the optimizer's, the "
+                f"checkpoint restored) are not the same in process(es) "
+                f"{', '.join(map(str, differ))} as in process 0: build_model() and what it calls "
+                "must make the same weights in every process; draw random numbers from Keras "
+                "(seeded by the runtime, job.seed), not from an unseeded NumPy or Python random")
+
+
+@contextlib.contextmanager
+def _placed_once(jax: Any, processes: Processes) -> Iterator[_Placement]:
+    """While the model is built and restored, each variable's value goes to the devices of every
+    process without JAX's check that it is the same in each (``device_put`` makes one
+    allgather per variable, measured at 1.1 s of a 2-process relaunch's build of the digits
+    model); the values are hashed instead, and ``_Placement.agree`` makes that check once for
+    all of them. A value that is a traced one, a global array already, or bound for this
+    process's devices only goes through Keras's own ``distribute_tensor`` as before."""
+    import numpy as np
+    from keras.src.backend.jax import distribution_lib
+    from keras.src.utils import jax_utils
+
+    placement = _Placement(processes)
+    original = distribution_lib.distribute_tensor
+
+    def distribute(tensor: Any, layout: Any) -> Any:
+        sharding = getattr(layout, "backend_layout", layout)
+        host = isinstance(tensor, np.ndarray) or (
+            isinstance(tensor, jax.Array) and not jax_utils.is_in_jax_tracing_scope(tensor)
+            and tensor.is_fully_addressable and not getattr(tensor, "_committed", True))
+        if not host or not isinstance(sharding, jax.sharding.Sharding) or \
+                sharding.is_fully_addressable:
+            return original(tensor, layout)
+        value = np.asarray(tensor)
+        placement.digest.update(f"{value.dtype.str}{value.shape}".encode())
+        placement.digest.update(np.ascontiguousarray(value).data)
+        placement.count += 1
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    distribution_lib.distribute_tensor = distribute
+    try:
+        yield placement
+    finally:
+        distribution_lib.distribute_tensor = original
 
 
 def _reporter(training: JaxTraining) -> Any:
@@ -312,14 +409,17 @@ class Batches:
 class JaxTraining:
     """The compiled model, trained with ``fit`` on global batches, and its checkpoints."""
 
-    def __init__(self, job: Job, model: Any, batches: Batches, processes: Processes) -> None:
+    def __init__(self, job: Job, model: Any, batches: Batches, processes: Processes, *,
+                 learning_rate: float, replicas: int) -> None:
         self.job, self.model = job, model
         self.batches, self.processes = batches, processes
+        self.learning_rate, self.replicas = learning_rate, replicas
         self.chief_dir = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
         self.signalled = False
         # Built before a restore: the optimizer's variables exist only once it is.
-        features, _ = batches.local_batch(0)
-        model.build(features.shape)
+        if not model.built:  # a functional model, or one given its keras.Input, is already
+            features, _ = batches.local_batch(0)
+            model.build(features.shape)
         model.optimizer.build(model.trainable_variables)
         self.step = self.saved_step = self._restore()
 
