@@ -309,3 +309,44 @@ def test_model_parallel_splits_the_variables_over_both_processes_and_resumes_bit
     assert (first.cause, first.failed_task) == ("crashed", "worker:1")
     assert second.resumed_from_step == 20
     assert set(result.digests.values()) == set(whole.digests.values())
+
+
+DEFERRED = '''\
+import numpy as np
+import jax
+import keras
+from keras.src.backend.jax import core
+from worker.runtimes.keras_jax import Processes, _placed_once
+
+before = (core.Variable._initialize_with_initializer, core.Variable._direct_assign)
+keras.utils.set_random_seed(7)
+expected = keras.layers.Dense(3)
+expected.build((None, 4))
+keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+keras.utils.set_random_seed(7)
+with _placed_once(jax, Processes("", 1, 0), restoring=True) as placed:
+    layer = keras.layers.Dense(3, bias_initializer="ones")
+    layer.build((None, 4))
+    assert not np.asarray(layer.kernel.value).any()  # a zero until the restore sets it or not
+    with placed.restoring():
+        layer.bias.assign(np.full(3, 5.0, "float32"))
+    placed.initialize_the_rest()
+np.testing.assert_array_equal(np.asarray(layer.kernel.value), np.asarray(expected.kernel.value))
+np.testing.assert_array_equal(np.asarray(layer.bias.value), np.full(3, 5.0, "float32"))
+assert (core.Variable._initialize_with_initializer, core.Variable._direct_assign) == before
+assert not placed.deferred
+print("ok", placed.count)
+'''
+
+
+def test_a_variable_the_restore_does_not_set_gets_what_its_initializer_makes(
+        tmp_path: Path) -> None:
+    """On a resume the initializers wait for the restore; one it does not set (here the
+    kernel) is initialized afterwards to the values the build would have given it, and one it
+    sets keeps the checkpoint's."""
+    script = tmp_path / "deferred.py"
+    script.write_text(DEFERRED)
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and done.stdout.split()[0] == "ok", done.stderr[-3000:]

@@ -195,8 +195,12 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
     module = importlib.import_module(job.module)
     distribution = _distribution(jax, keras, job, module)
     keras.distribution.set_distribution(distribution)
-    with _placed_once(jax, processes) as placed:
+    chief_dir = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
+    with _placed_once(jax, processes, restoring=bool(index_names(chief_dir))) as placed:
         training = _built(keras, job, module, distribution, processes)
+        with placed.restoring():
+            training.restore()
+        placed.initialize_the_rest()
     placed.agree()
     emit("built", global_batch_size=training.batches.global_batch,
          learning_rate=training.learning_rate, replicas=training.replicas,
@@ -206,7 +210,7 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
 
 def _built(keras: Any, job: Job, module: Any, distribution: Any,
            processes: Processes) -> JaxTraining:
-    """The module's model, compiled, built and restored from the chief's newest checkpoint."""
+    """The module's model, compiled and built (its variables and the optimizer's)."""
     model = getattr(module, job.model_fn)()
     _check_model(keras, model)
     # The replicas in sync: the mesh's batch axis (DataParallel's mesh is every device).
@@ -222,7 +226,8 @@ def _built(keras: Any, job: Job, module: Any, distribution: Any,
 
 
 class _Placement:
-    """What ``_placed_once`` put on the devices: a digest of every value, in order."""
+    """What ``_placed_once`` put on the devices (a digest of every value, in order), and the
+    variables whose initializers wait for the restore."""
 
     def __init__(self, processes: Processes) -> None:
         import hashlib
@@ -230,6 +235,29 @@ class _Placement:
         self.processes = processes
         self.digest = hashlib.sha256()
         self.count = 0
+        self.deferred: dict[int, tuple[Any, Any]] = {}  # id -> (variable, its initializer)
+        self.restored: set[int] = set()
+        self.in_restore = False
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """While the checkpoint is restored: the variables it sets are noted."""
+        self.in_restore = True
+        try:
+            yield
+        finally:
+            self.in_restore = False
+
+    def initialize_the_rest(self) -> None:
+        """The deferred initializers of the variables the restore did not set (a metric's
+        counts, say): run now, as they would have run at the build (a Keras initializer's
+        seed is fixed when it is made, so its values do not depend on when it runs)."""
+        from keras import initializers
+
+        for key, (variable, initializer) in self.deferred.items():
+            if key not in self.restored and not isinstance(initializer, initializers.Zeros):
+                variable.assign(initializer(variable.shape, dtype=variable.dtype))
+        self.deferred.clear()
 
     def agree(self) -> None:
         """One collective: every process placed the same values, or a BuildError."""
@@ -251,19 +279,45 @@ class _Placement:
 
 
 @contextlib.contextmanager
-def _placed_once(jax: Any, processes: Processes) -> Iterator[_Placement]:
+def _placed_once(jax: Any, processes: Processes, *, restoring: bool) -> Iterator[_Placement]:
     """While the model is built and restored, each variable's value goes to the devices of every
     process without JAX's check that it is the same in each (``device_put`` makes one
     allgather per variable, measured at 1.1 s of a 2-process relaunch's build of the digits
     model); the values are hashed instead, and ``_Placement.agree`` makes that check once for
     all of them. A value that is a traced one, a global array already, or bound for this
-    process's devices only goes through Keras's own ``distribute_tensor`` as before."""
+    process's devices only goes through Keras's own ``distribute_tensor`` as before.
+
+    ``restoring`` (a checkpoint is there): the variables start as zeros and their initializers
+    wait (``_Placement.initialize_the_rest``): the restore sets their values anyway. Running
+    them costs their compilation, on CPU at every start in a process other than JAX's process
+    0 (JAX writes its persistent cache from process 0 only, and on CPU the key holds the
+    device: 0.9 s of the digits model's relaunch), and on a large model their time on the
+    devices."""
     import numpy as np
-    from keras.src.backend.jax import distribution_lib
+    from keras.src.backend.jax import core, distribution_lib
     from keras.src.utils import jax_utils
 
     placement = _Placement(processes)
     original = distribution_lib.distribute_tensor
+    variable_class = core.Variable
+    own = {name: variable_class.__dict__.get(name)
+           for name in ("_initialize_with_initializer", "_direct_assign")}
+    initialize, assign = variable_class._initialize_with_initializer, variable_class._direct_assign
+
+    def initialize_later(variable: Any, initializer: Any) -> None:
+        if variable._shape is None or any(d is None for d in variable._shape):
+            initialize(variable, initializer)
+            return
+        placement.deferred[id(variable)] = (variable, initializer)
+        dtype = jax.dtypes.canonicalize_dtype(jax.numpy.dtype(variable._dtype))
+        variable._initialize(np.zeros(variable._shape, dtype=dtype))
+        if isinstance(variable._value, np.ndarray):  # no layout: not placed by ``distribute``
+            variable._value = variable._convert_to_tensor(variable._value)
+
+    def assign_noted(variable: Any, value: Any) -> None:
+        if placement.in_restore:
+            placement.restored.add(id(variable))
+        assign(variable, value)
 
     def distribute(tensor: Any, layout: Any) -> Any:
         sharding = getattr(layout, "backend_layout", layout)
@@ -280,10 +334,19 @@ def _placed_once(jax: Any, processes: Processes) -> Iterator[_Placement]:
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
     distribution_lib.distribute_tensor = distribute
+    if restoring:
+        variable_class._initialize_with_initializer = initialize_later
+        variable_class._direct_assign = assign_noted
     try:
         yield placement
     finally:
         distribution_lib.distribute_tensor = original
+        for name, method in own.items():
+            if method is None:
+                with contextlib.suppress(AttributeError):
+                    delattr(variable_class, name)
+            else:
+                setattr(variable_class, name, method)
 
 
 def _reporter(training: JaxTraining) -> Any:
@@ -421,6 +484,10 @@ class JaxTraining:
             features, _ = batches.local_batch(0)
             model.build(features.shape)
         model.optimizer.build(model.trainable_variables)
+        self.step = self.saved_step = 0
+
+    def restore(self) -> None:
+        """From the chief's newest checkpoint, where there is one."""
         self.step = self.saved_step = self._restore()
 
     # -- checkpoints -------------------------------------------------------------------------
