@@ -169,6 +169,31 @@ def test_down_mid_run_saves_the_current_step_and_train_resume_redoes_none(
     assert set(result.digests.values()) == set(unbroken.digests.values())
 
 
+# The same model, its input a tf.data pipeline of global batches (tests/workloads).
+TFDATA = JOB.replace("examples.keras3_digits", "tests.workloads.tfdata_jax_digits").replace(
+    "steps_per_epoch: 40", "steps_per_epoch: 150")
+
+
+def test_a_tf_data_pipeline_trains_on_jax_and_a_killed_process_resumes_bit_identical(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    """A TensorFlow user's make_dataset (a tf.data.Dataset of global batches): each process
+    keeps its rows of every batch (so 2 processes train as 1 does on the whole batch), and a
+    resume skips the batches already trained on, so a killed run ends as the unbroken one."""
+    unbroken = train(local_spec(tmp_path, "jax-tfdata", TFDATA))
+    job = TFDATA.replace("backend: jax,", "backend: jax, learning_rate: 0.002,")
+    one = train(local_spec(tmp_path, "jax-tfdata-one", job, workers=1, batch=64))
+    np.testing.assert_allclose(epoch_losses(unbroken.attempts[0]), epoch_losses(one.attempts[0]),
+                               rtol=1e-4)
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL), task="worker:1")
+    result = train(local_spec(tmp_path, "jax-tfdata-kill", TFDATA), listener=listener)
+
+    assert unbroken.status == result.status == "succeeded"
+    first, second = result.attempts
+    assert first.cause == "crashed" and (second.resumed_from_step or 0) >= 20
+    assert len(set(unbroken.digests.values())) == 1
+    assert set(result.digests.values()) == set(unbroken.digests.values())
+
+
 BAD_MODULE = '''\
 import keras
 import numpy as np

@@ -1,7 +1,8 @@
 """The JAX side of managed jobs (``job.backend: jax``): the user's Keras 3 model trained across
 every task's processes with JAX's distributed service and ``keras.distribution.DataParallel``.
 
-No TensorFlow here: a JAX host need not have it. What multi-process JAX asks, measured with
+No TensorFlow here (unless the module's input is a tf.data pipeline): a JAX host need not
+have it. What multi-process JAX asks, measured with
 jax 0.10.2 and keras 3.15 (the facts are in issue 30), and how this runtime does it:
 
 - ``jax.distributed.initialize`` itself, not ``keras.distribution.initialize`` (which does not
@@ -13,7 +14,9 @@ jax 0.10.2 and keras 3.15 (the facts are in issue 30), and how this runtime does
   once per variable), then Keras's DataParallel over every device of every process.
 - Each process feeds its own part of every global batch (``Batches``): which examples make up
   global step ``s`` is a function of the seed and ``s`` alone, so a resumed run reads what an
-  unbroken one reads. With ``distribution: model_parallel``, Keras's ModelParallel over the
+  unbroken one reads (a ``tf.data.Dataset`` of global batches from the module is read whole by
+  every process, which keeps its rows, and skipped to the step on a resume:
+  ``DatasetBatches``). With ``distribution: model_parallel``, Keras's ModelParallel over the
   spec's mesh and the module's layout map instead; a split variable is gathered to be saved.
 - Saving is a collective: every process saves, only the chief's copy is kept (the others write
   to a scratch directory). Checkpoints are Keras's own ``.weights.h5`` (model and optimizer),
@@ -217,7 +220,10 @@ def _built(keras: Any, job: Job, module: Any, distribution: Any,
     replicas = int(distribution.device_mesh.shape[0])
     global_batch, lr = job.scaled(replicas)
     made = getattr(module, job.dataset_fn)(global_batch_size=global_batch, seed=job.seed)
-    batches = Batches.of(made, global_batch, _local_rows(distribution, global_batch), job)
+    rows = _local_rows(distribution, global_batch)
+    batches: Batches | DatasetBatches = (
+        DatasetBatches.of(made, global_batch, rows, job) if _is_tf_dataset(made)
+        else Batches.of(made, global_batch, rows, job))
     model.compile(
         optimizer=keras.optimizers.get({"class_name": job.optimizer,
                                         "config": {"learning_rate": lr}}),
@@ -443,8 +449,9 @@ class Batches:
                 and all(isinstance(a, np.ndarray) for a in made)):
             raise BuildError(
                 f"{job.dataset_fn}() returned {type(made).__module__}.{type(made).__qualname__}"
-                ": on job.backend jax, return a tuple (features, labels) of NumPy arrays; the "
-                "runtime shuffles them and gives each process its part of every global batch")
+                ": on job.backend jax, return a tuple (features, labels) of NumPy arrays (the "
+                "runtime shuffles them and gives each process its part of every global batch) "
+                "or a tf.data.Dataset of (features, labels) global batches")
         features, labels = made
         if len(features) != len(labels):
             raise BuildError(
@@ -456,6 +463,15 @@ class Batches:
                 f"batch of {global_batch}: lower job.per_replica_batch_size or give more data")
         seed = 0 if job.seed is None else job.seed
         return cls(features, labels, global_batch, rows, seed)
+
+    def first_local(self) -> tuple[Any, Any]:
+        return self.local_batch(0)
+
+    def from_step(self, step: int) -> Iterator[tuple[Any, Any]]:
+        """This process's part of every global batch from global step ``step`` on."""
+        while True:
+            yield self.local_batch(step)
+            step += 1
 
     def local_batch(self, step: int) -> tuple[Any, Any]:
         """This process's part of global step ``step`` (counted from 0)."""
@@ -469,10 +485,64 @@ class Batches:
         return self.features[rows], self.labels[rows]
 
 
+def _is_tf_dataset(made: Any) -> bool:
+    """A ``tf.data.Dataset`` (told by its type's module: TensorFlow is not imported for it)."""
+    return any(c.__module__.startswith("tensorflow.") and c.__name__ == "DatasetV2"
+               for c in type(made).__mro__)
+
+
+class DatasetBatches:
+    """Every process's part of every global batch, from the module's ``tf.data.Dataset`` of
+    global batches (as it gives MultiWorkerMirroredStrategy on TensorFlow): each process reads
+    the whole pipeline and keeps the rows its devices hold. A resume at step ``s`` skips the
+    first ``s`` batches, as the TensorFlow runtimes do, so a deterministic pipeline (a seeded
+    shuffle, ``job.deterministic``) gives a resumed run what it gave an unbroken one.
+    TensorFlow runs on the CPU only here: its GPUs are JAX's."""
+
+    def __init__(self, dataset: Any, global_batch: int, rows: tuple[int, int]) -> None:
+        self.dataset, self.global_batch = dataset, global_batch
+        self.offset, self.local = rows
+
+    @classmethod
+    def of(cls, dataset: Any, global_batch: int, rows: tuple[int, int],
+           job: Job) -> DatasetBatches:
+        import tensorflow as tf
+
+        with contextlib.suppress(RuntimeError):  # its devices were set up already
+            tf.config.set_visible_devices([], "GPU")
+        made = cls(dataset, global_batch, rows)
+        spec = dataset.element_spec
+        if not (isinstance(spec, tuple) and len(spec) == 2):
+            raise BuildError(
+                f"{job.dataset_fn}() returned a tf.data.Dataset of {spec}: on job.backend jax, "
+                "make its elements (features, labels) global batches")
+        first, _ = next(dataset.take(1).as_numpy_iterator())
+        import jax
+
+        sizes = {len(a) for a in jax.tree_util.tree_leaves(first)}
+        if sizes != {global_batch}:
+            raise BuildError(
+                f"{job.dataset_fn}() returned batches of {sorted(sizes)} examples, not the "
+                f"global batch of {global_batch}: batch the dataset by global_batch_size with "
+                "drop_remainder=True")
+        return made
+
+    def first_local(self) -> tuple[Any, Any]:
+        return next(self.from_step(0))
+
+    def from_step(self, step: int) -> Iterator[tuple[Any, Any]]:
+        import jax
+
+        end = self.offset + self.local
+        for features, labels in self.dataset.skip(step).as_numpy_iterator():
+            yield jax.tree_util.tree_map(lambda a: a[self.offset:end], (features, labels))
+
+
 class JaxTraining:
     """The compiled model, trained with ``fit`` on global batches, and its checkpoints."""
 
-    def __init__(self, job: Job, model: Any, batches: Batches, processes: Processes, *,
+    def __init__(self, job: Job, model: Any, batches: Batches | DatasetBatches,
+                 processes: Processes, *,
                  learning_rate: float, replicas: int) -> None:
         self.job, self.model = job, model
         self.batches, self.processes = batches, processes
@@ -481,7 +551,7 @@ class JaxTraining:
         self.signalled = False
         # Built before a restore: the optimizer's variables exist only once it is.
         if not model.built:  # a functional model, or one given its keras.Input, is already
-            features, _ = batches.local_batch(0)
+            features, _ = batches.first_local()
             model.build(features.shape)
         model.optimizer.build(model.trainable_variables)
         self.step = self.saved_step = 0
@@ -563,7 +633,7 @@ class JaxTraining:
         self._mark = (time.monotonic(), self.step)
         self._logs: dict[str, float] = {}
         callback = _reporter(self)
-        batches = self._local_batches()
+        batches = self.batches.from_step(self.step)
         epoch, done = divmod(self.step, job.steps_per_epoch)
         if done:
             self._fit(batches, callback, epochs=epoch + 1, initial_epoch=epoch,
@@ -578,13 +648,6 @@ class JaxTraining:
              steps: int) -> None:
         self.model.fit(batches, epochs=epochs, initial_epoch=initial_epoch,
                        steps_per_epoch=steps, callbacks=[callback], verbose=0)
-
-    def _local_batches(self) -> Any:
-        """This process's part of every global batch from the current step on."""
-        step = self.step
-        while True:
-            yield self.batches.local_batch(step)
-            step += 1
 
     def after_step(self, logs: dict[str, Any]) -> None:
         """What follows every step: a stop the group agreed on, a checkpoint, a progress event.
