@@ -117,6 +117,13 @@ def quote_argv(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
+# How long a launch waits for the task's shell to write its pid: 10 ms polls for the first
+# second, then 100 ms ones. A loaded host (a checkpoint being written, CI's parallel jobs) has
+# been seen to take more than the 10 s this once was.
+PID_POLLS_FAST, PID_POLLS_SLOW = 100, 590
+PID_WAIT_S = PID_POLLS_FAST * 0.01 + PID_POLLS_SLOW * 0.1
+
+
 def launch_script(spec: LaunchSpec) -> str:
     """The shell script that starts ``spec`` in a new session and prints its pid (= pgid).
 
@@ -147,7 +154,10 @@ def launch_script(spec: LaunchSpec) -> str:
         f"mkdir -p {quote_argv(sorted(dirs))} && "
         f"rm -f {rc} {rc_tmp} {pid} && "
         f"( {exports}exec setsid sh -c {shlex.quote(inner)} ) >/dev/null 2>&1 </dev/null & "
-        f"i=0; while [ ! -s {pid} ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; "
+        f"i=0; while [ ! -s {pid} ] && [ $i -lt {PID_POLLS_FAST + PID_POLLS_SLOW} ]; do "
+        f"if [ $i -lt {PID_POLLS_FAST} ]; then sleep 0.01; else sleep 0.1; fi; i=$((i+1)); "
+        f"done; [ -s {pid} ] || {{ echo 'the task did not start: its shell wrote no pid in "
+        f"{PID_WAIT_S:.0f}s (the host overloaded, or its disk stalled or full)' >&2; exit 1; }}; "
         f"cat {pid}"
     )
 
