@@ -198,8 +198,7 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
     module = importlib.import_module(job.module)
     distribution = _distribution(jax, keras, job, module)
     keras.distribution.set_distribution(distribution)
-    chief_dir = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
-    with _placed_once(jax, processes, restoring=bool(index_names(chief_dir))) as placed:
+    with _placed_once(jax, processes, restoring=bool(index_names(_chief_dir()))) as placed:
         training = _built(keras, job, module, distribution, processes)
         with placed.restoring():
             training.restore()
@@ -209,6 +208,11 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
          learning_rate=training.learning_rate, replicas=training.replicas,
          parameters=int(training.model.count_params()))
     return training
+
+
+def _chief_dir() -> str:
+    """Where the chief's checkpoints are, on this task's host."""
+    return os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
 
 
 def _built(keras: Any, job: Job, module: Any, distribution: Any,
@@ -547,7 +551,7 @@ class JaxTraining:
         self.job, self.model = job, model
         self.batches, self.processes = batches, processes
         self.learning_rate, self.replicas = learning_rate, replicas
-        self.chief_dir = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
+        self.chief_dir = _chief_dir()
         self.signalled = False
         # Built before a restore: the optimizer's variables exist only once it is.
         if not model.built:  # a functional model, or one given its keras.Input, is already
