@@ -251,3 +251,20 @@ def test_a_task_whose_wrapper_was_killed_alone_is_still_seen_running(tmp_path: P
     finally:
         os.kill(task_pid, signal.SIGKILL)
     wait_for(lambda: runner.poll(handle).state is TaskState.LOST)  # no wrapper: no exit code
+
+
+def test_a_start_never_reads_the_pid_a_previous_task_left_at_the_same_paths(
+        tmp_path: Path) -> None:
+    """A task started again at the same paths (the benchmark's second runner, a relaunch that
+    reuses a stem) gets its own pgid, not the one the old pid file names. The launch once put
+    its `mkdir && rm` in the background with the task, and its wait read the old file first."""
+    runner, spec = launch(tmp_path, "import time; time.sleep(30)")
+    Path(spec.pid_path).parent.mkdir(parents=True)
+    for _ in range(5):
+        Path(spec.pid_path).write_text("999999\n")
+        handle = runner.start(spec)
+        try:
+            assert handle.pgid != 999999
+            assert os.getsid(handle.pgid) == handle.pgid
+        finally:
+            runner.stop(handle, grace_s=0.5)

@@ -150,9 +150,11 @@ def launch_script(spec: LaunchSpec) -> str:
         f"echo $? >{rc_tmp} && mv -f {rc_tmp} {rc}"
     )
     dirs = {p.rpartition("/")[0] or "." for p in (spec.log_path, spec.rc_path, spec.pid_path)}
+    # The old files go, and only then does the task start: `A && B && C &` would put the whole
+    # list in the background, and the wait below could read the pid a previous task with the
+    # same paths left there (or lose it to the late `rm`: "cat: No such file").
     return (
-        f"mkdir -p {quote_argv(sorted(dirs))} && "
-        f"rm -f {rc} {rc_tmp} {pid} && "
+        f"mkdir -p {quote_argv(sorted(dirs))} && rm -f {rc} {rc_tmp} {pid} || exit 1; "
         f"( {exports}exec setsid sh -c {shlex.quote(inner)} ) >/dev/null 2>&1 </dev/null & "
         f"i=0; while [ ! -s {pid} ] && [ $i -lt {PID_POLLS_FAST + PID_POLLS_SLOW} ]; do "
         f"if [ $i -lt {PID_POLLS_FAST} ]; then sleep 0.01; else sleep 0.1; fi; i=$((i+1)); "
