@@ -621,10 +621,11 @@ class LabHost:
         on a GPU VM; its socket given to ``user`` (None: root only, a user without access),
         and ``CONTAINER_HOST`` set for the plain user's SSH sessions, so that ``podman`` there
         is a client of it. Started with ``nsenter --net`` (``ip netns exec`` remounts /sys,
-        and runc then finds no cgroup mount). Returns the socket's URL.
+        and runc then finds no cgroup mount), in a mount namespace of its own where
+        /etc/hosts is the host's (``hosts_path``), which podman copies into a container on the
+        host's network. Returns the socket's URL.
 
-        ``without_init``: the service runs in a mount namespace of its own where podman's
-        helper directory (``INIT_DIR``: catatonit, which ``--init`` runs) is an empty one, as
+        ``without_init``: in that mount namespace, podman's helper directory (``INIT_DIR``: catatonit, which ``--init`` runs) is an empty one, as
         on a host whose podman came without its Recommends. The service is restarted whenever
         this differs from the running one's."""
         if self.podman is not None and self.podman_without_init != without_init:
@@ -634,12 +635,21 @@ class LabHost:
             socket_path.unlink(missing_ok=True)
             argv = ["podman", "--runtime", "runc", "system", "service", "--time=0",
                     f"unix://{socket_path}"]
+            binds: list[tuple[str, str]] = []
+            if self.hosts_path is not None:
+                # podman copies its own /etc/hosts into a --network host container, which
+                # keeps the host's name: so the host's, as on a real machine (JAX's gloo
+                # looks its own name up and tells its peers that address)
+                binds.append((self.hosts_path, "/etc/hosts"))
             if without_init:
                 empty = self.dir / "no-init"
                 empty.mkdir(exist_ok=True)
+                binds.append((str(empty), INIT_DIR))
+            if binds:
+                mounts = " && ".join(f"mount --bind {shlex.quote(source)} {shlex.quote(target)}"
+                                     for source, target in binds)
                 argv = ["unshare", "--mount", "--propagation", "slave", "sh", "-c",
-                        f'mount --bind {shlex.quote(str(empty))} {INIT_DIR} && exec "$@"', "sh",
-                        *argv]
+                        f'{mounts} && exec "$@"', "sh", *argv]
             if self.namespace:
                 argv = ["nsenter", f"--net=/var/run/netns/{self.namespace}", *argv]
             self.podman_without_init = without_init

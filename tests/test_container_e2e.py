@@ -251,6 +251,52 @@ def test_on_ssh_hosts_as_a_plain_user_a_killed_container_resumes_and_down_leaves
             assert containers_of("ct-ssh", host=h) == []
 
 
+def test_a_keras3_module_on_jax_in_containers_on_ssh_hosts_resumes_a_killed_one_to_one_model(
+        image: str, hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """``job.backend: jax`` in containers on 2 SSH hosts, logged into as the plain user: gloo
+    in each container looks the host's name up in the /etc/hosts podman copied from the host
+    (the host's own address, as the doctor asks), a killed container restarts the group from
+    the chief's checkpoint, and both tasks end with one model."""
+    hostlab.require_partition()
+    hosts = hostlab.hosts(2)
+    user = hostlab.plain_user()
+    for h in hosts:
+        h.serve_podman(user=user)
+    path = write_spec(tmp_path, hostlab, hosts, f"""\
+        name: ct-jax-ssh
+        job: {{module: examples.keras3_digits, backend: jax, epochs: 1, steps_per_epoch: 40,
+               deterministic: true, progress_every_steps: 1}}
+        container: {{image: "{image}", runtime: podman}}
+        checkpoint: {{every_steps: 5}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}}
+        timeouts: {{startup_s: 240, stop_grace_s: 20}}
+        """, user=user)
+    cluster = Cluster.from_spec(path)
+    try:
+        cluster.up()
+        kill = kill_container_at(12, lambda name: podman_on(hosts[1], "kill", name))
+        result = cluster.train(listener=kill).wait()
+        first, second = result.attempts
+        assert (first.cause, first.failed_task) == ("crashed", "worker:1"), first
+        assert second.resumed_from_step and second.resumed_from_step % 5 == 0
+        assert result.status == "succeeded"
+        for h, task in zip(hosts, second.tasks, strict=True):
+            assert task.launcher == "podman" and task.log.startswith(h.plain_home)
+            events = events_in(h, task.log)
+            connected = next(e for e in events if e.kind == "connected")
+            assert (connected.get("replicas"), connected.get("collectives")) == (2, "gloo")
+            assert any(e.kind == "resumed" and e.get("step") == second.resumed_from_step
+                       for e in events)
+            assert [e.get("step") for e in events if e.kind == "finished"] == [40]
+        assert len(result.digests) == 2 and len(set(result.digests.values())) == 1
+        for h in hosts:
+            assert containers_of("ct-jax-ssh", host=h) == []
+    finally:
+        cluster.down()
+    for h in hosts:
+        assert containers_of("ct-jax-ssh", host=h) == []
+
+
 def orchestrate(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args],
                           capture_output=True, text=True, timeout=600)
