@@ -28,6 +28,7 @@ from orchestrator.runtimes import MatchingPackage, resolve_collectives, runtime_
 from orchestrator.spec import ClusterSpec, Container, is_url
 from orchestrator.view import human_bytes
 from worker.preflight import OUTSIDER, Probe
+from worker.storage import GFILE_FIX
 
 PREFLIGHT = Path(worker_package.__file__).parent / "preflight.py"
 MIN_FREE_BYTES = 1 << 30  # below this, the first checkpoint may not fit: blocking
@@ -635,8 +636,26 @@ def diagnose(spec: ClusterSpec, plan: ClusterPlan, checks: Sequence[HostCheck],
         *_ports(plan, ok),
         *_network(spec, plan, checks, links),
         *(_host_names(ok) if on_jax and len(checks) > 1 else []),
+        *(_gfile_for_jax(plan, ok) if on_jax and hosted else []),
     ]
     return sorted(found, key=lambda p: not p.blocking)
+
+
+def _gfile_for_jax(plan: ClusterPlan, checks: Sequence[HostCheck]) -> list[Problem]:
+    """A JAX job whose checkpoints go to a bucket reaches it through TensorFlow's file systems
+    (as Keras does for remote paths): hosts where the write check found no TensorFlow to try
+    it with cannot save."""
+    missing: dict[tuple[str, str], list[str]] = {}
+    for c in checks:
+        path, skipped = c.fact("storage", "path"), c.fact("storage", "skipped")
+        if isinstance(path, str) and is_url(path) and isinstance(skipped, str) \
+                and skipped.startswith("TensorFlow"):
+            missing.setdefault((path, skipped.split(":")[0]), []).append(c.name)
+    return [Problem(
+        "checkpoint", f"{', '.join(hosts)}: {why}, and this JAX job's checkpoints go to {path} "
+        f"({plan.checkpoints.named_by or 'checkpoint.dir'}): Keras on JAX reaches a gs:// URL "
+        "only through TensorFlow's file systems (tf.io.gfile)", GFILE_FIX, hosts=tuple(hosts))
+        for (path, why), hosts in missing.items()]
 
 
 def _unreachable(checks: Iterable[HostCheck]) -> list[Problem]:

@@ -1576,12 +1576,6 @@ def _check_backend(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
                "a device mesh, and job.mesh is not set",
                "set job.mesh: [BATCH, MODEL], e.g. [1, 2] to split the layout map's variables "
                "over 2 devices (BATCH x MODEL must be every device of every task)")
-    if isinstance(job, ManagedJob) and spec.checkpoint.dir and is_url(spec.checkpoint.dir):
-        refuse("checkpoint.dir", f"checkpoint.dir is {spec.checkpoint.dir}, a bucket: the "
-               "managed runtime on JAX writes its checkpoints to a file system only, so far",
-               "set checkpoint.dir to an absolute path on a shared file system (or leave it "
-               "out: each host's own disk, the chief's copied to the others), or set "
-               "job.backend: tensorflow")
 
 
 def _check_kubernetes(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:

@@ -625,9 +625,10 @@ class LabHost:
         /etc/hosts is the host's (``hosts_path``), which podman copies into a container on the
         host's network. Returns the socket's URL.
 
-        ``without_init``: in that mount namespace, podman's helper directory (``INIT_DIR``: catatonit, which ``--init`` runs) is an empty one, as
-        on a host whose podman came without its Recommends. The service is restarted whenever
-        this differs from the running one's."""
+        ``without_init``: in that mount namespace, podman's helper directory (``INIT_DIR``:
+        catatonit, which ``--init`` runs) is an empty one, as on a host whose podman came
+        without its Recommends. The service is restarted whenever this differs from the
+        running one's."""
         if self.podman is not None and self.podman_without_init != without_init:
             self.stop_podman()
         if self.podman is None or self.podman.poll() is not None:

@@ -291,6 +291,29 @@ def test_on_jax_every_host_has_one_jax_a_jaxlib_it_imports_with_and_keras_3(
         assert (check, blocking) == want[:2] and message.startswith(want[2]), message
 
 
+def written(location: str, *, skipped: str | None = None) -> dict[str, Any]:
+    """The preflight's write check of ``location``: done, or ``skipped`` and why."""
+    return {"path": location, "url": "://" in location, "user": "ml", "ok": None if skipped
+            else True, "error": None, "skipped": skipped, "marker": None}
+
+
+def test_on_jax_a_bucket_needs_tensorflow_for_its_file_systems_on_every_host() -> None:
+    """Keras on JAX reaches gs:// only through tf.io.gfile: a host where the write check found
+    no TensorFlow to try it with is blocking, with the fix; a JAX job on disk needs none."""
+    bucket = "gs://ckpt/runs"
+    job = f"{{module: m, backend: jax}}\ncheckpoint: {{dir: '{bucket}'}}"
+    without = on_jax() | {"storage": written(
+        bucket, skipped="TensorFlow is not installed: gs:// cannot be checked")}
+    with_tf = on_jax() | {"tensorflow": facts()["tensorflow"], "storage": written(bucket)}
+    found = problems_for(without, with_tf, job=job)
+    assert found == [("checkpoint", True, "h0: TensorFlow is not installed, and this JAX job's "
+                      "checkpoints go to gs://ckpt/runs (checkpoint.dir): Keras on JAX reaches a "
+                      "gs:// URL only through TensorFlow's file systems (tf.io.gfile)")]
+    on_disk = on_jax() | {"storage": written("/mnt/shared/runs")}
+    assert problems_for(on_disk, on_jax(), job="{module: m, backend: jax}\n"
+                        "checkpoint: {dir: /mnt/shared/runs}") == []
+
+
 def test_a_tensorflow_job_keeps_its_tensorflow_rules_on_hosts_with_jax() -> None:
     assert problems_for(on_jax(), on_jax(), job="{module: m}") == [
         ("tensorflow", True, "TensorFlow is not installed for python3 on h0 (No module)"),

@@ -375,6 +375,44 @@ print("ok", placed.count)
 '''
 
 
+VERIFY_IN_A_BUCKET = """
+import json, sys
+import tensorflow as tf
+from worker.checkpoints import index_names, verify
+
+source, base = sys.argv[1], sys.argv[2]
+for name in tf.io.gfile.listdir(source):
+    data = open(f"{source}/{name}", "rb").read()
+    if name == "ckpt-80.weights.h5":
+        data = data[: len(data) // 2]  # a save cut short
+    tf.io.gfile.makedirs(f"{base}/chief")
+    with tf.io.gfile.GFile(f"{base}/chief/{name}", "wb") as f:
+        f.write(data)
+print(json.dumps({"result": verify(base), "index": index_names(f"{base}/chief"),
+                  "files": sorted(tf.io.gfile.listdir(f"{base}/chief"))}))
+"""
+
+
+def test_checkpoints_in_a_bucket_are_verified_there_and_a_torn_one_dropped(
+        tmp_path: Path, unbroken: RunResult) -> None:
+    """The same check on a URL (a ``file://`` one standing in for gs://: the same tf.io.gfile
+    calls; TensorFlow's ``ram://`` appends where a rewrite must replace): read there, the index
+    rewritten there, the torn files deleted there."""
+    events = events_of(unbroken.attempts[0].tasks[0].log)
+    chief_dir = next(e for e in events if e.kind == "checkpoint").get("path")
+    base = f"file://{tmp_path}/bucket/runs/r1"
+    done = subprocess.run([sys.executable, "-c", VERIFY_IN_A_BUCKET, chief_dir, base],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.splitlines()[-1])
+    chief = f"{base}/chief"
+    assert said["result"]["ok"] and said["result"]["path"] == f"{chief}/ckpt-70"
+    assert [r["path"] for r in said["result"]["rejected"]] == [f"{chief}/ckpt-80"]
+    assert said["index"] == ["ckpt-60", "ckpt-70"]
+    assert said["files"] == ["checkpoint", "ckpt-60.state.npz", "ckpt-60.weights.h5",
+                             "ckpt-70.state.npz", "ckpt-70.weights.h5"]
+
+
 def test_a_variable_the_restore_does_not_set_gets_what_its_initializer_makes(
         tmp_path: Path) -> None:
     """On a resume the initializers wait for the restore; one it does not set (here the

@@ -467,6 +467,43 @@ retry: {max_restarts: 2, backoff_initial_s: 0}
                if v["name"] == "runs")
 
 
+def test_a_keras3_module_on_jax_checkpoints_to_a_bucket_and_a_killed_pod_resumes_from_it(
+        kube_cluster_factory: Callable[..., FakeCluster], pods: PodLab, tmp_path: Path) -> None:
+    """``job.backend: jax`` with no volume: the chief's Keras-format checkpoints (.weights.h5,
+    .state.npz and the index) go to gs:// through TensorFlow's file systems, as Keras reaches
+    remote paths; a killed pod's group verifies and resumes from the bucket."""
+    with bucket_cluster(kube_cluster_factory, pods, (TRAINER,)) as (cluster, gcs):
+        path = k8s_spec(cluster, tmp_path, """\
+job: {module: keras3_digits, backend: jax, epochs: 1, steps_per_epoch: 40,
+      progress_every_steps: 1, deterministic: true}
+checkpoint: {dir: 'gs://ckpt-bucket/runs', every_steps: 10}
+retry: {max_restarts: 2, backoff_initial_s: 0}
+""", workers=2, provider=NO_VOLUME)
+        shutil.copy(REPO / "examples" / "keras3_digits.py", path.parent / "keras3_digits.py")
+        cluster.store.create("serviceaccounts", {"metadata": {"name": "trainer"}}, namespace="ml")
+        result = train_killing_worker_1(cluster, path, step=15)
+        objects = gcs.objects("ckpt-bucket")
+        principals = {seen.principal for seen in gcs.requests
+                      if seen.server == "gcs" and "upload_id=" not in seen.path}
+    assert result.status == "succeeded"
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    assert second.resumed_from_step in (10, 20), second.resumed_from_step
+    assert len(result.digests) == 2 and len(set(result.digests.values())) == 1
+    run = f"runs/k8s-e2e/{result.run_id}"
+    index = objects[f"{run}/chief/checkpoint"].decode()
+    assert 'model_checkpoint_path: "ckpt-40"' in index, index
+    assert objects[f"{run}/chief/ckpt-40.weights.h5"][:8] == b"\x89HDF\r\n\x1a\n"
+    assert objects[f"{run}/chief/ckpt-40.state.npz"][:2] == b"PK"
+    kept = sorted(key.rsplit("/", 1)[1] for key in objects
+                  if key.startswith(f"{run}/chief/") and not key.endswith("/"))
+    assert kept == ["checkpoint", *(f"ckpt-{s}.{kind}" for s in (20, 30, 40)
+                                    for kind in ("state.npz", "weights.h5"))], kept
+    assert objects[f"{run}/model/model.keras"][:2] == b"PK"
+    assert result.model_path == f"gs://ckpt-bucket/{run}/model/model.keras"
+    assert principals == {TRAINER}
+
+
 def test_a_service_account_that_may_not_write_the_bucket_stops_the_run_at_once(
         kube_cluster_factory: Callable[..., FakeCluster], pods: PodLab, tmp_path: Path) -> None:
     with bucket_cluster(kube_cluster_factory, pods, ()) as (cluster, _):

@@ -206,8 +206,6 @@ def test_a_jax_job_gives_every_task_what_keras_distribution_initialize_reads() -
 @pytest.mark.parametrize(("job", "field", "says"), [
     ("{command: [python, t.py], backend: jax, keras: 2}", "job.keras",
      "runs only on TensorFlow"),
-    ("{module: m, backend: jax}\ncheckpoint: {dir: 'gs://ckpt-bucket/runs'}", "checkpoint.dir",
-     "writes its checkpoints to a file system only"),
     ("{module: m, backend: jax, distribution: model_parallel}", "job.mesh",
      "job.mesh is not set"),
     ("{module: m, distribution: model_parallel, mesh: [1, 2]}", "job.distribution",
@@ -219,6 +217,15 @@ def test_jax_jobs_that_cannot_run_are_refused_by_their_field(job: str, field: st
     with pytest.raises(SpecError) as err:
         spec.parse(f"name: demo\nworkers: 2\njob: {job}\n")
     assert err.value.field == field and says in err.value.message and err.value.fix
+
+
+def test_a_managed_jax_job_may_checkpoint_to_a_bucket() -> None:
+    s = spec.parse("name: demo\nworkers: 2\njob: {module: m, backend: jax}\n"
+                   "checkpoint: {dir: 'gs://ckpt-bucket/runs'}\n")
+    p = build(s, local_hosts(2))
+    assert p.checkpoints.shared
+    assert {t.env["ORCHESTRATE_CHECKPOINT_DIR"] for t in p.tasks} == {
+        f"gs://ckpt-bucket/runs/demo/{p.run_id}"}
 
 
 def test_a_managed_jax_job_runs_the_managed_worker_with_its_backend_and_jax_environment() -> None:

@@ -103,3 +103,25 @@ def test_a_gs_location_without_credentials_fails_the_first_task_clearly(
         in text
     assert "roles/storage.objectUser" in text  # the fix
     assert "startup_timeout" not in text  # the tasks answered; nothing waited for a deadline
+
+
+NO_TENSORFLOW = """
+import sys
+sys.modules["tensorflow"] = None  # a JAX host: no TensorFlow to import
+from worker.storage import check_checkpoint_storage
+sys.exit(0 if check_checkpoint_storage(sys.argv[1]) else 3)
+"""
+
+
+def test_a_bucket_on_a_host_without_tensorflow_says_so_with_the_fix() -> None:
+    """A JAX job's gs:// checkpoints go through TensorFlow's file systems, as Keras's own remote
+    paths do: a host without TensorFlow is told that, and what to install, not a generic storage
+    error."""
+    done = subprocess.run([sys.executable, "-c", NO_TENSORFLOW, "gs://ckpt/runs/c/r1"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 3, done.stderr
+    (event,) = [e for e in map(parse_line, done.stdout.splitlines()) if e is not None]
+    assert (event.kind, event.get("phase")) == ("error", "storage")
+    assert event.get("message").startswith(
+        "cannot write the checkpoint location gs://ckpt/runs/c/r1: TensorFlow is not installed")
+    assert "tensorflow>=2.21,<2.22" in event.get("fix") and "JAX variant" in event.get("fix")

@@ -7,14 +7,23 @@ the newest checkpoint and the ones kept, in ``DIR/chief`` or ``DIR``): TensorFlo
 (``NAME.weights.h5``, Keras's own weights file with the optimizer's, and ``NAME.state.npz``,
 the step and the variables the weights file leaves out; read with h5py and NumPy, no
 TensorFlow).
+
+The Keras format's directory may be a ``gs://`` URL: it is then read and written through
+TensorFlow's file systems (``tf.io.gfile``), as Keras itself reaches remote paths, so a JAX host
+writing to a bucket needs TensorFlow beside JAX (the worker image's JAX variant has it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import posixpath
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
+
+from worker.storage import is_url
 
 INDEX = "checkpoint"
 WEIGHTS = ".weights.h5"
@@ -33,8 +42,90 @@ def restores(tf: Any, path: str) -> str | None:
     return None
 
 
+# -- files: a path, or a URL through TensorFlow's file systems ---------------------------------
+def _gfile() -> Any:
+    import tensorflow as tf
+
+    return tf.io.gfile
+
+
+def join(directory: str, name: str) -> str:
+    return posixpath.join(directory, name) if is_url(directory) else os.path.join(directory, name)
+
+
+def exists(path: str) -> bool:
+    return bool(_gfile().exists(path)) if is_url(path) else os.path.exists(path)
+
+
+def read_bytes(path: str, limit: int = -1) -> bytes:
+    """The file's bytes (at most ``limit``); OSError if it cannot be read (a URL's errors too)."""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            return f.read(limit)
+    try:
+        with _gfile().GFile(path, "rb") as f:
+            data: bytes = f.read(limit)
+            return data
+    except ImportError:
+        raise
+    except Exception as exc:  # TensorFlow's NotFoundError and the like: an OSError here
+        raise OSError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                      ) from exc
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """The whole file, or none of it: a temporary file renamed over it; an object of a bucket
+    appears when its upload ends."""
+    if is_url(path):
+        with _gfile().GFile(path, "wb") as f:
+            f.write(data)
+        return
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def makedirs(directory: str) -> None:
+    if is_url(directory):
+        _gfile().makedirs(directory)
+    else:
+        os.makedirs(directory, exist_ok=True)
+
+
+def _listdir(directory: str) -> list[str]:
+    if is_url(directory):
+        return [name.rstrip("/") for name in _gfile().listdir(directory)]
+    return os.listdir(directory)
+
+
+def _remove(path: str) -> None:
+    if is_url(path):
+        _gfile().remove(path)
+    else:
+        os.remove(path)
+
+
 def keras_restores(path: str) -> str | None:
-    """None if every array of the Keras-format checkpoint at ``path`` reads back; else why not."""
+    """None if every array of the Keras-format checkpoint at ``path`` reads back; else why not.
+    A checkpoint in a bucket is read from a local copy."""
+    if not is_url(path):
+        return _keras_restores(path)
+    scratch = tempfile.mkdtemp(prefix="orchestrate-verify-")
+    local = os.path.join(scratch, posixpath.basename(path))
+    try:
+        for suffix in (WEIGHTS, STATE):
+            try:
+                data = read_bytes(path + suffix)
+            except OSError as exc:
+                return str(exc)[:300]
+            with open(local + suffix, "wb") as f:
+                f.write(data)
+        return _keras_restores(local)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _keras_restores(path: str) -> str | None:
     try:
         import h5py
         import numpy as np
@@ -53,7 +144,7 @@ def keras_restores(path: str) -> str | None:
 
 
 def is_keras_format(path: str) -> bool:
-    return os.path.exists(path + WEIGHTS) or os.path.exists(path + STATE)
+    return exists(path + WEIGHTS) or exists(path + STATE)
 
 
 def check(path: str) -> str | None:
@@ -68,8 +159,7 @@ def check(path: str) -> str | None:
 def index_names(directory: str) -> list[str]:
     """The checkpoints the index in ``directory`` names, oldest first, the newest last."""
     try:
-        with open(os.path.join(directory, INDEX), encoding="utf-8", errors="replace") as f:
-            text = f.read(1 << 20)
+        text = read_bytes(join(directory, INDEX), 1 << 20).decode("utf-8", errors="replace")
     except OSError:
         return []
     newest, kept = "", []
@@ -90,22 +180,19 @@ def write_index(directory: str, names: list[str]) -> None:
     files of every other checkpoint in ``directory``."""
     text = f'model_checkpoint_path: "{names[-1]}"\n' + "".join(
         f'all_model_checkpoint_paths: "{n}"\n' for n in names)
-    tmp = os.path.join(directory, INDEX + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(directory, INDEX))
-    for file in os.listdir(directory):
+    write_bytes(join(directory, INDEX), text.encode())
+    for file in _listdir(directory):
         if file.endswith((WEIGHTS, STATE)) and \
                 file.removesuffix(WEIGHTS).removesuffix(STATE) not in names:
-            os.remove(os.path.join(directory, file))
+            _remove(join(directory, file))
 
 
 def _keras_dir(base: str) -> str | None:
     """Where the tasks restore from, if the checkpoints there are in the Keras format."""
-    for directory in (os.path.join(base, "chief"), base):
+    for directory in (join(base, "chief"), base):
         names = index_names(directory)
         if names:
-            return directory if is_keras_format(os.path.join(directory, names[-1])) else None
+            return directory if is_keras_format(join(directory, names[-1])) else None
     return None
 
 
@@ -116,7 +203,7 @@ def newest_good(directory: str, names: list[str], problem: Callable[[str], str |
     leaves only those in the index."""
     rejected: list[dict[str, str]] = []
     for i in range(len(names) - 1, -1, -1):
-        path = os.path.join(directory, names[i])
+        path = join(directory, names[i])
         why = problem(path)
         if why is None:
             if rejected:

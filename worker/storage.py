@@ -4,9 +4,11 @@ checkpoint index that reports each new checkpoint as an event."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import sys
 import threading
 import uuid
 from typing import Any
@@ -21,6 +23,11 @@ STORAGE_FIX = (
     "https://www.googleapis.com/auth/devstorage.read_write); on kubernetes "
     "provider.service_account, through Workload Identity (the README's Kubernetes section); "
     "or set checkpoint.dir to an absolute path on a shared file system"
+)
+GFILE_FIX = (
+    "install TensorFlow beside JAX on every host (the worker extra's: pip install "
+    "'tensorflow>=2.21,<2.22'; only its file systems are used), or run the tasks in the worker "
+    "image's JAX variant, which has it; or set checkpoint.dir to a path"
 )
 INDEX_RE = re.compile(r'^model_checkpoint_path:\s*"([^"]+)"', re.M)
 
@@ -62,6 +69,13 @@ def check_checkpoint_storage(location: str) -> bool:
     cannot write there. Paths on disk are left to the job (and to ``orchestrate doctor``)."""
     if not is_url(location):
         return True
+    if importlib.util.find_spec("tensorflow") is None:
+        emit("error", phase="storage", type="CheckpointStorageError",
+             message=f"cannot write the checkpoint location {location}: TensorFlow is not "
+             f"installed on this host ({sys.executable}), and a gs:// URL is reached only "
+             "through its file systems (tf.io.gfile), as Keras on JAX reaches remote paths",
+             fix=GFILE_FIX)
+        return False
     problem = write_problem(location)
     if problem is None:
         return True

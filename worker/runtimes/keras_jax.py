@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import os
 import shutil
 import signal
@@ -44,7 +45,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from worker.checkpoints import STATE, STEP_KEY, WEIGHTS, index_names, write_index
+from worker.checkpoints import (
+    STATE,
+    STEP_KEY,
+    WEIGHTS,
+    index_names,
+    join,
+    makedirs,
+    read_bytes,
+    write_bytes,
+    write_index,
+)
 from worker.events import emit
 from worker.runtimes.common import (
     emit_error,
@@ -211,8 +222,8 @@ def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
 
 
 def _chief_dir() -> str:
-    """Where the chief's checkpoints are, on this task's host."""
-    return os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
+    """Where the chief's checkpoints are, on this task's host (or in a bucket)."""
+    return join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
 
 
 def _built(keras: Any, job: Job, module: Any, distribution: Any,
@@ -573,9 +584,9 @@ class JaxTraining:
             return 0
         import numpy as np
 
-        path = os.path.join(self.chief_dir, names[-1])
-        self.model.load_weights(path + WEIGHTS)
-        with np.load(path + STATE) as state:
+        path = join(self.chief_dir, names[-1])
+        self.model.load_weights(path + WEIGHTS)  # Keras reads a gs:// URL through gfile
+        with np.load(io.BytesIO(read_bytes(path + STATE))) as state:
             by_path = {v.path: v for v in self.model.non_trainable_variables}
             for key in state.files:
                 if key in by_path:
@@ -590,20 +601,20 @@ class JaxTraining:
 
         self.model.jax_state_sync()  # inside fit, the newest state is the trainer's, not yet the model's
         if self.processes.chief:
-            os.makedirs(self.chief_dir, exist_ok=True)
+            makedirs(self.chief_dir)
             directory = self.chief_dir
         else:
             directory = tempfile.mkdtemp(prefix="orchestrate-ckpt-")
         name = f"ckpt-{self.step}"
-        path = os.path.join(directory, name)
+        path = join(directory, name)
         with _gathering():
-            self.model.save_weights(path + WEIGHTS)
+            self.model.save_weights(path + WEIGHTS)  # a gs:// URL: Keras uploads it with gfile
         state: dict[str, Any] = {v.path: to_host(v.value)
                                  for v in self.model.non_trainable_variables}
         state[STEP_KEY] = np.asarray(self.step)
-        with open(path + STATE + ".tmp", "wb") as f:
-            np.savez(f, **state)
-        os.replace(path + STATE + ".tmp", path + STATE)
+        buffer = io.BytesIO()
+        np.savez(buffer, **state)
+        write_bytes(path + STATE, buffer.getvalue())
         self.saved_step = self.step
         if not self.processes.chief:
             shutil.rmtree(directory, ignore_errors=True)

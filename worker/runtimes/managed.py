@@ -106,12 +106,12 @@ def run_managed(job: Job) -> int:
     """Train the job's model on this task; return the process exit code."""
     phase: Phase = "connect"
     emit("started", pid=os.getpid(), mode="managed", python=sys.version.split()[0])
+    if not check_checkpoint_storage(os.environ["ORCHESTRATE_CHECKPOINT_DIR"]):
+        return STORAGE_ERROR
     if job.backend == "jax":
         from worker.runtimes import keras_jax
 
         return keras_jax.run(job)
-    if not check_checkpoint_storage(os.environ["ORCHESTRATE_CHECKPOINT_DIR"]):
-        return STORAGE_ERROR
     try:
         import tensorflow as tf
 
