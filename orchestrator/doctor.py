@@ -650,7 +650,8 @@ def _gfile_for_jax(plan: ClusterPlan, checks: Sequence[HostCheck]) -> list[Probl
         path, skipped = c.fact("storage", "path"), c.fact("storage", "skipped")
         if isinstance(path, str) and is_url(path) and isinstance(skipped, str) \
                 and skipped.startswith("TensorFlow"):
-            missing.setdefault((path, skipped.split(":")[0]), []).append(c.name)
+            # the preflight's reason, less its own ": gs:// cannot be checked"
+            missing.setdefault((path, skipped.split(": gs://")[0]), []).append(c.name)
     return [Problem(
         "checkpoint", f"{', '.join(hosts)}: {why}, and this JAX job's checkpoints go to {path} "
         f"({plan.checkpoints.named_by or 'checkpoint.dir'}): Keras on JAX reaches a gs:// URL "

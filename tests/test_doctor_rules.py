@@ -309,6 +309,12 @@ def test_on_jax_a_bucket_needs_tensorflow_for_its_file_systems_on_every_host() -
     assert found == [("checkpoint", True, "h0: TensorFlow is not installed, and this JAX job's "
                       "checkpoints go to gs://ckpt/runs (checkpoint.dir): Keras on JAX reaches a "
                       "gs:// URL only through TensorFlow's file systems (tf.io.gfile)")]
+    broken = on_jax() | {"storage": written(
+        bucket, skipped="TensorFlow does not import (ImportError: libcudart.so.12: cannot open)")}
+    assert problems_for(broken, with_tf, job=job) == [
+        ("checkpoint", True, "h0: TensorFlow does not import (ImportError: libcudart.so.12: "
+         "cannot open), and this JAX job's checkpoints go to gs://ckpt/runs (checkpoint.dir): "
+         "Keras on JAX reaches a gs:// URL only through TensorFlow's file systems (tf.io.gfile)")]
     on_disk = on_jax() | {"storage": written("/mnt/shared/runs")}
     assert problems_for(on_disk, on_jax(), job="{module: m, backend: jax}\n"
                         "checkpoint: {dir: /mnt/shared/runs}") == []
