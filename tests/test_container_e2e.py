@@ -187,14 +187,21 @@ def test_attach_after_a_controller_kill_finds_the_containers_and_down_leaves_non
         subprocess.run([*PODMAN, "rm", "-f", *containers_of("ct-attach")], capture_output=True)
 
 
-def test_on_ssh_hosts_as_a_plain_user_a_killed_container_resumes_and_down_leaves_none(
-        image: str, hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
-    """Through the CLI, as a user would: up, doctor, train (a container killed mid-run), down."""
+def podman_hosts(hostlab: HostLab) -> tuple[list[LabHost], str]:
+    """2 namespace hosts, each with a podman service whose socket the plain user may use; the
+    hosts and that user."""
     hostlab.require_partition()
     hosts = hostlab.hosts(2)
     user = hostlab.plain_user()
     for h in hosts:
         h.serve_podman(user=user)
+    return hosts, user
+
+
+def test_on_ssh_hosts_as_a_plain_user_a_killed_container_resumes_and_down_leaves_none(
+        image: str, hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """Through the CLI, as a user would: up, doctor, train (a container killed mid-run), down."""
+    hosts, user = podman_hosts(hostlab)
     path = write_spec(tmp_path, hostlab, hosts, f"""\
         name: ct-ssh
         job: {PACED}
@@ -257,11 +264,7 @@ def test_a_keras3_module_on_jax_in_containers_on_ssh_hosts_resumes_a_killed_one_
     in each container looks the host's name up in the /etc/hosts podman copied from the host
     (the host's own address, as the doctor asks), a killed container restarts the group from
     the chief's checkpoint, and both tasks end with one model."""
-    hostlab.require_partition()
-    hosts = hostlab.hosts(2)
-    user = hostlab.plain_user()
-    for h in hosts:
-        h.serve_podman(user=user)
+    hosts, user = podman_hosts(hostlab)
     path = write_spec(tmp_path, hostlab, hosts, f"""\
         name: ct-jax-ssh
         job: {{module: examples.keras3_digits, backend: jax, epochs: 1, steps_per_epoch: 40,
