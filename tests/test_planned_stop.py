@@ -138,10 +138,15 @@ def test_down_mid_run_saves_at_one_step_and_train_resume_goes_on_from_there(
         tmp_path: Path, orchestrate_home: Path) -> None:
     path = make(tmp_path, SAVES_ON_TERM, {"FOREVER": "1"})
     training = {1: threading.Event(), 2: threading.Event()}
+    # Both tasks must be past step 3, so both have their SIGTERM handler: 'down' while one of
+    # them is still starting Python kills it with the default action (143), as CI once saw.
+    at_step_3: dict[int, set[str]] = {1: set(), 2: set()}
 
     def listener(view: RunView, event: Event | None) -> None:
         if event is not None and event.kind == "progress" and event.get("step") >= 3:
-            training[event.attempt].set()
+            at_step_3[event.attempt].add(event.task)
+            if len(at_step_3[event.attempt]) == 2:
+                training[event.attempt].set()
 
     run = Cluster.from_spec(path).train(wait=False, doctor=False, listener=listener)
     assert training[1].wait(60)
