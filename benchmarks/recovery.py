@@ -27,7 +27,9 @@ Measured per case:
 
 Goals, fault-to-first-step over the cold start: a worker or the chief SIGKILLed <= 1.0x; a host
 cut off <= 1.5x. The full run also measures the worker-killed case with `warm_tasks: false`
-(cold relaunch), so warm and cold can be read side by side.
+(cold relaunch), so warm and cold can be read side by side, and with
+`retry.snapshot_on_crash: false`, so the steps redone with and without the chief's snapshot
+(on by default: the group resumes at the step the crash broke) can be read side by side.
 
     python benchmarks/recovery.py             # warm: all three cases, + worker killed cold; 3 repeats
     python benchmarks/recovery.py --cold      # the same cases, all with warm_tasks: false
@@ -90,17 +92,20 @@ PHASES = tuple(f"{phase}_s" for phase in RECOVERY_PHASES)  # the result's keys, 
 GO = re.compile(r"attempt (\d+): started (\d+) tasks(?: \((\d+) warm: told to go\))?")
 
 
-def settings(warm: bool) -> dict[str, Any]:
-    return {**SETTINGS, "retry": {**SETTINGS["retry"], "warm_tasks": warm}}
+def settings(warm: bool, snapshot: bool = True) -> dict[str, Any]:
+    return {**SETTINGS, "retry": {**SETTINGS["retry"], "warm_tasks": warm,
+                                  "snapshot_on_crash": snapshot}}
 
 
-def recovery_job(directory: Path, name: str, target: Target, *, warm: bool) -> Path:
-    """The paced job a fault is fired into, with warm tasks on or off."""
+def recovery_job(directory: Path, name: str, target: Target, *, warm: bool,
+                 snapshot: bool = True) -> Path:
+    """The paced job a fault is fired into, with warm tasks on or off, and the survivor's
+    snapshot after a crash (retry.snapshot_on_crash) on or off."""
     return write_spec(directory, digits_spec(name, WORKERS, target, epochs=EPOCHS,
                                              steps_per_epoch=STEPS_PER_EPOCH,
                                              checkpoint_every=EVERY, module=PACED,
-                                             **settings(warm)),
-                      stem=f"{name}-{'warm' if warm else 'cold'}")
+                                             **settings(warm, snapshot)),
+                      stem=f"{name}-{'warm' if warm else 'cold'}{'' if snapshot else '-nosnap'}")
 
 
 def cold_start_job(directory: Path, name: str, target: Target) -> Path:
@@ -281,6 +286,7 @@ def recover(path: Path, fault: Callable[[Recorder], None], target: Target = LOCA
            for key, phase in zip(PHASES, RECOVERY_PHASES, strict=True)},
         "steps_repeated": recorder.last_step[hit] - recorder.resumed.get(again, 0),
         "recorded_steps_lost": failed.steps_lost,
+        "snapshot_step": failed.snapshot_step, "snapshot": failed.snapshot,
         "warm_state_at_fault": recorder.warm_state or None,
         "warm_told_to_go": went,
         "checkpoint_verified_by_warm_task": verified,
@@ -299,17 +305,22 @@ class Case:
     fault: Callable[[Recorder], None]
     goal: float
     warm: bool
+    snapshot: bool = True  # retry.snapshot_on_crash
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({'warm' if self.warm else 'cold'})"
+        return f"{self.name} ({self.relaunch})"
+
+    @property
+    def relaunch(self) -> str:
+        return ("warm" if self.warm else "cold") + ("" if self.snapshot else ", snapshot off")
 
 
 def summarize(case: Case, samples: list[dict[str, Any]], cold: list[float | None]) -> dict[str, Any]:
     kill_to_step = [s["kill_to_first_step_s"] for s in samples]
     value = ratio(median_of(kill_to_step), median_of(cold))
     return {
-        "case": case.name, "relaunch": "warm" if case.warm else "cold",
+        "case": case.name, "relaunch": case.relaunch, "snapshot_on_crash": case.snapshot,
         "target": case.target.name, "workers": WORKERS,
         "cause": samples[0]["cause"] if samples else None,
         "kill_to_first_step_s": spread(kill_to_step),
@@ -321,6 +332,8 @@ def summarize(case: Case, samples: list[dict[str, Any]], cold: list[float | None
         "fault_step": spread([s["fault_step"] for s in samples], 1),
         "steps_repeated": spread([s["steps_repeated"] for s in samples], 1),
         "recorded_steps_lost": spread([s["recorded_steps_lost"] for s in samples], 1),
+        "resumed_from_a_snapshot": sum(s["snapshot_step"] is not None for s in samples),
+        "snapshots": [s["snapshot"] for s in samples],
         "warm_ready_at_fault": sum(s["warm_state_at_fault"] == "ready" for s in samples),
         "warm_told_to_go": spread([s["warm_told_to_go"] for s in samples], 1),
         "checkpoint_verified_by_warm_task": sum(s["checkpoint_verified_by_warm_task"]
@@ -376,17 +389,20 @@ def main() -> None:
         directory = Path(scratch)
         local_cold = cold_start_job(directory, "recovery-local", LOCAL)
 
-        def local(warm_tasks: bool) -> Path:
-            return recovery_job(directory, "recovery-local", LOCAL, warm=warm_tasks)
+        def local(warm_tasks: bool, snapshot: bool = True) -> Path:
+            return recovery_job(directory, "recovery-local", LOCAL, warm=warm_tasks,
+                                snapshot=snapshot)
 
         cases = [Case("worker killed", LOCAL, local(warm), local_cold, kill("worker:1"),
                       KILL_GOAL, warm)]
         if args.quick:
             skipped["chief killed"] = skipped["host cut off"] = "--quick runs the worker-killed case only"
         else:
-            if warm:  # the same case relaunched cold, next to it
+            if warm:  # the same case relaunched cold, and without the snapshot, next to it
                 cases.append(Case("worker killed", LOCAL, local(False), local_cold,
                                   kill("worker:1"), KILL_GOAL, False))
+                cases.append(Case("worker killed", LOCAL, local(True, snapshot=False),
+                                  local_cold, kill("worker:1"), KILL_GOAL, True, snapshot=False))
             cases.append(Case("chief killed", LOCAL, local(warm), local_cold, kill(CHIEF),
                               KILL_GOAL, warm))
             if lab is None:
@@ -432,7 +448,7 @@ def main() -> None:
 
 def warm_use(result: dict[str, Any]) -> str:
     """How the warm tasks served: ready at the fault, told to go, checkpoint verified."""
-    if result["relaunch"] == "cold":
+    if result["relaunch"].startswith("cold"):
         return "-"
     n = result["samples"]
     went = result["warm_told_to_go"]

@@ -531,6 +531,10 @@ def attempt_figures(a: dict[str, Any]) -> str:
         parts.append(f"back to training {a['recovery_s']:.1f}s after the failure")
     if a.get("phases"):
         parts.append("of which " + describe_phases(a["phases"]))
+    if a.get("snapshot_step") is not None:
+        parts.append(f"resumed from a survivor's snapshot at step {a['snapshot_step']}")
+    elif a.get("snapshot"):
+        parts.append(f"no snapshot ({a['snapshot'][:160]})")
     if a["steps_lost"] is not None:
         parts.append(f"{a['steps_lost']} step(s) redone")
     return "; " + "; ".join(parts)

@@ -982,6 +982,14 @@ class Retry(Model):
     )
     backoff_initial_s: float = Field(default=1.0, ge=0, le=MAX_BACKOFF_S)
     backoff_max_s: float = Field(default=30.0, ge=0, le=MAX_BACKOFF_S)
+    snapshot_on_crash: bool = Field(
+        default=True,
+        description="When a task dies or its host is lost, the chief (if it lives) saves its "
+        "state at the last step every task completed, before it is stopped: the relaunch "
+        "resumes from there, so a crash redoes at most the step under way. Managed jobs on "
+        "TensorFlow (JAX ends every process when a peer dies); false: back to the last "
+        "periodic checkpoint.",
+    )
     warm_tasks: bool | Literal["auto"] = Field(
         default="auto",
         description="Keep the next attempt's tasks started on every host, TensorFlow and the "
@@ -1024,6 +1032,12 @@ class Timeouts(Model):
     collective_s: float | None = Field(
         default=None, gt=0, le=MAX_TIMEOUT_S,
         description="TF collective timeout: a collective waiting longer fails its task.",
+    )
+    snapshot_s: float = Field(
+        default=60.0, ge=0, le=MAX_TIMEOUT_S,
+        description="After a crash, how long the chief may take to save its snapshot "
+        "(retry.snapshot_on_crash) and exit before it is killed; then the last periodic "
+        "checkpoint is used. Raise it for a checkpoint that takes longer to write.",
     )
     repair_s: float = Field(
         default=600.0, ge=0, le=MAX_TIMEOUT_S,

@@ -71,6 +71,8 @@ CREATE TABLE IF NOT EXISTS attempts (
     recovery_s REAL,
     steps_lost INTEGER,
     phases_json TEXT NOT NULL DEFAULT '{}',
+    snapshot_step INTEGER,
+    snapshot TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (run_id, number)
 );
 """
@@ -85,6 +87,8 @@ MIGRATIONS = (
     ("attempts", "recovery_s", "REAL"),
     ("attempts", "steps_lost", "INTEGER"),
     ("attempts", "phases_json", "TEXT NOT NULL DEFAULT '{}'"),
+    ("attempts", "snapshot_step", "INTEGER"),
+    ("attempts", "snapshot", "TEXT NOT NULL DEFAULT ''"),
 )
 
 
@@ -169,6 +173,10 @@ class AttemptRecord:
     # Where the recovery from this attempt's failure went, in seconds per phase (see
     # ``supervisor.RECOVERY_PHASES``); they add up to ``recovery_s``.
     phases: dict[str, float] = field(default_factory=dict)
+    # After a crash: the step of the survivor's snapshot the next attempt resumes from (None:
+    # none was saved), and who saved it or why none was (retry.snapshot_on_crash).
+    snapshot_step: int | None = None
+    snapshot: str = ""
 
     @property
     def detect_s(self) -> float | None:
@@ -500,7 +508,8 @@ class Store:
     def update_attempt(self, run_id: str, number: int, **fields: Any) -> None:
         allowed = {"status", "ended_at", "cause", "detail", "failed_task", "exit_code",
                    "resumed_from_step", "last_step", "first_step_at", "tasks", "evidence",
-                   "failed_at", "detected_at", "recovery_s", "steps_lost", "phases"}
+                   "failed_at", "detected_at", "recovery_s", "steps_lost", "phases",
+                   "snapshot_step", "snapshot"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown attempt fields {sorted(unknown)}")
@@ -568,6 +577,7 @@ def _attempt(row: sqlite3.Row) -> AttemptRecord:
         first_step_at=row["first_step_at"], tasks=tasks,
         evidence=row["evidence"], failed_at=row["failed_at"], detected_at=row["detected_at"],
         recovery_s=row["recovery_s"], steps_lost=row["steps_lost"], phases=phases,
+        snapshot_step=row["snapshot_step"], snapshot=row["snapshot"],
     )
 
 

@@ -98,6 +98,8 @@ class Supervisor:
         self._launched: list[Watched] = []  # the tasks of the attempt started so far
         self._last_prestep_failure = ""
         self._chief_host: Host | None = None
+        self._chief_key = ""
+        self._epoch_logs: dict[str, float] = {}  # the chief's last epoch's loss and metrics
         self._layout: CheckpointLayout | None = None
         self._relayed_bytes = 0  # checkpoint bytes relayed through here when hosts could not
         self._mirror: CheckpointMirror | None = None
@@ -259,7 +261,8 @@ class Supervisor:
     def _succeed(self, run_id: str, finished: dict[str, Event], started: float) -> RunResult:
         self._count_mirror()
         chief = finished[next(iter(finished))]
-        metrics = dict(chief.get("metrics") or {})
+        # An attempt that resumed at the last step trained no epoch: the last one trained says.
+        metrics = dict(chief.get("metrics") or {}) or dict(self._epoch_logs)
         model_path = self._fetch_model(run_id, str(chief.get("model_path") or ""))
         result = RunResult(
             run_id=run_id, status="succeeded", metrics=metrics, model_path=model_path,
@@ -356,6 +359,7 @@ class Supervisor:
         )
         plan = self._with_secrets(plan)
         self._chief_host = plan.chief.host
+        self._chief_key = plan.chief_key
         self._layout = plan.checkpoints
         self.view.attempt = number
         self.view.tasks = {t.key: TaskView(t.key, t.host.name, t.endpoint) for t in plan.tasks}
@@ -402,9 +406,11 @@ class Supervisor:
             if failure.saved_step is not None and self.store.run_status(run_id) == "stopped":
                 failure.cause = Cause.STOPPED  # 'down' TERMed the tasks before we noticed
             self._check_preempted(failure, watched)
-            silent = self._stop_all(watched, watch, planned=failure.cause in PLANNED
-                                    or failure.saved_step is not None
-                                    or failure.cause is Cause.PREEMPTED)
+            planned = failure.cause in PLANNED or failure.saved_step is not None \
+                or failure.cause is Cause.PREEMPTED
+            if not planned:
+                self._await_snapshot(failure, watched, watch)
+            silent = self._stop_all(watched, watch, planned=planned)
             failure = self._confirm(failure, silent, watched)
         except BaseException as exc:
             self._abandon(run_id, number, watched, watch, exc)
@@ -412,6 +418,64 @@ class Supervisor:
         status = "stopped" if failure.cause is Cause.STOPPED else "failed"
         self._end_attempt(run_id, number, watched, status, failure, detected)
         raise failure from None
+
+    @property
+    def _snapshots(self) -> bool:
+        """Whether the tasks save a snapshot after a crash (retry.snapshot_on_crash): managed
+        jobs on TensorFlow."""
+        job = self.spec.job
+        return self.spec.retry.snapshot_on_crash and job.mode == "managed" and \
+            getattr(job, "backend", "tensorflow") == "tensorflow"
+
+    def _snapshot_taker(self, failure: AttemptFailed,
+                        watched: Sequence[Watched]) -> tuple[Watched | None, str]:
+        """The survivor that saves its state after ``failure`` (the chief), or why none does."""
+        chief = next((w for w in watched if w.key == self._chief_key), None)
+        if chief is None:
+            return None, "the chief was not started"
+        if chief.key == failure.task:
+            return None, (f"the task that failed was the chief ({chief.key}); a worker's "
+                          "snapshot is not taken yet")
+        if chief.unreachable is not None or failure.host == chief.plan.host.name:
+            return None, f"the chief's host {chief.plan.host.name} was lost"
+        if not chief.reached_step:
+            return None, "the group had not completed a step"
+        return chief, ""
+
+    def _await_snapshot(self, failure: AttemptFailed, watched: list[Watched],
+                        watch: AttemptWatch | None) -> None:
+        """After a task died or its host was lost: give the chief up to timeouts.snapshot_s to
+        save its state at the last completed step (it does so as its step fails on the lost
+        peer) and exit, before the survivors are killed."""
+        if not self._snapshots or watch is None or \
+                failure.cause not in (Cause.CRASHED, Cause.HOST_LOST):
+            return
+        chief, _ = self._snapshot_taker(failure, watched)
+        if chief is None or chief.ended or chief.snapshot is not None:
+            return
+        wait = self.spec.timeouts.snapshot_s
+        self._say(f"{failure.task} failed: waiting up to {wait:.0f}s for {chief.key} to save "
+                  "its state at the last step every task completed")
+        watch.wait_for_end(chief, wait)
+
+    def _snapshot_of(self, failure: AttemptFailed,
+                     watched: Sequence[Watched]) -> tuple[int | None, str]:
+        """The step of the survivor's snapshot after ``failure`` and who saved it, or (None,
+        why not); (None, "") where none was to be taken."""
+        if not self._snapshots or failure.cause not in (Cause.CRASHED, Cause.HOST_LOST):
+            return None, ""
+        chief, why = self._snapshot_taker(failure, watched)
+        if chief is None:
+            return None, why
+        if chief.snapshot is not None:
+            step = int(chief.snapshot.get("step", 0))
+            return step, f"{chief.key} saved its state at step {step} after {failure.task} failed"
+        if chief.snapshot_refused:
+            return None, f"{chief.key} could not save one: {chief.snapshot_refused}"
+        if chief.exit_code is not None and chief.exit_code != 137:
+            return None, f"{chief.key} exited ({chief.exit_code}) without saving one"
+        return None, (f"{chief.key} had not saved one within timeouts.snapshot_s "
+                      f"({self.spec.timeouts.snapshot_s:.0f}s), and was killed")
 
     def _abandon(self, run_id: str, number: int, watched: list[Watched],
                  watch: AttemptWatch | None, exc: BaseException) -> None:
@@ -546,6 +610,9 @@ class Supervisor:
         if event.kind == "checkpoint" and w.key == plan.chief_key and self._mirror is not None \
                 and plan.machines > 1 and plan.checkpoints.mirror != "never":
             self._mirror.request(plan, int(event.get("step", 0)))
+        if event.kind == "epoch" and w.key == plan.chief_key:
+            self._epoch_logs = {k: v for k, v in dict(event.get("logs") or {}).items()
+                                if isinstance(v, (int, float))}
         if event.kind == "connected" and w.key == plan.chief_key:
             # The strategy is created on every task at once: the group is connected.
             self._marks.setdefault(number, {}).setdefault("connected", event.time)
@@ -553,8 +620,11 @@ class Supervisor:
             self._maybe_warm(run_id, number, w)
         if event.kind == "warm_unusable" and self._warm is not None:
             self._warm.unusable(str(event.get("reason", ""))[:300])
-        if event.kind == "progress" and number > 1 and w.key == plan.chief_key and \
-                number not in self._recovered:
+        # (An attempt resumed at the last step has no step to train: it saves and finishes.)
+        resumed_at_end = event.kind == "resumed" and \
+            event.get("step") == event.get("total_steps") is not None
+        if (event.kind == "progress" or resumed_at_end) and number > 1 and \
+                w.key == plan.chief_key and number not in self._recovered:
             self._recovered.add(number)
             self._record_recovery(run_id, number, w)
 
@@ -834,6 +904,7 @@ class Supervisor:
     def _end_attempt(self, run_id: str, number: int, watched: list[Watched], status: str,
                      failure: AttemptFailed | None, detected_at: float | None) -> None:
         firsts = [w.first_progress_at for w in watched if w.first_progress_at is not None]
+        snapshot_step, snapshot = self._snapshot_of(failure, watched) if failure else (None, "")
         self.store.update_attempt(
             run_id, number, status=status, ended_at=time.time(),
             cause=failure.cause.value if failure else "",
@@ -847,20 +918,28 @@ class Supervisor:
             last_step=max((w.step for w in watched), default=0),
             first_step_at=min(firsts) if firsts else None,
             tasks=[w.record(self.launcher) for w in watched],
+            snapshot_step=snapshot_step, snapshot=self._redact(snapshot)[:2000],
         )
         if failure is not None:
             self._say(f"attempt {number} {status}: {failure.cause.value} in {failure.task}: "
                       f"{failure.detail}")
+        if snapshot:
+            self._say(snapshot if snapshot_step is not None else
+                      f"no snapshot: {snapshot}; the last checkpoint is used")
 
     def _record_recovery(self, run_id: str, number: int, chief: Watched) -> None:
         """Time from the last failure to this attempt's first step, and the steps redone."""
         previous = self.store.attempts(run_id)[number - 2]
         lost = max(0, (previous.last_step or 0) - (chief.start_step or 0))
-        if number == self._resumed_at:  # the time since the stop is a person's, not ours
+        redone = f"{lost} step(s) redone"
+        if previous.snapshot_step is not None and previous.snapshot_step == chief.start_step:
+            redone = f"resumed from a survivor's snapshot at step {chief.start_step}, " + redone
+        # The time since a stop is a person's, not ours (a 'train --resume'); an attempt that
+        # resumed at the last step has no first step to time.
+        if number == self._resumed_at or previous.failed_at is None or \
+                chief.first_progress_at is None:
             self.store.update_attempt(run_id, number - 1, steps_lost=lost)
-            self._say(f"resumed at step {chief.start_step or 0}; {lost} step(s) redone")
-            return
-        if previous.failed_at is None or chief.first_progress_at is None:
+            self._say(f"resumed at step {chief.start_step or 0}; {redone}")
             return
         marks = self._marks.get(number, {})
         phases = recovery_phases([previous.failed_at, previous.detected_at, previous.ended_at,
@@ -869,7 +948,7 @@ class Supervisor:
         self.store.update_attempt(run_id, number - 1, recovery_s=recovery, steps_lost=lost,
                                   phases=phases)
         self._say(f"recovered in {recovery:.1f}s from {previous.cause} ({describe_phases(phases)}"
-                  f"); {lost} step(s) redone")
+                  f"); {redone}")
 
     def report(self, run_id: str) -> str:
         attempts = self.store.attempts(run_id)

@@ -123,6 +123,10 @@ class Watched:
     last_event: Event | None = None
     checkpoint_step: int | None = None
     stopped: Event | None = None  # the task saved at a step on a SIGTERM, and exits
+    # After a peer's loss: the checkpoint it saved at its last completed step, or why it could
+    # not (retry.snapshot_on_crash).
+    snapshot: Event | None = None
+    snapshot_refused: str = ""
     waiting: str = ""  # why it has not started yet, as its scheduler last said
 
     def __post_init__(self) -> None:
@@ -206,6 +210,14 @@ class AttemptWatch:
             self._check_waiting()
             self._check_startup()
             self._check_hang()
+            time.sleep(self.interval_s)
+
+    def wait_for_end(self, w: Watched, timeout_s: float) -> None:
+        """Go on polling until ``w`` has ended, or its host stops answering, or ``timeout_s``
+        passed (the others are polled too: what they print is read as usual)."""
+        deadline = time.monotonic() + timeout_s
+        while not (w.ended or w.unreachable) and time.monotonic() < deadline:
+            self._collect()
             time.sleep(self.interval_s)
 
     def drain(self) -> None:
@@ -308,6 +320,10 @@ class AttemptWatch:
         w.last_event = event
         if event.kind == "checkpoint":
             w.checkpoint_step = int(event.get("step", 0))
+            if event.get("reason") == "snapshot":
+                w.snapshot = event
+        if event.kind == "snapshot_failed":
+            w.snapshot_refused = str(event.get("reason", ""))[:1000]
         if event.kind in ("training", "resumed"):
             w.start_step = int(event.get("step", 0))
         if event.kind in STEP_EVENTS:

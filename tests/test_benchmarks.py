@@ -43,6 +43,9 @@ def check_recovery(record: dict[str, Any]) -> None:
     assert worker_killed["repair_s"]["n"] == 0  # a crashed process leaves no host to repair
     assert all(measured(worker_killed[p]) for p in record["phases"] if p != "repair_s")
     assert measured(worker_killed["kill_to_first_step_s"])
+    # the chief's snapshot: the group resumed at the step the crash broke, not a checkpoint's
+    assert worker_killed["resumed_from_a_snapshot"] == 1, worker_killed["snapshots"]
+    assert worker_killed["steps_repeated"]["max"] <= 1
     assert set(record["skipped"]) == {"chief killed", "host cut off", "cold start"}
 
 

@@ -137,9 +137,13 @@ def kill_task(signal: str) -> Action:
 def test_worker_process_killed(hostlab: HostLab, tmp_path: Path) -> None:
     result, _ = train_with_fault(hostlab, tmp_path, "f-crash", progress_of("worker:2"),
                                  kill_task("KILL"))
-    first = assert_recovered(result, "crashed", "worker:2")
+    first = assert_recovered(result, "crashed", "worker:2", max_lost=1)
     assert first.exit_code == 137 and "signal 9" in first.detail
     assert (first.resumed_from_step or 0) == 0 and (result.attempts[1].resumed_from_step or 0) > 0
+    # the chief's snapshot, taken as its step failed on the lost peer, not the last checkpoint
+    assert first.snapshot == (f"worker:0 saved its state at step {first.snapshot_step} after "
+                              "worker:2 failed"), first.snapshot
+    assert result.attempts[1].resumed_from_step == first.snapshot_step
 
 
 def test_chief_host_lost_with_its_disk_resumes_from_the_controllers_copy(

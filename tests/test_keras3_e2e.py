@@ -115,7 +115,12 @@ def test_a_keras3_model_trains_on_two_workers_to_one_model_that_loads_anywhere(
     assert loaded.stdout.split() == ["Functional", str(built.get("parameters"))]
 
 
-def test_a_killed_keras3_worker_resumes_from_the_chiefs_checkpoint_bit_identical(
+def killed_at(log: str) -> int:
+    """The last step a killed task said it completed."""
+    return max(e.get("step") for e in events_of(log) if e.kind == "progress")
+
+
+def test_a_killed_keras3_worker_resumes_from_the_chiefs_snapshot_bit_identical(
         tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
     path = local_spec(tmp_path, "k3-kill", PACED_KERAS3)
     listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL))
@@ -124,11 +129,34 @@ def test_a_killed_keras3_worker_resumes_from_the_chiefs_checkpoint_bit_identical
     first, second, *later = result.attempts
     only_tf_aborts_before_the_last([second, *later])
     assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    # The chief saved its state as its step failed on the lost peer: at the step under way at
+    # most one away from worker:1's last (the one it did not say, or the one the chief lacked).
+    snapshots = [e.get("step") for e in events_of(first.tasks[0].log)
+                 if e.kind == "checkpoint" and e.get("reason") == "snapshot"]
+    killed = killed_at(first.tasks[1].log)
+    assert snapshots == [first.snapshot_step] and abs(first.snapshot_step - killed) <= 1, \
+        (snapshots, killed, first.snapshot)
+    assert first.snapshot == f"worker:0 saved its state at step {snapshots[0]} after worker:1 failed"
+    assert second.resumed_from_step == first.snapshot_step and first.steps_lost <= 1
+    resumed = [e for e in events_of(second.tasks[1].log) if e.kind == "resumed"]
+    assert resumed[0].get("step") == snapshots[0]  # the other worker restored the chief's
+    assert set(result.digests.values()) == set(unbroken.digests.values())  # bit-identical
+
+
+def test_with_snapshots_off_a_killed_worker_resumes_from_the_last_periodic_checkpoint(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    path = local_spec(tmp_path, "k3-nosnap", PACED_KERAS3)
+    path.write_text(path.read_text().replace("retry: {", "retry: {snapshot_on_crash: false, "))
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL))
+    result = Cluster.from_spec(path).train(listener=listener, doctor=False).wait()
+
+    first, second, *later = result.attempts
+    only_tf_aborts_before_the_last([second, *later])
     checkpoints = [e.get("step") for e in events_of(first.tasks[0].log) if e.kind == "checkpoint"]
+    assert all(step % 10 == 0 for step in checkpoints) and (first.snapshot_step,
+                                                           first.snapshot) == (None, "")
     assert second.resumed_from_step == checkpoints[-1] > 0  # from the chief's, not from 0
     assert second.resumed_from_step <= first.last_step < 80
-    resumed = [e for e in events_of(second.tasks[1].log) if e.kind == "resumed"]
-    assert resumed[0].get("step") == checkpoints[-1]  # the other worker restored the chief's
     assert set(result.digests.values()) == set(unbroken.digests.values())  # bit-identical
 
 
@@ -253,7 +281,10 @@ def test_keras3_on_three_ssh_hosts_as_a_plain_user_recovers_a_killed_worker(
     first, second, *later = result.attempts
     only_tf_aborts_before_the_last([second, *later])
     assert (first.cause, first.failed_task) == ("crashed", "worker:2")
-    assert second.resumed_from_step and second.resumed_from_step % 10 == 0
+    # the chief's snapshot at the step the crash broke (its host shared it with the others)
+    assert first.snapshot == (f"worker:0 saved its state at step {first.snapshot_step} after "
+                              "worker:2 failed"), first.snapshot
+    assert second.resumed_from_step == first.snapshot_step and first.steps_lost <= 1
     for h, task in zip(hosts, second.tasks, strict=True):
         assert task.log.startswith(h.plain_home)  # the unprivileged user's own home
         resumed = [e for e in events_in(h, task.log) if e.kind == "resumed"]

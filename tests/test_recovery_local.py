@@ -83,10 +83,29 @@ def test_killed_and_resumed_run_ends_bit_identical_to_an_unbroken_one(tmp_path: 
 
     assert pids.get("killed"), "worker:1 was never killed"
     assert len(result.attempts) == 2 and result.attempts[0].cause == "crashed", said
-    # resumed mid-run, mid-epoch
-    assert 0 < (result.attempts[1].resumed_from_step or 0) < 60, (pids, said)
+    # The chief saved its state as its step failed on the lost peer (retry.snapshot_on_crash):
+    # at most one step from worker:1's last, not at the last multiple of 5.
+    first, second = result.attempts
+    killed = max(e.get("step") for e in map(parse_line, Path(first.tasks[1].log).read_text()
+                                                 .splitlines()) if e and e.kind == "progress")
+    assert first.snapshot_step is not None and abs(first.snapshot_step - killed) <= 1, \
+        (first.snapshot, killed, said)
+    assert second.resumed_from_step == first.snapshot_step and first.steps_lost <= 1
+    assert any(f"resumed from a survivor's snapshot at step {first.snapshot_step}, " in line
+               for line in said), said
     assert set(result.digests.values()) == set(reference.digests.values())
     assert len(set(result.digests.values())) == 1
+
+    # The chief killed: no survivor saves (yet), and the record says why; the group goes back
+    # to the last periodic checkpoint, still bit-identical.
+    pids, said = {}, []
+    chief = Cluster.from_spec(spec_file(tmp_path, DETERMINISTIC.format(name="exact-c"), "c.yaml"))
+    result = chief.train(listener=kill_at("worker:0", 27, pids, said)).wait()  # type: ignore[arg-type]
+    first, second = result.attempts
+    assert (first.cause, first.failed_task, first.snapshot_step) == ("crashed", "worker:0", None)
+    assert first.snapshot.startswith("the task that failed was the chief (worker:0)"), first.snapshot
+    assert second.resumed_from_step is not None and second.resumed_from_step % 5 == 0
+    assert set(result.digests.values()) == set(reference.digests.values())
 
 
 @pytest.mark.tf

@@ -15,7 +15,10 @@ Instead of finishing it may emit ``error`` {phase, type, message, traceback} (ph
 GPU; the message says the fix) and exit 1, or, when any task got
 SIGTERM, save with every peer at one step: the chief emits ``checkpoint`` {..., reason:
 "stop"}, every task ``stopped`` {step, signal: "SIGTERM" where it was received, else "peer"},
-and exits with ``worker.runtimes.common.STOPPED_EXIT`` (75).
+and exits with ``worker.runtimes.common.STOPPED_EXIT`` (75). When a step fails because a peer
+was lost (TensorFlow's ``UnavailableError``), the chief of a job with ``snapshot_on_crash``
+first saves its state at the last completed step and emits ``checkpoint`` {..., reason:
+"snapshot"}, or ``snapshot_failed`` {reason} where it cannot, then its ``error``.
 """
 
 from __future__ import annotations

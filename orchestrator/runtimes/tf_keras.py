@@ -45,6 +45,8 @@ class TfKerasFit(JobRuntime[ManagedJob]):
                                                      else set()))
         payload["checkpoint_every_steps"] = spec.checkpoint.every_steps
         payload["collective_timeout_s"] = spec.timeouts.collective_s
+        if job.backend == "tensorflow":  # JAX ends every process when a peer dies
+            payload["snapshot_on_crash"] = spec.retry.snapshot_on_crash
         return (python, "-m", "worker", self.mode, "--job", json.dumps(payload, sort_keys=True))
 
     def env(self, spec: ClusterSpec) -> dict[str, str]:

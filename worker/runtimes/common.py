@@ -190,6 +190,36 @@ class Preemption:
         exit_stopped(step, self.signalled)
 
 
+class SnapshotRefused(Exception):
+    """No consistent state to save after a peer's loss; the message says why."""
+
+
+def peer_lost(tf: Any, exc: BaseException) -> bool:
+    """Whether a step failed because a peer (or its host) went away: TensorFlow's errors for a
+    collective whose peer is gone (UnavailableError within moments of a death), or aborted."""
+    errors = tf.errors
+    return isinstance(exc, (errors.UnavailableError, errors.CancelledError, errors.AbortedError,
+                            errors.DeadlineExceededError))
+
+
+def save_snapshot(snapshot: Callable[[], tuple[int, int]], path: str) -> None:
+    """After a peer's loss broke the step under way, save this task's state at the last step it
+    completed ("just-in-time" checkpointing): a data-parallel group's every task holds the same
+    variables, and a step's all-reduce completes on a task only with every peer's gradients, so
+    the state is that of an unbroken run at that step. ``snapshot()`` writes it as an ordinary
+    checkpoint in ``path`` and returns (step, epoch). Reports ``checkpoint`` {reason:
+    "snapshot"}, or ``snapshot_failed`` {reason}; the caller then fails as before."""
+    try:
+        step, epoch = snapshot()
+    except SnapshotRefused as exc:
+        emit("snapshot_failed", reason=str(exc))
+        return
+    except Exception as exc:  # the save itself: the last periodic checkpoint stays the latest
+        emit("snapshot_failed", reason=f"the save failed: {type(exc).__name__}: {exc}"[:1000])
+        return
+    emit("checkpoint", step=step, epoch=epoch, path=path, reason="snapshot")
+
+
 def exit_stopped(step: int, signalled: bool) -> NoReturn:
     """Say that this task saved ``step`` and stops (``signal``: "SIGTERM" where it was
     received, else "peer"), then exit with STOPPED_EXIT at once, not through the interpreter's

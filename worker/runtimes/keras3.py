@@ -22,6 +22,7 @@ from typing import Any
 from worker.events import emit
 from worker.runtimes.common import (
     Preemption,
+    SnapshotRefused,
     checkpoint_dirs,
     emit_progress,
     is_chief,
@@ -99,6 +100,15 @@ class DistributedStep:
                 tf.zeros([2 + len(metrics)]), trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
+            # The model's non-trainable state (dropout's seeds, normalization statistics) as
+            # the last step that completed left it: a step that fails on a lost peer has moved
+            # it in its forward pass, and its all-reduce never came (see ``rewind``). Each
+            # replica keeps its own copy (sync on read), read back without a collective.
+            self.state = list(model.non_trainable_variables)
+            self.kept = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                     synchronization=tf.VariableSynchronization.ON_READ,
+                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                         for v in self.state]
         self.train = tf.function(self._train)
         self._read = tf.function(lambda: tf.identity(self.totals))
 
@@ -123,6 +133,12 @@ class DistributedStep:
         sums += [tf.reduce_sum(self._per_example(fn(labels, predictions)))
                  for fn in self.metrics.values()]
         self.totals.assign_add(tf.stack(sums))
+        # Only once the update came: ops that do not wait for the all-reduce run even in a
+        # step that fails on it. Reading an updated weight waits for its update (ops on one
+        # variable run in program order), which waits for the all-reduce.
+        with tf.control_dependencies([tf.identity(v.value) for v in variables[:1]]):
+            for variable, kept in zip(self.state, self.kept, strict=True):
+                kept.assign(variable.value)  # after the forward pass's update (same variable)
 
     def _per_example(self, values: Any) -> Any:
         """One float32 per example: the mean over every axis but the batch axis."""
@@ -142,6 +158,26 @@ class DistributedStep:
     def reset(self) -> None:
         self.totals.assign(self.tf.zeros_like(self.totals))
 
+    def rewind(self, steps: int) -> None:
+        """Put the state as the step that completed ``steps`` left it, after the next step failed
+        on a lost peer. Its gradients' all-reduce (one collective: a step's gradients go as one
+        pack) never completed, so no weight or optimizer slot moved; but the ops that do not wait
+        for it may have run: the optimizer's step count and the forward pass's non-trainable
+        state. Raises SnapshotRefused where an update that does not wait for the gradients
+        (weight decay, an EMA of the weights) may have changed the weights themselves."""
+        optimizer = self.optimizer
+        if getattr(optimizer, "weight_decay", None) or getattr(optimizer, "use_ema", False):
+            raise SnapshotRefused(
+                f"{type(optimizer).__name__} changes the weights before the gradients arrive "
+                "(weight decay or EMA): a failed step may have moved them")
+        applied = int(optimizer.iterations.numpy())
+        if applied not in (steps, steps + 1):
+            raise SnapshotRefused(f"the state is not at a completed step (the optimizer has "
+                                  f"applied {applied} step(s), the loop counted {steps})")
+        optimizer.iterations.assign(steps)
+        for variable, kept in zip(self.state, self.kept, strict=True):
+            variable.assign(self.strategy.experimental_local_results(kept)[0])
+
 
 class LoopTraining:
     """A Keras 3 model with its optimizer, checkpoint and input, trained step by step."""
@@ -151,6 +187,7 @@ class LoopTraining:
         self.tf, self.strategy, self.job, self.model, self.steps = tf, strategy, job, model, step
         base = os.environ["ORCHESTRATE_CHECKPOINT_DIR"]
         self.chief_dir, self.write_dir = checkpoint_dirs(strategy, base)
+        self.checkpoint_path = self.chief_dir
         self.chief = is_chief(strategy)
         self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         # The model's own tracking leaves out its layers' random seed states (dropout's):
@@ -192,7 +229,18 @@ class LoopTraining:
                     self._progress()
             logs = self.steps.means()
             emit("epoch", epoch=epoch, logs=logs)
+        if self.saved_step != self.step:  # the end is a checkpoint: a failure after it costs
+            self._save()                  # no step (the relaunch goes straight to the save)
         return logs, self.step
+
+    def snapshot(self) -> tuple[int, int]:
+        """The state at the loop's step count: the steps whose function returned."""
+        if not self.step:
+            raise SnapshotRefused("no step had completed")
+        if self.saved_step != self.step:
+            self.steps.rewind(self.step)
+            self._save(report=False)  # save_snapshot reports it
+        return self.step, self._epoch()
 
     def _save(self, report: bool = True) -> None:
         """A checkpoint of this step: the chief's kept (and reported), another task's removed

@@ -657,6 +657,8 @@ class JaxTraining:
         if epoch < job.epochs:
             self._fit(batches, callback, epochs=job.epochs, initial_epoch=epoch,
                       steps=job.steps_per_epoch)
+        if self.saved_step != self.step:  # the end is a checkpoint: a failure after it costs
+            self.save()                   # no step (the relaunch goes straight to the save)
         return self._logs, self.step
 
     def _fit(self, batches: Any, callback: Any, *, epochs: int, initial_epoch: int,

@@ -30,8 +30,10 @@ from worker.runtimes.common import (
     create_strategy,
     emit_error,
     is_chief,
+    peer_lost,
     prepare_devices,
     save_model,
+    save_snapshot,
     weights_digest,
 )
 from worker.storage import check_checkpoint_storage
@@ -72,6 +74,9 @@ class Job:
     distribution: str = "data_parallel"  # or "model_parallel" (JAX only)
     mesh: tuple[int, int] | None = None  # model_parallel's [batch, model]
     layout_map_fn: str = "layout_map"  # model_parallel: the module's LayoutMap of a DeviceMesh
+    # The chief saves its state at the last completed step when a peer's loss breaks a step
+    # (TensorFlow only: JAX ends every process when a peer dies).
+    snapshot_on_crash: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> Job:
@@ -97,8 +102,16 @@ class Job:
 class Training(Protocol):
     """A model compiled and ready to train on this task (after the ``built`` event)."""
 
+    checkpoint_path: str  # the chief's checkpoint directory
+
     def fit(self) -> tuple[dict[str, float], int]:
         """Train to the last step; the last epoch's metrics and the step reached."""
+        ...
+
+    def snapshot(self) -> tuple[int, int]:
+        """After ``fit`` failed on a peer's loss: save a checkpoint at the last step this task
+        completed (as a periodic one), without a collective; (step, epoch). Raises
+        SnapshotRefused where the state is not at a completed step."""
         ...
 
 
@@ -121,7 +134,12 @@ def run_managed(job: Job) -> int:
         emit("connected", **connected_fields(strategy, devices), tf_version=tf.__version__)
         model, training = _build(tf, strategy, job)
         phase = "train"
-        metrics, step = training.fit()
+        try:
+            metrics, step = training.fit()
+        except Exception as exc:
+            if job.snapshot_on_crash and is_chief(strategy) and peer_lost(tf, exc):
+                save_snapshot(training.snapshot, training.checkpoint_path)
+            raise
         phase = "save"
         model_path = save_model(is_chief(strategy), model.save)
         emit("finished", metrics=metrics, model_path=model_path,

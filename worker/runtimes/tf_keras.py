@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from worker.events import emit
-from worker.runtimes.common import Preemption
+from worker.runtimes.common import Preemption, SnapshotRefused
 from worker.runtimes.managed import Job
 
 # tf_keras' WorkerTrainingState keeps one checkpoint; keep a few so that a corrupt newest
@@ -24,12 +24,13 @@ class FitTraining:
 
     def __init__(self, model: Any, dataset: Any, job: Job, global_batch: int) -> None:
         self.model, self.dataset, self.job, self.global_batch = model, dataset, job, global_batch
+        self.checkpoint_path = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
 
     def fit(self) -> tuple[dict[str, float], int]:
         import tf_keras
 
         keep_more_checkpoints()
-        callbacks = make_callbacks(
+        self.callbacks = callbacks = make_callbacks(
             tf_keras,
             checkpoint_dir=os.environ["ORCHESTRATE_CHECKPOINT_DIR"],
             every_steps=self.job.checkpoint_every_steps,
@@ -43,6 +44,41 @@ class FitTraining:
                                  verbose=0)
         metrics = {k: float(v[-1]) for k, v in history.history.items()}
         return metrics, int(self.model.optimizer.iterations.numpy())
+
+    def snapshot(self) -> tuple[int, int]:
+        """The state at the last step whose function returned, in BackupAndRestore's
+        checkpoint. The step that failed never had its gradients' all-reduce (one collective:
+        the gradients go as one pack), so no weight or optimizer slot moved; the counters that
+        do not wait for it (the optimizer's iterations, fit's train counter) may have, and are
+        put back as that step left them."""
+        backup = self.callbacks[0] if getattr(self, "callbacks", None) else None
+        state = getattr(self.model, "_training_state", None)
+        if backup is None or state is None or backup.completed is None:
+            raise SnapshotRefused("no step had completed")
+        step, iterations, counter = backup.completed
+        optimizer = self.model.optimizer
+        if getattr(optimizer, "weight_decay", None) or getattr(optimizer, "use_ema", False):
+            raise SnapshotRefused(
+                f"{type(optimizer).__name__} changes the weights before the gradients arrive "
+                "(weight decay or EMA): a failed step may have moved them")
+        import tensorflow as tf
+
+        on_read = [v.name for v in self.model.variables
+                   if getattr(v, "synchronization", None) == tf.VariableSynchronization.ON_READ]
+        if on_read:
+            raise SnapshotRefused(
+                f"the model has variables synchronized on read ({on_read[0]}; tf_keras' "
+                "BatchNormalization statistics are): each task holds its own, and saving them "
+                "averages them across every task, which the lost one cannot join")
+        epoch, batch = divmod(step - 1, self.job.steps_per_epoch)
+        if step != backup.saved_step:
+            optimizer.iterations.assign(iterations)
+            self.model._train_counter.assign(counter)
+            # The epoch and batch of the step just done: saved_step() reads this very step.
+            state._ckpt_saved_epoch.assign(epoch)
+            state._ckpt_saved_batch.assign(batch)
+            state.back_up(epoch=epoch, batch=batch)
+        return step, epoch
 
 
 def prepare(tf: Any, strategy: Any, job: Job, model: Any, dataset: Any, global_batch: int,
@@ -112,6 +148,9 @@ def make_callbacks(
         def on_train_begin(self, logs: Any = None) -> None:
             super().on_train_begin(logs)
             self._step = self._saved_step = int(self.model.optimizer.iterations.numpy())
+            # (step, the optimizer's iterations, fit's train counter) as the last step whose
+            # function returned left them: what a snapshot puts back (FitTraining.snapshot).
+            self.completed: tuple[int, int, int] | None = None
             self._preemption = Preemption(tf, self.model.distribute_strategy,
                                           os.path.join(self.backup_dir, "chief"),
                                           save=self._save_at_stop)
@@ -121,8 +160,21 @@ def make_callbacks(
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             super().on_train_batch_end(batch, logs)
             self._step = self._current_epoch * steps_per_epoch + batch + 1
+            self.completed = (self._step, int(self.model.optimizer.iterations.numpy()),
+                              int(self.model._train_counter.numpy()))
             if self._step < total_steps:  # at the last step, finishing loses nothing
                 self._preemption.check(self._step)
+
+        @property
+        def saved_step(self) -> int:
+            return self._saved_step
+
+        def on_train_end(self, logs: Any = None) -> None:
+            # The last step's checkpoint stays (delete_checkpoint=False): a task that dies
+            # while the model is saved makes the group go on from the end, not from 0.
+            if self._step == total_steps and self._saved_step != self._step:
+                self._backup(epoch=self._current_epoch)  # the epoch and batch of the last step
+            super().on_train_end(logs)
 
         def _backup(self, epoch: int, batch: int = 0) -> None:
             super()._backup(epoch=epoch, batch=batch)
@@ -169,4 +221,5 @@ def make_callbacks(
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             emit("epoch", epoch=epoch, logs={k: float(v) for k, v in (logs or {}).items()})
 
-    return [ReportingBackup(checkpoint_dir, save_freq=every_steps), Progress()]
+    return [ReportingBackup(checkpoint_dir, save_freq=every_steps, delete_checkpoint=False),
+            Progress()]

@@ -1,0 +1,85 @@
+"""No step lost on a failure at the end of training: a task that dies after the last step
+(while the model is saved) makes the group go on from the last step, for every managed runtime.
+Real TensorFlow (and JAX), local processes. (A crash mid-run resuming from the chief's snapshot
+is tested with the runtimes: tests/test_recovery_local.py, tests/test_keras3_e2e.py,
+tests/test_faults.py, tests/test_container_e2e.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, release_run
+
+from orchestrator import paths
+from orchestrator.api import Cluster
+
+pytestmark = pytest.mark.tf
+
+JOBS = {
+    "tf_keras": "{module: tests.workloads.held_save, epochs: 1, steps_per_epoch: 25, "
+                "deterministic: true, seed: 7}",
+    "keras3": "{module: tests.workloads.held_save, keras: 3, epochs: 1, steps_per_epoch: 25, "
+              "deterministic: true}",
+    "jax": "{module: tests.workloads.held_save, backend: jax, epochs: 1, steps_per_epoch: 25, "
+           "deterministic: true}",
+}
+BASES = {"tf_keras": "tests.workloads.paced_digits",
+         "keras3": "tests.workloads.paced_keras3_digits",
+         "jax": "tests.workloads.paced_jax_digits"}
+
+
+def kill_when_held(cluster: str, stop: threading.Event) -> list[int]:
+    """Once worker:1 waits before its final save (its ``held`` file), SIGKILL it and release
+    the run; the pid killed."""
+    killed: list[int] = []
+
+    def watch() -> None:
+        runs = paths.cluster_home(cluster) / "runs"
+        while not stop.is_set():
+            for held in runs.glob("*/held"):
+                pid = int(held.read_text())
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                release_run(str(paths.cluster_home(cluster)), held.parent.name)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
+
+
+@pytest.mark.parametrize("runtime", list(JOBS))
+def test_a_task_killed_after_the_last_step_costs_no_step(
+        tmp_path: Path, orchestrate_home: Path, runtime: str) -> None:
+    name = f"end-{runtime.replace('_', '')}"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: {name}
+        workdir: {REPO}
+        workers: 2
+        job: {JOBS[runtime]}
+        checkpoint: {{every_steps: 10}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
+        timeouts: {{startup_s: 180, stop_grace_s: 30}}
+        env: {{HELD_SAVE_OF: {BASES[runtime]}, DIGITS_PACE_S: "0.05"}}
+        """))
+    stop = threading.Event()
+    killed = kill_when_held(name, stop)
+    try:
+        result = Cluster.from_spec(path).train(doctor=False).wait()
+    finally:
+        stop.set()
+    assert killed, "worker:1 never reached its final save"
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1"), first.detail
+    # Trained to the end: the group goes on from the last step (25, not the checkpoint at 20,
+    # nor 0 where tf_keras' BackupAndRestore deleted its checkpoint), and only saves.
+    assert first.last_step == 25 and second.resumed_from_step == 25 and first.steps_lost == 0
+    assert result.status == "succeeded" and Path(result.model_path).is_file()
+    assert result.metrics.get("loss") is not None  # the last epoch trained says, not attempt 2
