@@ -57,6 +57,9 @@ from orchestrator.warm import WarmTasks
 from orchestrator.watch import AttemptFailed, AttemptWatch, Watched
 
 HEARTBEAT_S = 2.0
+# After a crash, how long the chief's step may take to fail on the lost peer and the chief to
+# say it saves a snapshot (retry.snapshot_on_crash); then timeouts.snapshot_s for the save.
+SNAPSHOT_START_S = 3.0
 LAUNCH_SETTLE_S = 2.0  # how long a failed launch's pid file is looked for (see _start)
 UNEXPECTED_FIX = ("this is a bug in orchestrate, or the state store (under ORCHESTRATE_HOME) "
                   "failed: run it again as 'orchestrate --debug ...' for the traceback; the "
@@ -453,10 +456,20 @@ class Supervisor:
         chief, _ = self._snapshot_taker(failure, watched)
         if chief is None or chief.ended or chief.snapshot is not None:
             return
+        # A dead process's connections reset, which fails the chief's step within
+        # milliseconds; a lost machine's may hang instead (its loss is seen by the polls, long
+        # after a step that failed would have), and then there is nothing to wait for.
+        if failure.cause is Cause.CRASHED:
+            watch.wait_for(chief, min(SNAPSHOT_START_S, self.spec.timeouts.snapshot_s),
+                           until=lambda w: w.snapshotting)
+        if chief.ended or not chief.snapshotting:
+            return
         wait = self.spec.timeouts.snapshot_s
         self._say(f"{failure.task} failed: waiting up to {wait:.0f}s for {chief.key} to save "
                   "its state at the last step every task completed")
-        watch.wait_for_end(chief, wait)
+        # Saved (or refused) is enough: its exit, through TensorFlow's teardown, is not awaited.
+        watch.wait_for(chief, wait, until=lambda w: w.snapshot is not None or
+                       bool(w.snapshot_refused))
 
     def _snapshot_of(self, failure: AttemptFailed,
                      watched: Sequence[Watched]) -> tuple[int | None, str]:
@@ -472,10 +485,19 @@ class Supervisor:
             return step, f"{chief.key} saved its state at step {step} after {failure.task} failed"
         if chief.snapshot_refused:
             return None, f"{chief.key} could not save one: {chief.snapshot_refused}"
+        if chief.snapshotting:
+            return None, (f"{chief.key} had not saved one within timeouts.snapshot_s "
+                          f"({self.spec.timeouts.snapshot_s:.0f}s), and was killed")
         if chief.exit_code is not None and chief.exit_code != 137:
             return None, f"{chief.key} exited ({chief.exit_code}) without saving one"
-        return None, (f"{chief.key} had not saved one within timeouts.snapshot_s "
-                      f"({self.spec.timeouts.snapshot_s:.0f}s), and was killed")
+        if failure.cause is Cause.HOST_LOST:
+            return None, (f"{chief.key}'s step had not failed on the lost host by the time its "
+                          "loss was seen (connections to a machine that is gone can hang rather "
+                          "than fail; timeouts.collective_s bounds them)")
+        return None, (f"{chief.key}'s step had not failed on the lost peer within "
+                      f"{SNAPSHOT_START_S:.0f}s (connections to a machine that is gone can hang "
+                      "rather than fail; timeouts.collective_s bounds them), so it had nothing "
+                      "to save")
 
     def _abandon(self, run_id: str, number: int, watched: list[Watched],
                  watch: AttemptWatch | None, exc: BaseException) -> None:

@@ -127,6 +127,7 @@ class Watched:
     # not (retry.snapshot_on_crash).
     snapshot: Event | None = None
     snapshot_refused: str = ""
+    snapshotting: bool = False  # it said it began one
     waiting: str = ""  # why it has not started yet, as its scheduler last said
 
     def __post_init__(self) -> None:
@@ -212,11 +213,12 @@ class AttemptWatch:
             self._check_hang()
             time.sleep(self.interval_s)
 
-    def wait_for_end(self, w: Watched, timeout_s: float) -> None:
-        """Go on polling until ``w`` has ended, or its host stops answering, or ``timeout_s``
-        passed (the others are polled too: what they print is read as usual)."""
+    def wait_for(self, w: Watched, timeout_s: float, *,
+                 until: Callable[[Watched], bool] = lambda w: False) -> None:
+        """Go on polling until ``w`` has ended, or its host stops answering, or ``until(w)``,
+        or ``timeout_s`` passed (the others are polled too: what they print is read as usual)."""
         deadline = time.monotonic() + timeout_s
-        while not (w.ended or w.unreachable) and time.monotonic() < deadline:
+        while not (w.ended or w.unreachable or until(w)) and time.monotonic() < deadline:
             self._collect()
             time.sleep(self.interval_s)
 
@@ -322,6 +324,8 @@ class AttemptWatch:
             w.checkpoint_step = int(event.get("step", 0))
             if event.get("reason") == "snapshot":
                 w.snapshot = event
+        if event.kind == "snapshot_started":
+            w.snapshotting = True
         if event.kind == "snapshot_failed":
             w.snapshot_refused = str(event.get("reason", ""))[:1000]
         if event.kind in ("training", "resumed"):

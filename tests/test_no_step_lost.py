@@ -1,8 +1,9 @@
-"""No step lost on a failure at the end of training: a task that dies after the last step
-(while the model is saved) makes the group go on from the last step, for every managed runtime.
-Real TensorFlow (and JAX), local processes. (A crash mid-run resuming from the chief's snapshot
-is tested with the runtimes: tests/test_recovery_local.py, tests/test_keras3_e2e.py,
-tests/test_faults.py, tests/test_container_e2e.py.)"""
+"""What a crash costs where the chief's snapshot cannot help or is not needed: a task that dies
+after the last step (while the model is saved) makes the group go on from the last step, for
+every managed runtime; a model whose state cannot be saved without its lost peer falls back to
+the last checkpoint, saying why. Real TensorFlow (and JAX), local processes. (A crash mid-run
+resuming from the chief's snapshot is tested with the runtimes: tests/test_recovery_local.py,
+tests/test_keras3_e2e.py, tests/test_faults.py, tests/test_container_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from helpers import REPO, release_run
 
 from orchestrator import paths
 from orchestrator.api import Cluster
+from orchestrator.events import Event
+from orchestrator.view import RunView
 
 pytestmark = pytest.mark.tf
 
@@ -83,3 +86,40 @@ def test_a_task_killed_after_the_last_step_costs_no_step(
     assert first.last_step == 25 and second.resumed_from_step == 25 and first.steps_lost == 0
     assert result.status == "succeeded" and Path(result.model_path).is_file()
     assert result.metrics.get("loss") is not None  # the last epoch trained says, not attempt 2
+
+
+def test_a_model_with_statistics_synchronized_on_read_falls_back_to_the_last_checkpoint(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    """tf_keras' BatchNormalization keeps its statistics per task; saving them averages them
+    over every task, which the lost one cannot join: no snapshot, and the record says why."""
+    path = tmp_path / "bn.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: bn-snap
+        workdir: {REPO}
+        workers: 2
+        job: {{module: tests.workloads.paced_bn_digits, epochs: 1, steps_per_epoch: 30,
+               progress_every_steps: 1}}
+        checkpoint: {{every_steps: 10}}
+        retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
+        timeouts: {{startup_s: 180, stop_grace_s: 30}}
+        """))
+    pids: dict[str, int] = {}
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if event is None or event.attempt != 1:
+            return
+        if event.kind == "started":
+            pids[event.task] = int(event.get("pid"))
+        if event.kind == "progress" and event.task == "worker:1" and event.get("step") >= 15 \
+                and "killed" not in pids:
+            pids["killed"] = int(event.get("step"))
+            os.kill(pids["worker:1"], signal.SIGKILL)
+            release_run(str(paths.cluster_home(view.cluster)), view.run_id)
+
+    result = Cluster.from_spec(path).train(listener=listener, doctor=False).wait()
+    first, second = result.attempts
+    assert (first.cause, first.failed_task, first.snapshot_step) == ("crashed", "worker:1", None)
+    assert first.snapshot.startswith("worker:0 could not save one: the model has variables "
+                                     "synchronized on read"), first.snapshot
+    resumed = second.resumed_from_step or 0
+    assert resumed > 0 and resumed % 10 == 0 and result.status == "succeeded"  # a periodic one

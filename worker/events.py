@@ -17,8 +17,9 @@ SIGTERM, save with every peer at one step: the chief emits ``checkpoint`` {..., 
 "stop"}, every task ``stopped`` {step, signal: "SIGTERM" where it was received, else "peer"},
 and exits with ``worker.runtimes.common.STOPPED_EXIT`` (75). When a step fails because a peer
 was lost (TensorFlow's ``UnavailableError``), the chief of a job with ``snapshot_on_crash``
-first saves its state at the last completed step and emits ``checkpoint`` {..., reason:
-"snapshot"}, or ``snapshot_failed`` {reason} where it cannot, then its ``error``.
+emits ``snapshot_started``, saves its state at the last completed step and emits
+``checkpoint`` {..., reason: "snapshot"}, or ``snapshot_failed`` {reason} where it cannot, then
+its ``error``.
 """
 
 from __future__ import annotations

@@ -208,7 +208,10 @@ def save_snapshot(snapshot: Callable[[], tuple[int, int]], path: str) -> None:
     variables, and a step's all-reduce completes on a task only with every peer's gradients, so
     the state is that of an unbroken run at that step. ``snapshot()`` writes it as an ordinary
     checkpoint in ``path`` and returns (step, epoch). Reports ``checkpoint`` {reason:
-    "snapshot"}, or ``snapshot_failed`` {reason}; the caller then fails as before."""
+    "snapshot"}, or ``snapshot_failed`` {reason}; the caller then fails as before. First
+    ``snapshot_started``: the controller waits for a chief that says so (see
+    ``Supervisor._await_snapshot``)."""
+    emit("snapshot_started")
     try:
         step, epoch = snapshot()
     except SnapshotRefused as exc:
