@@ -202,6 +202,16 @@ def peer_lost(tf: Any, exc: BaseException) -> bool:
                             errors.DeadlineExceededError))
 
 
+def refuse_early_updates(optimizer: Any) -> None:
+    """Raise SnapshotRefused where ``optimizer`` changes the weights before a step's gradients
+    arrive (weight decay, an EMA of the weights): then a step that failed on a lost peer may
+    have moved them, and no snapshot is exact."""
+    if getattr(optimizer, "weight_decay", None) or getattr(optimizer, "use_ema", False):
+        raise SnapshotRefused(
+            f"{type(optimizer).__name__} changes the weights before the gradients arrive "
+            "(weight decay or EMA): a failed step may have moved them")
+
+
 def save_snapshot(snapshot: Callable[[], tuple[int, int]], path: str) -> None:
     """After a peer's loss broke the step under way, save this task's state at the last step it
     completed ("just-in-time" checkpointing): a data-parallel group's every task holds the same

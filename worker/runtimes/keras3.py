@@ -26,6 +26,7 @@ from worker.runtimes.common import (
     checkpoint_dirs,
     emit_progress,
     is_chief,
+    refuse_early_updates,
     remove_dir,
 )
 from worker.runtimes.managed import BuildError, Job
@@ -166,10 +167,7 @@ class DistributedStep:
         state. Raises SnapshotRefused where an update that does not wait for the gradients
         (weight decay, an EMA of the weights) may have changed the weights themselves."""
         optimizer = self.optimizer
-        if getattr(optimizer, "weight_decay", None) or getattr(optimizer, "use_ema", False):
-            raise SnapshotRefused(
-                f"{type(optimizer).__name__} changes the weights before the gradients arrive "
-                "(weight decay or EMA): a failed step may have moved them")
+        refuse_early_updates(optimizer)
         applied = int(optimizer.iterations.numpy())
         if applied not in (steps, steps + 1):
             raise SnapshotRefused(f"the state is not at a completed step (the optimizer has "

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from worker.events import emit
-from worker.runtimes.common import Preemption, SnapshotRefused
+from worker.runtimes.common import Preemption, SnapshotRefused, refuse_early_updates
 from worker.runtimes.managed import Job
 
 # tf_keras' WorkerTrainingState keeps one checkpoint; keep a few so that a corrupt newest
@@ -25,6 +25,7 @@ class FitTraining:
     def __init__(self, model: Any, dataset: Any, job: Job, global_batch: int) -> None:
         self.model, self.dataset, self.job, self.global_batch = model, dataset, job, global_batch
         self.checkpoint_path = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
+        self.callbacks: list[Any] = []  # fit's, once it has begun
 
     def fit(self) -> tuple[dict[str, float], int]:
         import tf_keras
@@ -51,16 +52,13 @@ class FitTraining:
         the gradients go as one pack), so no weight or optimizer slot moved; the counters that
         do not wait for it (the optimizer's iterations, fit's train counter) may have, and are
         put back as that step left them."""
-        backup = self.callbacks[0] if getattr(self, "callbacks", None) else None
+        backup = self.callbacks[0] if self.callbacks else None
         state = getattr(self.model, "_training_state", None)
         if backup is None or state is None or backup.completed is None:
             raise SnapshotRefused("no step had completed")
         step, iterations, counter = backup.completed
         optimizer = self.model.optimizer
-        if getattr(optimizer, "weight_decay", None) or getattr(optimizer, "use_ema", False):
-            raise SnapshotRefused(
-                f"{type(optimizer).__name__} changes the weights before the gradients arrive "
-                "(weight decay or EMA): a failed step may have moved them")
+        refuse_early_updates(optimizer)
         import tensorflow as tf
 
         on_read = [v.name for v in self.model.variables
