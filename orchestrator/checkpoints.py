@@ -132,8 +132,11 @@ class Copied:
 
 
 def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
-                           worker_for: Callable[[Host], WorkerCommand]) -> Copied:
+                           worker_for: Callable[[Host], WorkerCommand],
+                           source: Host | None = None) -> Copied:
     """Copy the chief's checkpoint directory to one host of every other machine, host to host.
+    ``source``: the host whose copy of that directory is sent (default: the chief's), e.g. a
+    survivor's that saved the group's state there after the chief died.
 
     The hosts form a chain (chief -> h1 -> h2 ...), each receiving on its first task's port
     (free: the plan probed it, and no task runs during a relaunch) and forwarding as it
@@ -145,25 +148,27 @@ def share_chief_checkpoint(plan: ClusterPlan, runner_for: RunnerFor,
     through this machine instead (``Copied.chain_error`` says why).
     """
     started = time.monotonic()
-    chief = plan.chief.host
+    chief = source or plan.chief.host
     targets = list({t.host.machine: t.host for t in plan.tasks
                     if t.host.machine != chief.machine}.values())
     if not targets or plan.checkpoints.shared:
         return Copied()
     try:
-        copied = _run_chain(plan, targets, runner_for, worker_for)
+        copied = _run_chain(plan, chief, targets, runner_for, worker_for)
     except OrchestratorError as exc:  # e.g. a firewall between hosts: relay it through here
-        copied = _share_through_here(plan, targets, runner_for, worker_for)
+        copied = _share_through_here(plan, chief, targets, runner_for, worker_for)
         copied.chain_error = exc.message
     copied.seconds = time.monotonic() - started
     return copied
 
 
-def _share_through_here(plan: ClusterPlan, targets: list[Host], runner_for: RunnerFor,
+def _share_through_here(plan: ClusterPlan, chief: Host, targets: list[Host],
+                        runner_for: RunnerFor,
                         worker_for: Callable[[Host], WorkerCommand]) -> Copied:
     """What the chain does, through this machine: list every host, move stale copies aside
-    when the chief has no checkpoint, relay the whole directory to the hosts that lack files."""
-    chief, layout = plan.chief.host, plan.checkpoints
+    when the source (``chief``) has no checkpoint, relay the whole directory to the hosts that
+    lack files."""
+    layout = plan.checkpoints
     with ThreadPoolExecutor(max_workers=min(32, len(targets) + 1)) as pool:
         listed = list(pool.map(lambda h: list_dir(runner_for(h), worker_for(h), layout.of(h),
                                                   newest=h is chief), [chief, *targets]))
@@ -180,16 +185,18 @@ def _share_through_here(plan: ClusterPlan, targets: list[Host], runner_for: Runn
     if lacking:
         copied.files, copied.bytes = len(source.files), source.bytes
         copied.through_controller = relay_through_here(plan, lacking, source, runner_for,
-                                                       worker_for)
+                                                       worker_for, chief)
     return copied
 
 
 def relay_through_here(plan: ClusterPlan, targets: Sequence[Host], source: Listing,
-                       runner_for: RunnerFor, worker_for: Callable[[Host], WorkerCommand]) -> int:
+                       runner_for: RunnerFor, worker_for: Callable[[Host], WorkerCommand],
+                       chief: Host | None = None) -> int:
     """The fallback when hosts cannot copy to each other: download the chief's whole checkpoint
     directory here (a temp dir, removed after), then upload it to every target in parallel.
-    Returns the bytes that crossed this machine's link (down once, up once per target)."""
-    chief = plan.chief.host
+    ``chief``: the host it is read from (default: the chief's). Returns the bytes that crossed
+    this machine's link (down once, up once per target)."""
+    chief = chief or plan.chief.host
     directory = plan.checkpoints.of(chief)
     with tempfile.TemporaryDirectory(prefix="orchestrate-relay-") as scratch:
         local = Path(scratch)
@@ -205,14 +212,14 @@ def relay_through_here(plan: ClusterPlan, targets: Sequence[Host], source: Listi
     return source.bytes + sum(sent)
 
 
-def _run_chain(plan: ClusterPlan, chain: Sequence[Host], runner_for: RunnerFor,
+def _run_chain(plan: ClusterPlan, chief: Host, chain: Sequence[Host], runner_for: RunnerFor,
                worker_for: Callable[[Host], WorkerCommand]) -> Copied:
-    """Start the receivers and the sender at once; when one of them fails, stop the others
-    (a sender would otherwise wait out its timeout for an acknowledgement)."""
+    """Start the receivers and the sender (``chief``: the host whose copy is sent) at once;
+    when one of them fails, stop the others (a sender would otherwise wait out its timeout for
+    an acknowledgement)."""
     token = secrets.token_hex(32)
     timeout = CHAIN_IDLE_S
     ports = {h.name: next(t.port for t in plan.tasks if t.host.name == h.name) for h in chain}
-    chief = plan.chief.host
     pid_files = {h.name: f"{plan.paths[h.name].run_dir}/.transfer-{token[:12]}.pid"
                  for h in [chief, *chain]}
     request = json.dumps({"token": token})

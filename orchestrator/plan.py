@@ -307,6 +307,10 @@ def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
         **process_env(spec.job, shared.cluster_def, role, index),
     }
     stem = paths.task_stem(shared.attempt, role, index)
+    if spec.retry.snapshot_on_crash and spec.job.mode == "managed":
+        # Made by the controller on a survivor when the chief died: save the group's state in
+        # its place (Supervisor._await_snapshot).
+        env["ORCHESTRATE_SNAPSHOT_REQUEST"] = f"{stem}.snapshot"
     return TaskPlan(
         role=role,
         index=index,

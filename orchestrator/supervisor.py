@@ -100,6 +100,7 @@ class Supervisor:
         self._orphans: list[tuple[str, TaskHandle]] = []  # tasks left on unreachable hosts
         self._launched: list[Watched] = []  # the tasks of the attempt started so far
         self._last_prestep_failure = ""
+        self._snapshot_source: str | None = None  # the host of a snapshot saved for the chief
         self._chief_host: Host | None = None
         self._chief_key = ""
         self._epoch_logs: dict[str, float] = {}  # the chief's last epoch's loss and metrics
@@ -432,13 +433,25 @@ class Supervisor:
 
     def _snapshot_taker(self, failure: AttemptFailed,
                         watched: Sequence[Watched]) -> tuple[Watched | None, str]:
-        """The survivor that saves its state after ``failure`` (the chief), or why none does."""
+        """The survivor that saves the group's state after ``failure``, or why none does: the
+        chief; or, when the chief's process died, the first other task still reachable that
+        had completed a step (asked to: ``_ask_for_snapshot``), into the chief's directory."""
         chief = next((w for w in watched if w.key == self._chief_key), None)
         if chief is None:
             return None, "the chief was not started"
         if chief.key == failure.task:
-            return None, (f"the task that failed was the chief ({chief.key}); a worker's "
-                          "snapshot is not taken yet")
+            if failure.cause is not Cause.CRASHED:
+                return None, (f"the chief's host {chief.plan.host.name} was lost (another task "
+                              "saves in the chief's place only when the chief's process died)")
+            survivor = next((w for w in watched if w is not chief and w.unreachable is None
+                             and w.reached_step), None)
+            if survivor is not None and survivor.plan.host.ephemeral:
+                return None, (f"the chief ({chief.key}) died, and {survivor.key}'s run "
+                              "directory is its pod's own (emptyDir): it cannot be asked to "
+                              "save in the chief's place")
+            if survivor is None:
+                return None, f"no task that had completed a step outlived the chief ({chief.key})"
+            return survivor, ""
         if chief.unreachable is not None or failure.host == chief.plan.host.name:
             return None, f"the chief's host {chief.plan.host.name} was lost"
         if not chief.reached_step:
@@ -447,57 +460,83 @@ class Supervisor:
 
     def _await_snapshot(self, failure: AttemptFailed, watched: list[Watched],
                         watch: AttemptWatch | None) -> None:
-        """After a task died or its host was lost: give the chief up to timeouts.snapshot_s to
-        save its state at the last completed step (it does so as its step fails on the lost
-        peer) and exit, before the survivors are killed."""
+        """After a task died or its host was lost: give the survivor that saves (the chief, or
+        another task asked to when the chief died) up to timeouts.snapshot_s to save its state
+        at the last completed step (it does so as its step fails on the lost peer) before the
+        survivors are killed."""
         if not self._snapshots or watch is None or \
                 failure.cause not in (Cause.CRASHED, Cause.HOST_LOST):
             return
-        chief, _ = self._snapshot_taker(failure, watched)
-        if chief is None or chief.ended or chief.snapshot is not None:
+        taker, _ = self._snapshot_taker(failure, watched)
+        if taker is None or taker.ended or taker.snapshot is not None:
             return
-        # A dead process's connections reset, which fails the chief's step within
+        if taker.key != self._chief_key and not self._ask_for_snapshot(taker):
+            return
+        # A dead process's connections reset, which fails the survivor's step within
         # milliseconds; a lost machine's may hang instead (its loss is seen by the polls, long
         # after a step that failed would have), and then there is nothing to wait for.
         if failure.cause is Cause.CRASHED:
-            watch.wait_for(chief, min(SNAPSHOT_START_S, self.spec.timeouts.snapshot_s),
+            watch.wait_for(taker, min(SNAPSHOT_START_S, self.spec.timeouts.snapshot_s),
                            until=lambda w: w.snapshotting)
-        if chief.ended or not chief.snapshotting:
+        if taker.ended or not taker.snapshotting:
             return
         wait = self.spec.timeouts.snapshot_s
-        self._say(f"{failure.task} failed: waiting up to {wait:.0f}s for {chief.key} to save "
+        self._say(f"{failure.task} failed: waiting up to {wait:.0f}s for {taker.key} to save "
                   "its state at the last step every task completed")
         # Saved (or refused) is enough: its exit, through TensorFlow's teardown, is not awaited.
-        watch.wait_for(chief, wait, until=lambda w: w.snapshot is not None or
+        watch.wait_for(taker, wait, until=lambda w: w.snapshot is not None or
                        bool(w.snapshot_refused))
 
+    def _ask_for_snapshot(self, w: Watched) -> bool:
+        """Ask ``w`` to save the group's state in the dead chief's place: the file its
+        ORCHESTRATE_SNAPSHOT_REQUEST names, which it waits for once its step has failed
+        (``worker.runtimes.common.asked_for_snapshot``). Whether the request was made."""
+        path = w.plan.env.get("ORCHESTRATE_SNAPSHOT_REQUEST")
+        if not path:
+            return False
+        try:
+            self.provider.runner(w.plan.host).run(["touch", path],
+                                                  timeout_s=self.spec.timeouts.poll_s)
+        except OrchestratorError as exc:
+            self._say(f"could not ask {w.key} to save the group's state: {exc.message}")
+            return False
+        w.snapshot_asked = True
+        return True
+
     def _snapshot_of(self, failure: AttemptFailed,
-                     watched: Sequence[Watched]) -> tuple[int | None, str]:
-        """The step of the survivor's snapshot after ``failure`` and who saved it, or (None,
-        why not); (None, "") where none was to be taken."""
+                     watched: Sequence[Watched]) -> tuple[int | None, str, Watched | None]:
+        """The step of the survivor's snapshot after ``failure``, who saved it and the task
+        that did; or (None, why not, None); (None, "", None) where none was to be taken."""
         if not self._snapshots or failure.cause not in (Cause.CRASHED, Cause.HOST_LOST):
-            return None, ""
-        chief, why = self._snapshot_taker(failure, watched)
-        if chief is None:
-            return None, why
-        if chief.snapshot is not None:
-            step = int(chief.snapshot.get("step", 0))
-            return step, f"{chief.key} saved its state at step {step} after {failure.task} failed"
-        if chief.snapshot_refused:
-            return None, f"{chief.key} could not save one: {chief.snapshot_refused}"
-        if chief.snapshotting:
-            return None, (f"{chief.key} had not saved one within timeouts.snapshot_s "
-                          f"({self.spec.timeouts.snapshot_s:.0f}s), and was killed")
-        if chief.exit_code is not None and chief.exit_code != 137:
-            return None, f"{chief.key} exited ({chief.exit_code}) without saving one"
+            return None, "", None
+        taker, why = self._snapshot_taker(failure, watched)
+        if taker is None:
+            return None, why, None
+        asked = taker.key == self._chief_key or taker.snapshot_asked
+        if taker.snapshot is not None:
+            step = int(taker.snapshot.get("step", 0))
+            return step, f"{taker.key} saved its state at step {step} after {failure.task} " \
+                         "failed", taker
+        if taker.snapshot_refused:
+            return None, f"{taker.key} could not save one: {taker.snapshot_refused}", None
+        if taker.snapshotting:
+            return None, (f"{taker.key} had not saved one within timeouts.snapshot_s "
+                          f"({self.spec.timeouts.snapshot_s:.0f}s), and was killed"), None
+        if not asked:
+            how = "could not be reached" if taker.exit_code is None else \
+                f"had ended (exit {taker.exit_code})"
+            return None, (f"{taker.key}, which was to save one in the chief's place, {how} "
+                          "before it was asked"), None
+        if taker.exit_code is not None and taker.exit_code != 137:
+            return None, f"{taker.key} exited ({taker.exit_code}) without saving one", None
         if failure.cause is Cause.HOST_LOST:
-            return None, (f"{chief.key}'s step had not failed on the lost host by the time its "
+            return None, (f"{taker.key}'s step had not failed on the lost host by the time its "
                           "loss was seen (connections to a machine that is gone can hang rather "
-                          "than fail; timeouts.collective_s bounds them)")
-        return None, (f"{chief.key}'s step had not failed on the lost peer within "
+                          "than fail; timeouts.collective_s bounds them)"), None
+        return None, (f"{taker.key}'s step had not failed on the lost peer within "
                       f"{SNAPSHOT_START_S:.0f}s (connections to a machine that is gone can hang "
                       "rather than fail; timeouts.collective_s bounds them), so it had nothing "
-                      "to save")
+                      "to save"), None
 
     def _abandon(self, run_id: str, number: int, watched: list[Watched],
                  watch: AttemptWatch | None, exc: BaseException) -> None:
@@ -823,6 +862,9 @@ class Supervisor:
         runner, worker = self.provider.runner(chief), self._worker(chief)
         layout = plan.checkpoints
         directory = layout.of(chief)
+        source, self._snapshot_source = self._snapshot_source, None
+        if source is not None and not layout.shared:
+            self._take_snapshot_from(plan, source)
         if layout.shared:
             self._say(f"checkpoints are on shared storage ({directory}): every task restores "
                       "from there, nothing is copied")
@@ -840,6 +882,28 @@ class Supervisor:
             self._say("no checkpoint yet: the group starts from step 0")
         if not layout.shared:
             self._share(plan)
+
+    def _take_snapshot_from(self, plan: ClusterPlan, name: str) -> None:
+        """A task saved the group's state in the dead chief's place, in the chief's directory
+        on its own host ``name``: copy it from there to every other machine (the chief's
+        included), host to host, before the usual verify and share."""
+        host = next((t.host for t in plan.tasks if t.host.name == name), None)
+        if host is None or host.machine == plan.chief.host.machine:
+            return  # written where the chief's checkpoints are: nothing to move
+        self._say(f"copying the snapshot saved on {name} to the other hosts, host to host")
+        try:
+            copied = share_chief_checkpoint(plan, self.provider.runner, self._worker,
+                                            source=host)
+        except OrchestratorError as exc:
+            self._say(f"could not copy the snapshot from {name} ({exc.message}): the chief's "
+                      "last checkpoint is used")
+            return
+        self._moved("host_to_host", copied.host_to_host_bytes)
+        self._relayed_bytes += copied.through_controller
+        if copied.hosts:
+            self._say(f"copied the snapshot from {name} to {', '.join(copied.hosts)} "
+                      f"({copied.files} file(s), {human_bytes(copied.bytes)} each, "
+                      f"{copied.seconds:.1f}s)")
 
     def _verified_already(self, plan: ClusterPlan) -> dict[str, Any] | None:
         """The chief's newest checkpoint, when its warm task has verified it (as the chief
@@ -926,7 +990,12 @@ class Supervisor:
     def _end_attempt(self, run_id: str, number: int, watched: list[Watched], status: str,
                      failure: AttemptFailed | None, detected_at: float | None) -> None:
         firsts = [w.first_progress_at for w in watched if w.first_progress_at is not None]
-        snapshot_step, snapshot = self._snapshot_of(failure, watched) if failure else (None, "")
+        snapshot_step, snapshot, saver = self._snapshot_of(failure, watched) if failure \
+            else (None, "", None)
+        # A snapshot saved in the chief's place is on that task's host: the relaunch takes it
+        # from there (_restore_checkpoint).
+        self._snapshot_source = saver.plan.host.name \
+            if saver is not None and saver.key != self._chief_key else None
         self.store.update_attempt(
             run_id, number, status=status, ended_at=time.time(),
             cause=failure.cause.value if failure else "",

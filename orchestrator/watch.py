@@ -128,6 +128,7 @@ class Watched:
     snapshot: Event | None = None
     snapshot_refused: str = ""
     snapshotting: bool = False  # it said it began one
+    snapshot_asked: bool = False  # the controller asked it to save one in the chief's place
     waiting: str = ""  # why it has not started yet, as its scheduler last said
 
     def __post_init__(self) -> None:

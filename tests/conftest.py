@@ -20,7 +20,8 @@ pytest_plugins = ["hostlab", "slurmlab", "podlab", "kubecluster"]
 # The tests that train TensorFlow run in two lanes, each one test at a time on one xdist worker:
 # about 10 minutes each on the 2-core CI machine (20 in one lane). Lane B: these files (the
 # container tests among them: they share podman and its image, and run last); lane A: every
-# other file with a `tf` test, new ones included.
+# other file with a `tf` test, new ones included. The chaos soak (test_benchmarks.py[chaos]) is in
+# lane B too.
 TF_LANE_A, TF_LANE_B = "tf-a", "tf-b"
 TF_LANE_B_FILES = {"test_keras3_e2e.py", "test_checkpoint_storage.py", "test_container_e2e.py",
                    "test_recovery_local.py", "test_keras3_worker.py", "test_gcp_e2e.py",
@@ -42,7 +43,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # (a third training at once on 2 cores starved the other lanes' timings)
             item.add_marker(pytest.mark.xdist_group(TF_LANE_B), append=False)
         elif item.get_closest_marker("tf") is not None:
-            lane = TF_LANE_B if item.path.name in TF_LANE_B_FILES else TF_LANE_A
+            lane = TF_LANE_B if item.path.name in TF_LANE_B_FILES \
+                or item.name.endswith("[chaos]") else TF_LANE_A
             item.add_marker(pytest.mark.xdist_group(lane))
 
 

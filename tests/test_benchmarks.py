@@ -132,17 +132,41 @@ def check_jax(record: dict[str, Any]) -> None:
     assert recovery["warm_told_to_go"]["median"] == 2  # the relaunch used the warm tasks
 
 
+def check_chaos(record: dict[str, Any]) -> None:
+    (local,) = record["results"]  # --quick: local processes only
+    faults = {f["fault"]: f for f in local["faults"]}
+    disk = [] if "disk full" in local["skipped"] else ["disk full"]  # mounting needs root
+    assert sorted(faults) == sorted(["worker killed", "chief killed", "task hung", "preempted",
+                                     "controller killed", *disk]), local["schedule"]
+    assert local["survived"] == local["injected"] == len(faults), local["faults"]
+    assert local["status"] == "succeeded" and local["bit_identical"], local
+    assert local["attempts"] == len(faults)  # every fault but the controller's restarted once
+    # a crashed worker: the chief saved the step under way, and train's output said so; the
+    # chief crashed: worker:1 saved it in the chief's place
+    for fault, saver, died in (("worker killed", "worker:0", "worker:1"),
+                               ("chief killed", "worker:1", "worker:0")):
+        figures = faults[fault]
+        assert figures["snapshot_step"] is not None and figures["steps_redone"] <= 1, figures
+        assert figures["said_snapshot"], figures
+        assert figures["why"] == (f"{saver} saved its state at step {figures['snapshot_step']} "
+                                  f"after {died} failed"), figures
+    assert local["max_redone_per_crash"] <= 1 and local["goal_met"], local
+    assert faults["preempted"]["steps_redone"] == 0, faults["preempted"]
+    assert all(f["steps_redone"] <= local["checkpoint_every"] for f in local["faults"]), faults
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "launch": check_launch, "steady": check_steady, "recovery": check_recovery,
     "peer": check_peer, "provision": check_provision, "controller": check_controller,
     "control_path": check_control_path, "checkpoints": check_checkpoints,
     "keras3": check_keras3, "warm_cost": check_warm_cost, "jax": check_jax,
+    "chaos": check_chaos,
 }
 
 
 MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
          "peer": [pytest.mark.tf], "keras3": [pytest.mark.tf], "warm_cost": [pytest.mark.tf],
-         "jax": [pytest.mark.tf],
+         "jax": [pytest.mark.tf], "chaos": [pytest.mark.tf],
          "controller": [pytest.mark.ssh],
          "control_path": [pytest.mark.ssh], "checkpoints": [pytest.mark.ssh, pytest.mark.tf]}
 

@@ -134,15 +134,18 @@ def kill_task(signal: str) -> Action:
     return action
 
 
-def test_worker_process_killed(hostlab: HostLab, tmp_path: Path) -> None:
-    result, _ = train_with_fault(hostlab, tmp_path, "f-crash", progress_of("worker:2"),
+def test_chief_process_killed_a_worker_saves_in_its_place(hostlab: HostLab,
+                                                           tmp_path: Path) -> None:
+    result, _ = train_with_fault(hostlab, tmp_path, "f-crash", progress_of("worker:0"),
                                  kill_task("KILL"))
-    first = assert_recovered(result, "crashed", "worker:2", max_lost=1)
+    first = assert_recovered(result, "crashed", "worker:0", max_lost=1)
     assert first.exit_code == 137 and "signal 9" in first.detail
     assert (first.resumed_from_step or 0) == 0 and (result.attempts[1].resumed_from_step or 0) > 0
-    # the chief's snapshot, taken as its step failed on the lost peer, not the last checkpoint
-    assert first.snapshot == (f"worker:0 saved its state at step {first.snapshot_step} after "
-                              "worker:2 failed"), first.snapshot
+    # The controller asked worker:1 to save the group's state in the dead chief's place, on
+    # its own host's disk; the relaunch copied it from there to the chief's host and the
+    # others, so the chief resumed at that step, not at the last checkpoint (a multiple of 10).
+    assert first.snapshot == (f"worker:1 saved its state at step {first.snapshot_step} after "
+                              "worker:0 failed"), first.snapshot
     assert result.attempts[1].resumed_from_step == first.snapshot_step
 
 

@@ -3,7 +3,11 @@ takes at least ``seconds`` until a file named ``release`` appears in the run's d
 host (the parent of ``ORCHESTRATE_CHECKPOINT_DIR``); then training runs at full speed.
 
 The pace adds a Python-computed 0.0 to the features, which leaves every finite value as it is,
-so a paced run computes exactly what an unpaced one does."""
+so a paced run computes exactly what an unpaced one does.
+
+A resumed task skips the batches its checkpoint has seen through the whole pipeline, pace
+included: ``resume_step()`` says how many, so that they go by unpaced (``Pace(resume_step(),
+...)``) and a resume costs what an unpaced one does."""
 
 from __future__ import annotations
 
@@ -13,6 +17,23 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+
+# The trained-step count in a checkpoint: the Keras 3 loop's own, or the optimizer's iterations
+# (tf_keras' BackupAndRestore: its legacy optimizer's under a strategy, else the new one's).
+STEP_KEYS = ("step/.ATTRIBUTES/VARIABLE_VALUE",
+             "model/optimizer/iter/.ATTRIBUTES/VARIABLE_VALUE",
+             "model/optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE")
+
+
+def resume_step() -> int:
+    """The step of the chief's newest checkpoint, which this task resumes at (0: none)."""
+    latest = tf.train.latest_checkpoint(
+        os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief"))
+    if latest is None:
+        return 0
+    names = {name for name, _ in tf.train.list_variables(latest)}
+    key = next((k for k in STEP_KEYS if k in names), None)
+    return 0 if key is None else int(tf.train.load_variable(latest, key))
 
 
 class Pace:

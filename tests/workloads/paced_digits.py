@@ -10,11 +10,11 @@ import tensorflow as tf
 
 from examples.digits import build_model
 from examples.digits import make_dataset as unpaced
-from tests.workloads.pace import Pace
+from tests.workloads.pace import Pace, resume_step
 
 __all__ = ["build_model", "make_dataset"]
 
 
 def make_dataset(global_batch_size: int, seed: int | None = None) -> tf.data.Dataset:
-    pace = Pace(0, float(os.environ.get("DIGITS_PACE_S", "0.2")))
+    pace = Pace(resume_step(), float(os.environ.get("DIGITS_PACE_S", "0.2")))
     return unpaced(global_batch_size, seed).map(pace.apply)

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from examples.keras3_digits import build_model
 from examples.keras3_digits import make_dataset as arrays
-from tests.workloads.pace import Pace
+from tests.workloads.pace import Pace, resume_step
 
 __all__ = ["build_model", "make_dataset"]
 
@@ -21,5 +21,5 @@ def make_dataset(global_batch_size: int, seed: int | None = None) -> tf.data.Dat
     dataset = tf.data.Dataset.from_tensor_slices((features, labels))
     dataset = dataset.shuffle(len(features), seed=seed, reshuffle_each_iteration=True)
     dataset = dataset.repeat().batch(global_batch_size, drop_remainder=True)
-    pace = Pace(0, float(os.environ.get("DIGITS_PACE_S", "0.2")))
+    pace = Pace(resume_step(), float(os.environ.get("DIGITS_PACE_S", "0.2")))
     return dataset.map(pace.apply)

@@ -212,12 +212,34 @@ def refuse_early_updates(optimizer: Any) -> None:
             "(weight decay or EMA): a failed step may have moved them")
 
 
+# How long a task other than the chief waits, after a lost peer broke its step, for the
+# controller to ask it for the snapshot (it does when the chief itself died). It is killed
+# sooner when the chief saves instead; without a controller, it exits after this.
+SNAPSHOT_ASK_WAIT_S = 10.0
+
+
+def asked_for_snapshot(wait_s: float = SNAPSHOT_ASK_WAIT_S) -> bool:
+    """Whether the controller asks this task to save the group's state in the chief's place:
+    the file ``ORCHESTRATE_SNAPSHOT_REQUEST`` names appears (``Supervisor._await_snapshot``
+    makes it on one survivor when the chief died). Waits up to ``wait_s`` for it."""
+    path = os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST")
+    if not path:
+        return False
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def save_snapshot(snapshot: Callable[[], tuple[int, int]], path: str) -> None:
     """After a peer's loss broke the step under way, save this task's state at the last step it
     completed ("just-in-time" checkpointing): a data-parallel group's every task holds the same
     variables, and a step's all-reduce completes on a task only with every peer's gradients, so
     the state is that of an unbroken run at that step. ``snapshot()`` writes it as an ordinary
-    checkpoint in ``path`` and returns (step, epoch). Reports ``checkpoint`` {reason:
+    checkpoint in ``path``, the chief's directory (on this task's host: a worker saves in the
+    chief's place when the chief died), and returns (step, epoch). Reports ``checkpoint`` {reason:
     "snapshot"}, or ``snapshot_failed`` {reason}; the caller then fails as before. First
     ``snapshot_started``: the controller waits for a chief that says so (see
     ``Supervisor._await_snapshot``)."""

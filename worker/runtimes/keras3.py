@@ -235,9 +235,18 @@ class LoopTraining:
         """The state at the loop's step count: the steps whose function returned."""
         if not self.step:
             raise SnapshotRefused("no step had completed")
-        if self.saved_step != self.step:
-            self.steps.rewind(self.step)
+        if self.chief and self.saved_step == self.step:
+            return self.step, self._epoch()  # saved already
+        self.steps.rewind(self.step)
+        if self.chief:
             self._save(report=False)  # save_snapshot reports it
+        else:
+            # In the chief's place (it died): into the chief's directory on this host, even a
+            # step the chief had saved, which that directory here may not have.
+            self.step_var.assign(self.step)
+            self.tf.train.CheckpointManager(self.checkpoint, self.chief_dir, max_to_keep=KEEP) \
+                .save(checkpoint_number=self.step)
+            self.saved_step = self.step
         return self.step, self._epoch()
 
     def _save(self, report: bool = True) -> None:

@@ -26,6 +26,7 @@ from worker.runtimes.common import (
     DeviceError,
     Phase,
     WorkerRuntime,
+    asked_for_snapshot,
     connected_fields,
     create_strategy,
     emit_error,
@@ -137,7 +138,10 @@ def run_managed(job: Job) -> int:
         try:
             metrics, step = training.fit()
         except Exception as exc:
-            if job.snapshot_on_crash and is_chief(strategy) and peer_lost(tf, exc):
+            # The chief saves the group's state; another task only when the controller asks
+            # it to (the chief is the peer that died).
+            if job.snapshot_on_crash and peer_lost(tf, exc) and (
+                    is_chief(strategy) or asked_for_snapshot()):
                 save_snapshot(training.snapshot, training.checkpoint_path)
             raise
         phase = "save"

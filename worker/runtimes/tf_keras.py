@@ -69,13 +69,17 @@ class FitTraining:
                 "BatchNormalization statistics are): each task holds its own, and saving them "
                 "averages them across every task, which the lost one cannot join")
         epoch, batch = divmod(step - 1, self.job.steps_per_epoch)
-        if step != backup.saved_step:
+        # Another task saving in the chief's place writes even a step the chief had saved:
+        # the chief's directory on this task's host may not have it.
+        if step != backup.saved_step or \
+                not self.model.distribute_strategy.extended.should_checkpoint:
             optimizer.iterations.assign(iterations)
             self.model._train_counter.assign(counter)
             # The epoch and batch of the step just done: saved_step() reads this very step.
             state._ckpt_saved_epoch.assign(epoch)
             state._ckpt_saved_batch.assign(batch)
-            state.back_up(epoch=epoch, batch=batch)
+            # The chief's directory whoever saves (the chief's own writes go there too).
+            state.read_checkpoint_manager.save()
         return step, epoch
 
 
