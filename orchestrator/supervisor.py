@@ -60,6 +60,11 @@ HEARTBEAT_S = 2.0
 # After a crash, how long the chief's step may take to fail on the lost peer and the chief to
 # say it saves a snapshot (retry.snapshot_on_crash); then timeouts.snapshot_s for the save.
 SNAPSHOT_START_S = 3.0
+# After these a survivor saves its state at the last step it completed (retry.snapshot_on_crash)
+SNAPSHOT_AFTER = (Cause.CRASHED, Cause.HOST_LOST, Cause.HUNG)
+# ... of which these leave a dead process whose connections reset at once (a hung task is
+# killed first: Supervisor._end_the_hung_task), so the survivor's step fails within moments
+DIED = (Cause.CRASHED, Cause.HUNG)
 LAUNCH_SETTLE_S = 2.0  # how long a failed launch's pid file is looked for (see _start)
 UNEXPECTED_FIX = ("this is a bug in orchestrate, or the state store (under ORCHESTRATE_HOME) "
                   "failed: run it again as 'orchestrate --debug ...' for the traceback; the "
@@ -413,6 +418,7 @@ class Supervisor:
             planned = failure.cause in PLANNED or failure.saved_step is not None \
                 or failure.cause is Cause.PREEMPTED
             if not planned:
+                self._end_the_hung_task(failure, watched)
                 self._await_snapshot(failure, watched, watch)
             silent = self._stop_all(watched, watch, planned=planned)
             failure = self._confirm(failure, silent, watched)
@@ -440,7 +446,7 @@ class Supervisor:
         if chief is None:
             return None, "the chief was not started"
         if chief.key == failure.task:
-            if failure.cause is not Cause.CRASHED:
+            if failure.cause not in DIED:
                 return None, (f"the chief's host {chief.plan.host.name} was lost (another task "
                               "saves in the chief's place only when the chief's process died)")
             survivor = next((w for w in watched if w is not chief and w.unreachable is None
@@ -452,7 +458,8 @@ class Supervisor:
             if survivor is None:
                 return None, f"no task that had completed a step outlived the chief ({chief.key})"
             return survivor, ""
-        if chief.unreachable is not None or failure.host == chief.plan.host.name:
+        if chief.unreachable is not None or (failure.cause is not Cause.HUNG
+                                             and failure.host == chief.plan.host.name):
             return None, f"the chief's host {chief.plan.host.name} was lost"
         if not chief.reached_step:
             return None, "the group had not completed a step"
@@ -464,8 +471,7 @@ class Supervisor:
         another task asked to when the chief died) up to timeouts.snapshot_s to save its state
         at the last completed step (it does so as its step fails on the lost peer) before the
         survivors are killed."""
-        if not self._snapshots or watch is None or \
-                failure.cause not in (Cause.CRASHED, Cause.HOST_LOST):
+        if not self._snapshots or watch is None or failure.cause not in SNAPSHOT_AFTER:
             return
         taker, _ = self._snapshot_taker(failure, watched)
         if taker is None or taker.ended or taker.snapshot is not None:
@@ -475,7 +481,7 @@ class Supervisor:
         # A dead process's connections reset, which fails the survivor's step within
         # milliseconds; a lost machine's may hang instead (its loss is seen by the polls, long
         # after a step that failed would have), and then there is nothing to wait for.
-        if failure.cause is Cause.CRASHED:
+        if failure.cause in DIED:
             watch.wait_for(taker, min(SNAPSHOT_START_S, self.spec.timeouts.snapshot_s),
                            until=lambda w: w.snapshotting)
         if taker.ended or not taker.snapshotting:
@@ -486,6 +492,23 @@ class Supervisor:
         # Saved (or refused) is enough: its exit, through TensorFlow's teardown, is not awaited.
         watch.wait_for(taker, wait, until=lambda w: w.snapshot is not None or
                        bool(w.snapshot_refused))
+
+    def _end_the_hung_task(self, failure: AttemptFailed, watched: list[Watched]) -> None:
+        """After a hang, kill the task blamed for it before the others: their step, waiting
+        on it in a collective, then fails on a lost peer as after a crash, and a survivor
+        saves the step it completed (``_await_snapshot``). A hang of another kind (a deadlock
+        in the job's code) leaves them waiting, and the record says no step failed."""
+        if failure.cause is not Cause.HUNG or not self._snapshots:
+            return
+        w = next((w for w in watched if w.key == failure.task), None)
+        if w is None or w.ended or w.unreachable is not None:
+            return
+        self._say(f"killing {w.key} first, so that the others' step fails on it and a "
+                  "survivor saves the step they completed")
+        try:
+            self.launcher.stop(w.runner, w.handle, 0.0)
+        except OrchestratorError as exc:
+            self._say(f"could not kill {w.key}: {exc.message}")
 
     def _ask_for_snapshot(self, w: Watched) -> bool:
         """Ask ``w`` to save the group's state in the dead chief's place: the file its
@@ -507,7 +530,7 @@ class Supervisor:
                      watched: Sequence[Watched]) -> tuple[int | None, str, Watched | None]:
         """The step of the survivor's snapshot after ``failure``, who saved it and the task
         that did; or (None, why not, None); (None, "", None) where none was to be taken."""
-        if not self._snapshots or failure.cause not in (Cause.CRASHED, Cause.HOST_LOST):
+        if not self._snapshots or failure.cause not in SNAPSHOT_AFTER:
             return None, "", None
         taker, why = self._snapshot_taker(failure, watched)
         if taker is None:
@@ -529,6 +552,10 @@ class Supervisor:
                           "before it was asked"), None
         if taker.exit_code is not None and taker.exit_code != 137:
             return None, f"{taker.key} exited ({taker.exit_code}) without saving one", None
+        if failure.cause is Cause.HUNG:
+            return None, (f"{taker.key}'s step had not failed within {SNAPSHOT_START_S:.0f}s of "
+                          f"{failure.task} being killed: it was not waiting on it in a "
+                          "collective"), None
         if failure.cause is Cause.HOST_LOST:
             return None, (f"{taker.key}'s step had not failed on the lost host by the time its "
                           "loss was seen (connections to a machine that is gone can hang rather "

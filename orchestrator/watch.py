@@ -572,6 +572,9 @@ class AttemptWatch:
         return "\n".join(lines)
 
 
+DISK_FULL = "No space left on device"  # strerror(ENOSPC), in TensorFlow's errors as in Python's
+
+
 def _classify(w: Watched, make: Callable[..., AttemptFailed]) -> AttemptFailed:
     code = w.exit_code
     message = str(w.error.get("message", "")) if w.error else ""
@@ -582,6 +585,13 @@ def _classify(w: Watched, make: Callable[..., AttemptFailed]) -> AttemptFailed:
                     f"the tasks restored different checkpoints (TensorFlow: {mismatch.group(0)})")
     if w.error is not None and w.error.get("phase") == "storage":
         return make(Cause.USER_ERROR, w.key, message[:2000], fix=str(w.error.get("fix") or ""))
+    if DISK_FULL in text:  # a failure of its own: the job's code is not to blame
+        where = w.plan.env.get("ORCHESTRATE_CHECKPOINT_DIR", "")
+        return make(Cause.CRASHED, w.key,
+                    f"the disk is full on {w.plan.host.name} ({DISK_FULL}; exit {code})",
+                    fix=f"free space on {w.plan.host.name}'s disk (its checkpoints are in "
+                        f"{where}), or set checkpoint.dir to storage with room; the next "
+                        "attempt resumes from the last checkpoint that was written whole")
     if any(mark in text for mark in PORT_CONFLICT_MARKS):
         return make(Cause.PORT_CONFLICT, w.key,
                     f"its gRPC port {w.plan.port} on {w.plan.host.address} was taken",

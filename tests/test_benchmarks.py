@@ -141,17 +141,20 @@ def check_chaos(record: dict[str, Any]) -> None:
     assert local["survived"] == local["injected"] == len(faults), local["faults"]
     assert local["status"] == "succeeded" and local["bit_identical"], local
     assert local["attempts"] == len(faults)  # every fault but the controller's restarted once
-    # a crashed worker: the chief saved the step under way, and train's output said so; the
-    # chief crashed: worker:1 saved it in the chief's place
-    for fault, saver, died in (("worker killed", "worker:0", "worker:1"),
-                               ("chief killed", "worker:1", "worker:0")):
-        figures = faults[fault]
+    # a crashed (or hung, then killed) worker: the chief saved the step under way, and train's
+    # output said so; the chief crashed: worker:1 saved it in the chief's place
+    hung = faults["task hung"]["task"]  # killed first: then as a crash of that task
+    for fault, died in (("worker killed", "worker:1"), ("chief killed", "worker:0"),
+                        ("task hung", hung)):
+        figures, saver = faults[fault], "worker:1" if died == "worker:0" else "worker:0"
         assert figures["snapshot_step"] is not None and figures["steps_redone"] <= 1, figures
         assert figures["said_snapshot"], figures
         assert figures["why"] == (f"{saver} saved its state at step {figures['snapshot_step']} "
                                   f"after {died} failed"), figures
     assert local["max_redone_per_crash"] <= 1 and local["goal_met"], local
     assert faults["preempted"]["steps_redone"] == 0, faults["preempted"]
+    if disk:  # the chief's save found the disk full: said as such, not as the job's error
+        assert faults["disk full"]["detail"].startswith("the disk is full on local-"), faults
     assert all(f["steps_redone"] <= local["checkpoint_every"] for f in local["faults"]), faults
 
 

@@ -211,8 +211,13 @@ def test_host_cut_off_from_the_network(hostlab: HostLab, tmp_path: Path) -> None
 def test_hung_worker_is_caught_by_the_progress_watchdog(hostlab: HostLab, tmp_path: Path) -> None:
     result, _ = train_with_fault(hostlab, tmp_path, "f-hang", progress_of("worker:1"),
                                  kill_task("STOP"))
-    first = assert_recovered(result, "hung", "worker:1")
+    first = assert_recovered(result, "hung", "worker:1", max_lost=1)
     assert "worker:1 is stopped" in first.detail
+    # killed first, the stopped task failed the chief's step on a lost peer: the chief saved
+    # the step it had completed
+    assert first.snapshot == (f"worker:0 saved its state at step {first.snapshot_step} after "
+                              "worker:1 failed"), first.snapshot
+    assert result.attempts[1].resumed_from_step == first.snapshot_step
 
 
 def test_peer_that_never_connects_hits_the_startup_timeout(hostlab: HostLab,
