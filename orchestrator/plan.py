@@ -308,9 +308,11 @@ def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
     }
     stem = paths.task_stem(shared.attempt, role, index)
     if spec.retry.snapshot_on_crash and spec.job.mode == "managed":
-        # Made by the controller on a survivor when the chief died: save the group's state in
-        # its place (Supervisor._await_snapshot).
-        env["ORCHESTRATE_SNAPSHOT_REQUEST"] = f"{stem}.snapshot"
+        # Written by the controller on a survivor's host when the chief died, naming the task
+        # that saves the group's state in its place (Supervisor._ask_for_snapshot). One path
+        # for the attempt's tasks: a pod template (Kubernetes) is the same for every task.
+        env["ORCHESTRATE_SNAPSHOT_REQUEST"] = posixpath.join(posixpath.dirname(stem),
+                                                             "snapshot-request")
     return TaskPlan(
         role=role,
         index=index,

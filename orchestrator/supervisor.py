@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import posixpath
 import random
+import shlex
 import threading
 import time
 from collections import Counter
@@ -476,12 +477,15 @@ class Supervisor:
         taker, _ = self._snapshot_taker(failure, watched)
         if taker is None or taker.ended or taker.snapshot is not None:
             return
-        if taker.key != self._chief_key and not self._ask_for_snapshot(taker):
+        # The request names the task that saves; that task's worker aborts its collective ops
+        # when it reads it, so a step waiting on a peer that will never answer (a machine
+        # gone, a peer that died before it joined the step) fails at once.
+        if not self._ask_for_snapshot(taker) and taker.key != self._chief_key:
             return
         # A dead process's connections reset, which fails the survivor's step within
-        # milliseconds; a lost machine's may hang instead (its loss is seen by the polls, long
-        # after a step that failed would have), and then there is nothing to wait for.
-        if failure.cause in DIED:
+        # milliseconds, and so does the request; without either (a lost machine's
+        # connections may hang) there is nothing to wait for.
+        if failure.cause in DIED or taker.snapshot_asked:
             watch.wait_for(taker, min(SNAPSHOT_START_S, self.spec.timeouts.snapshot_s),
                            until=lambda w: w.snapshotting)
         if taker.ended or not taker.snapshotting:
@@ -511,15 +515,19 @@ class Supervisor:
             self._say(f"could not kill {w.key}: {exc.message}")
 
     def _ask_for_snapshot(self, w: Watched) -> bool:
-        """Ask ``w`` to save the group's state in the dead chief's place: the file its
-        ORCHESTRATE_SNAPSHOT_REQUEST names, which it waits for once its step has failed
-        (``worker.runtimes.common.asked_for_snapshot``). Whether the request was made."""
+        """Ask ``w`` (the chief, or a task in the dead chief's place) to save the group's
+        state: its key in the file ORCHESTRATE_SNAPSHOT_REQUEST names on its host. Its worker
+        then aborts its collective ops (``worker.runtimes.common.abort_when_asked``), so its
+        step fails even where it would hang; every task but the chief waits for the file once
+        its step has failed (``asked_for_snapshot``), and those finding another key there
+        exit at once. Whether the request was made."""
         path = w.plan.env.get("ORCHESTRATE_SNAPSHOT_REQUEST")
-        if not path:
+        if not path or w.plan.host.ephemeral:  # a pod's own disk: a command cannot reach it
             return False
+        target, key = shlex.quote(path), shlex.quote(w.key)
+        script = f"printf '%s\\n' {key} > {target}.tmp && mv -f {target}.tmp {target}"
         try:
-            self.provider.runner(w.plan.host).run(["touch", path],
-                                                  timeout_s=self.spec.timeouts.poll_s)
+            self.provider.runner(w.plan.host).run(script, timeout_s=self.spec.timeouts.poll_s)
         except OrchestratorError as exc:
             self._say(f"could not ask {w.key} to save the group's state: {exc.message}")
             return False

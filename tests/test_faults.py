@@ -202,8 +202,13 @@ def test_host_cut_off_from_the_network(hostlab: HostLab, tmp_path: Path) -> None
         fault.later(8.0, fault.hosts[1].restore)
 
     result, fault = train_with_fault(hostlab, tmp_path, "f-cut", progress_of("worker:1"), cut)
-    first = assert_recovered(result, "host_lost", "worker:1")
+    first = assert_recovered(result, "host_lost", "worker:1", max_lost=1)
     assert fault.hosts[1].address in first.detail
+    # The chief's step hung on the cut host; the controller's request made its worker abort
+    # the step's collectives, and it saved the step it had completed.
+    assert first.snapshot == (f"worker:0 saved its state at step {first.snapshot_step} after "
+                              "worker:1 failed"), first.snapshot
+    assert result.attempts[1].resumed_from_step == first.snapshot_step
     # the task that was cut off with its host was stopped once the host came back
     assert namespace_commands(fault.hosts[1]) <= {"sshd", "sshd-session"}
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -220,17 +221,52 @@ SNAPSHOT_ASK_WAIT_S = 10.0
 
 def asked_for_snapshot(wait_s: float = SNAPSHOT_ASK_WAIT_S) -> bool:
     """Whether the controller asks this task to save the group's state in the chief's place:
-    the file ``ORCHESTRATE_SNAPSHOT_REQUEST`` names appears (``Supervisor._await_snapshot``
-    makes it on one survivor when the chief died). Waits up to ``wait_s`` for it."""
+    the file ``ORCHESTRATE_SNAPSHOT_REQUEST`` names appears with this task's key in it
+    (``Supervisor._ask_for_snapshot`` writes it, atomically, on one survivor's host when the
+    chief died; another key there: another task saves). Waits up to ``wait_s`` for it."""
     path = os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST")
     if not path:
         return False
     deadline = time.monotonic() + wait_s
-    while not os.path.exists(path):
+    while True:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip() == os.environ.get("ORCHESTRATE_TASK")
+        except FileNotFoundError:
+            pass
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.02)
-    return True
+
+
+def abort_when_asked(tf: Any) -> None:
+    """Watch, on a thread of its own, for the controller's snapshot request naming this task
+    (``asked_for_snapshot``), and then abort this process's collective ops: a step that waits
+    on a peer that will never answer (a machine cut off, a peer that died before it joined
+    the step's collective) then fails at once as on a lost peer, and the task saves the step
+    it completed, where it would otherwise wait for TensorFlow's own timeouts."""
+    path = os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST")
+    task = os.environ.get("ORCHESTRATE_TASK")
+    if not path or not task:
+        return
+
+    def watch() -> None:
+        while True:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    named = f.read().strip()
+            except FileNotFoundError:
+                time.sleep(0.05)
+                continue
+            if named == task:
+                from tensorflow.python.eager import context
+
+                context.context().abort_collective_ops(
+                    tf.errors.UNAVAILABLE, "a peer was lost: the controller asked this task "
+                    "to save the group's state")
+            return
+
+    threading.Thread(target=watch, name="snapshot-request", daemon=True).start()
 
 
 def save_snapshot(snapshot: Callable[[], tuple[int, int]], path: str) -> None:

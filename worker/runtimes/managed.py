@@ -26,6 +26,7 @@ from worker.runtimes.common import (
     DeviceError,
     Phase,
     WorkerRuntime,
+    abort_when_asked,
     asked_for_snapshot,
     connected_fields,
     create_strategy,
@@ -131,6 +132,8 @@ def run_managed(job: Job) -> int:
 
         devices = prepare_devices(tf, job.collectives, job.gpu_memory_growth)
         strategy = create_strategy(tf, devices, job.collective_timeout_s)
+        if job.snapshot_on_crash:
+            abort_when_asked(tf)
         phase = "build"
         emit("connected", **connected_fields(strategy, devices), tf_version=tf.__version__)
         model, training = _build(tf, strategy, job)
