@@ -418,10 +418,16 @@ class Supervisor:
             self._check_preempted(failure, watched)
             planned = failure.cause in PLANNED or failure.saved_step is not None \
                 or failure.cause is Cause.PREEMPTED
+            # Whether the host of a task that vanished as a whole answers, asked before the
+            # snapshot is waited for: a machine that went away and came back within moments
+            # would answer by then, and look like a task killed on a machine that stayed.
+            gone = {failure.host} if failure.vanished and failure.cause is Cause.CRASHED and \
+                failure.host and not failure.connection_lost and \
+                not self._answers(failure.host) else set()
             if not planned:
                 self._end_the_hung_task(failure, watched)
                 self._await_snapshot(failure, watched, watch)
-            silent = self._stop_all(watched, watch, planned=planned)
+            silent = self._stop_all(watched, watch, planned=planned) | gone
             failure = self._confirm(failure, silent, watched)
         except BaseException as exc:
             self._abandon(run_id, number, watched, watch, exc)
