@@ -25,7 +25,7 @@ from typing import Any
 from orchestrator.errors import OrchestratorError
 from orchestrator.launchers import Launcher, ProcessLauncher
 from orchestrator.plan import ClusterPlan, TaskPlan
-from orchestrator.remote.base import Runner, TaskHandle, _ours, module_source
+from orchestrator.remote.base import Runner, TaskHandle, _ours, group_lives, module_source
 from orchestrator.spec import ClusterSpec, CommandJob, is_url
 from orchestrator.state import Store, TaskRecord
 from worker import verified as verified_module
@@ -170,7 +170,7 @@ class WarmTasks:
             payload = json.dumps({"argv": list(task.argv[3:]), "env": dict(task.env),
                                   "cwd": task.cwd})
             go, rc = shlex.quote(go_path(task)), shlex.quote(handle.rc_path)
-            script = (f"if {_ours(handle)} && kill -0 -{handle.pgid} 2>/dev/null && "
+            script = (f"if {_ours(handle)} && {group_lives(handle.pgid)} && "
                       f"[ ! -f {rc} ]; then (umask 077 && cat >{go}.tmp) && mv -f {go}.tmp {go} "
                       f"&& echo go; else echo cold; fi")
             try:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ from orchestrator.hosts import Host, SSHEndpoint
 from orchestrator.providers import REGISTRY, Provider, for_spec, provider_class
 from orchestrator.providers.gcp.provider import GcpProvider
 from orchestrator.providers.local import LocalProvider
-from orchestrator.providers.ssh_hosts import host_from_json, host_to_json
+from orchestrator.providers.ssh_hosts import host_from_json, host_to_json, port_opens
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -180,3 +183,47 @@ def test_busy_ports_of_ssh_hosts_name_the_port_another_program_holds(hostlab: Ho
         provider.close()
         squatter.kill()
         squatter.wait()
+
+
+def test_port_opens_sees_a_listener_and_gives_up_on_a_closed_port_at_its_deadline() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        assert port_opens("127.0.0.1", listener.getsockname()[1], time.monotonic() + 5)
+        port = listener.getsockname()[1]
+    assert not port_opens("127.0.0.1", port, time.monotonic() + 0.6)  # refused every time
+
+
+@pytest.mark.ssh
+@pytest.mark.netns
+def test_a_static_host_cut_off_is_repaired_once_back_and_one_cut_for_good_is_named(
+        hostlab: HostLab, tmp_path: Path) -> None:
+    """The static provider's repair waits for the host (its SSH port probed afresh, not one
+    connect waiting on the kernel's SYN resends) and prepares it alone."""
+    hosts = hostlab.hosts(2)
+    path = write_spec(tmp_path, hostlab, hosts, "name: mend\njob: {module: examples.digits}\n")
+    provider = for_spec(specs.load(path), path)
+    try:
+        provider.up()
+        cut = provider.hosts()[1]
+        marker = f"{cut.root}/code/examples/digits.py"
+        provider.runner(cut).run(f"rm -rf {cut.root}/code")  # as a wiped machine would have
+        hosts[1].cut()
+        back = threading.Timer(1.0, hosts[1].restore)
+        back.start()
+        try:
+            repaired = provider.repair(cut, deadline_s=30)
+        finally:
+            back.join()
+        assert repaired.name == cut.name and repaired.address == cut.address
+        assert provider.runner(repaired).run(f"test -f {marker}", check=False).ok
+        hosts[1].cut()
+        try:
+            with pytest.raises(ProviderError) as caught:
+                provider.repair(cut, deadline_s=1)
+        finally:
+            hosts[1].restore()
+        assert f"host {cut.name} ({cut.address}) did not come back within 1s" in caught.value.message
+        assert caught.value.fix and "bring the machine back" in caught.value.fix
+    finally:
+        provider.close()

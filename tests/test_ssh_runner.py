@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -18,7 +20,14 @@ from helpers import CountingRunner
 from hostlab import HostLab, LabHost
 
 from orchestrator.errors import AuthError, HostKeyError, HostUnreachableError, RemoteError
-from orchestrator.remote.base import POLL_LOG_MAX, LaunchSpec, TaskHandle, TaskState, TaskStatus
+from orchestrator.remote.base import (
+    POLL_LOG_MAX,
+    LaunchSpec,
+    TaskHandle,
+    TaskState,
+    TaskStatus,
+    group_lives,
+)
 from orchestrator.remote.local import live_group_members
 from orchestrator.remote.ssh import (
     BULK_CHANNELS,
@@ -27,6 +36,7 @@ from orchestrator.remote.ssh import (
     SSHRunner,
     fingerprint,
 )
+from worker.probes import process_stat
 
 pytestmark = pytest.mark.ssh
 
@@ -200,6 +210,36 @@ def test_task_outlives_its_runner_and_a_new_runner_stops_it(host: LabHost) -> No
         assert second.poll(handle).state is TaskState.RUNNING
         assert second.stop(handle).state is not TaskState.RUNNING
         assert not group_alive(handle)
+
+
+def test_a_group_left_as_zombies_counts_as_gone_over_ssh(runner: SSHRunner) -> None:
+    """A killed task's processes stay zombies until the host's init reaps them (seconds under
+    some inits, never under a container's first process that does not reap); ``kill -0``
+    answers for them, so a stop that asked it waited on nothing. The shell test reads each
+    process's state in /proc instead (readable across users), here with zombies this test
+    holds: it does not reap its child until the end."""
+    leader = subprocess.Popen(["setsid", "sh", "-c", "sleep 60 & sleep 60; :"])
+    try:
+        members = lambda: [int(p) for p in subprocess.run(  # noqa: E731
+            ["ps", "-o", "pid=", "-g", str(leader.pid)], capture_output=True, text=True,
+            check=False).stdout.split()]
+        wait_until(lambda: len(members()) == 3)
+        assert runner.run(group_lives(leader.pid), check=False).ok  # all three live
+        os.kill(leader.pid, signal.SIGKILL)  # the leader a zombie, its children alive
+        wait_until(lambda: process_stat(leader.pid) is not None
+                   and process_stat(leader.pid)[0] == "Z")
+        assert runner.run(group_lives(leader.pid), check=False).ok
+        os.killpg(leader.pid, signal.SIGKILL)
+        wait_until(lambda: not live_group_members(leader.pid))
+        os.killpg(leader.pid, 0)  # the zombie leader still answers kill 0 ...
+        assert not runner.run(group_lives(leader.pid), check=False).ok  # ... and counts as gone
+        here = subprocess.run(["sh", "-c", group_lives(leader.pid)], check=False)
+        assert here.returncode == 1  # by this test's own user too, whose kill 0 would answer
+        assert not runner.run(group_lives(2 ** 22 + 1), check=False).ok  # no such group
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
 
 
 # -- the watch loop's poll: one command -------------------------------------------------------

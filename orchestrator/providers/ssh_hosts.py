@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import posixpath
+import select
 import shlex
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -427,3 +430,44 @@ def host_from_json(record: Mapping[str, Any]) -> Host:
                 task_port=record["task_port"], labels=tuple((k, v) for k, v in record["labels"]),
                 node=record.get("node"), shared_fs=bool(record.get("shared_fs", False)),
                 ephemeral=bool(record.get("ephemeral", False)))
+
+
+def port_opens(address: str, port: int, deadline: float, every_s: float = POLL_FIRST_S) -> bool:
+    """Whether a TCP connection to ``address:port`` opens before ``deadline`` (a
+    ``time.monotonic()`` value), tried afresh every ``every_s``.
+
+    One connect begun while a host was cut off waits for the kernel to resend its SYN (after
+    1 s, then 3 s, 7 s): a host back in between is seen up to seconds late. Here a new connect
+    starts every ``every_s`` and the earlier ones stay open (up to 16, the oldest dropped),
+    so a host is seen within ``every_s`` of its return and a slow link still gets whole round
+    trips. Nothing is sent: each socket is closed once it has connected.
+    """
+    pending: list[socket.socket] = []
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            with contextlib.suppress(OSError):
+                infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+                sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+                sock.setblocking(False)
+                if sock.connect_ex(infos[0][4]) in (0, *_IN_PROGRESS):
+                    pending.append(sock)
+                else:  # refused or unreachable at once: try again next round
+                    sock.close()
+            if len(pending) > 16:
+                pending.pop(0).close()
+            _, writable, _ = select.select([], pending, [], min(every_s, deadline - now))
+            for sock in writable:
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    return True
+                pending.remove(sock)
+                sock.close()
+            time.sleep(max(0.0, every_s - (time.monotonic() - now)))
+    finally:
+        for sock in pending:
+            sock.close()
+
+
+_IN_PROGRESS = (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK)

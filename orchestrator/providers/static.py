@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from orchestrator import spec as specs
+from orchestrator.errors import ProviderError
 from orchestrator.hosts import Host, SSHEndpoint
 from orchestrator.providers.base import DownReport
-from orchestrator.providers.ssh_hosts import SSHHostsProvider
+from orchestrator.providers.ssh_hosts import SSHHostsProvider, port_opens
 from orchestrator.remote.fanout import fan_out
 from orchestrator.spec import ClusterSpec
 
@@ -73,6 +75,30 @@ class StaticProvider(SSHHostsProvider):
         hosts = self.hosts()
         self.prepare_all(hosts)
         return hosts
+
+    def repair(self, host: Host, deadline_s: float) -> Host:
+        """A listed host cannot be restarted from here: wait up to ``deadline_s`` for it to
+        answer again, and prepare it alone (the others were prepared when the run began).
+        Its SSH port is probed with a fresh connection every 0.25 s (``port_opens``), so a
+        host cut off and back is seen at once, not when a connect's SYN is next resent.
+
+        Raises:
+            ProviderError: it does not answer within ``deadline_s``.
+        """
+        deadline = time.monotonic() + deadline_s
+        assert host.ssh is not None
+        try:
+            if not port_opens(host.ssh.address, host.ssh.port, deadline):
+                raise ProviderError("no connection to its SSH port opened")
+            self.wait_for_ssh(host, deadline)
+        except ProviderError as exc:
+            raise ProviderError(
+                f"host {host.name} ({host.address}) did not come back within {deadline_s:.0f}s: "
+                f"{exc.message}",
+                fix="bring the machine back (or replace it in the spec) and train again",
+            ) from None
+        self.prepare_all([host])
+        return next(h for h in self.hosts() if h.name == host.name)
 
     def down(self) -> DownReport:
         """Remove this cluster's directory on every host, only where ``up`` made it (its marker

@@ -287,8 +287,7 @@ class Runner(ABC):
         return self.poll(handle)
 
     def _group_alive(self, handle: TaskHandle) -> bool:
-        return self.run(f"{_ours(handle)} && kill -0 -{handle.pgid} 2>/dev/null",
-                        check=False).ok
+        return self.run(f"{_ours(handle)} && {group_lives(handle.pgid)}", check=False).ok
 
     def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
         """Bytes of the task's log from ``offset``; returns them and the new offset."""
@@ -311,7 +310,7 @@ def _status_script(handle: TaskHandle) -> str:
     rc, exited = shlex.quote(handle.rc_path), _exited_script(handle)
     return (
         f"if [ -f {rc} ]; then {exited}; "
-        f"elif {_ours(handle)} && kill -0 -{handle.pgid} 2>/dev/null; then echo running; "
+        f"elif {_ours(handle)} && {group_lives(handle.pgid)}; then echo running; "
         f"elif [ -f {rc} ]; then {exited}; else echo lost; fi"
     )
 
@@ -357,6 +356,24 @@ def _ours(handle: TaskHandle) -> str:
     cmdline = f"/proc/{handle.pgid}/cmdline"
     return (f"{{ c=$(tr '\\0' ' ' <{cmdline} 2>/dev/null); [ -z \"$c\" ] || "
             f"printf %s \"$c\" | grep -qF -- {rc}; }}")
+
+
+def group_lives(pgid: int) -> str:
+    """A shell test: a process of group ``pgid`` lives, zombies not counted (the shell's
+    twin of ``local.LocalRunner._group_alive``).
+
+    ``kill -0 -PGID`` answers for zombies too, and a killed task's processes stay zombies
+    until the host's init reaps them: at once under systemd, 1.4 to 1.9 s under the init of
+    the machines the tests run on, never where a container's first process does not reap. A
+    stop that waited for that would wait on nothing that holds a port or a GPU. The leader's
+    ``/proc/PGID/stat`` is read first (the wrapper, alive for as long as its task is); only
+    a group whose leader is gone or a zombie is looked for in every process's. The fields
+    after the command name's closing parenthesis are the state, the parent and the group.
+    """
+    return (f"(for f in /proc/{pgid}/stat /proc/[0-9]*/stat; do "
+            f"{{ read -r l <\"$f\"; }} 2>/dev/null || continue; set -- ${{l##*) }}; "
+            f"[ \"$3\" = {pgid} ] && [ \"$1\" != Z ] && [ \"$1\" != X ] && exit 0; "
+            "done; exit 1)")
 
 
 def owns_group(handle: TaskHandle) -> bool:

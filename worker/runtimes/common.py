@@ -219,52 +219,51 @@ def refuse_early_updates(optimizer: Any) -> None:
 SNAPSHOT_ASK_WAIT_S = 10.0
 
 
-def asked_for_snapshot(wait_s: float = SNAPSHOT_ASK_WAIT_S) -> bool:
-    """Whether the controller asks this task to save the group's state in the chief's place:
-    the file ``ORCHESTRATE_SNAPSHOT_REQUEST`` names appears with this task's key in it
-    (``Supervisor._ask_for_snapshot`` writes it, atomically, on one survivor's host when the
-    chief died; another key there: another task saves). Waits up to ``wait_s`` for it."""
+def snapshot_request(wait_s: float | None, every_s: float = 0.02) -> str | None:
+    """The key of the task the controller asks to save the group's state: what the file
+    ``ORCHESTRATE_SNAPSHOT_REQUEST`` names holds (``Supervisor._ask_for_snapshot`` writes it
+    atomically, on the saving task's host). Looked for every ``every_s``, for up to
+    ``wait_s`` (None: until it appears); None when there is none (or no such file is set)."""
     path = os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST")
     if not path:
-        return False
-    deadline = time.monotonic() + wait_s
+        return None
+    deadline = None if wait_s is None else time.monotonic() + wait_s
     while True:
         try:
             with open(path, encoding="utf-8") as f:
-                return f.read().strip() == os.environ.get("ORCHESTRATE_TASK")
+                return f.read().strip()
         except FileNotFoundError:
             pass
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(every_s)
+
+
+def asked_for_snapshot(wait_s: float = SNAPSHOT_ASK_WAIT_S) -> bool:
+    """Whether the controller asks this task to save the group's state in the chief's place
+    (its key in the request, ``snapshot_request``; another key there: another task saves).
+    Waits up to ``wait_s`` for the request."""
+    named = snapshot_request(wait_s)
+    return named is not None and named == os.environ.get("ORCHESTRATE_TASK")
 
 
 def abort_when_asked(tf: Any) -> None:
     """Watch, on a thread of its own, for the controller's snapshot request naming this task
-    (``asked_for_snapshot``), and then abort this process's collective ops: a step that waits
+    (``snapshot_request``), and then abort this process's collective ops: a step that waits
     on a peer that will never answer (a machine cut off, a peer that died before it joined
     the step's collective) then fails at once as on a lost peer, and the task saves the step
     it completed, where it would otherwise wait for TensorFlow's own timeouts."""
-    path = os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST")
     task = os.environ.get("ORCHESTRATE_TASK")
-    if not path or not task:
+    if not os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST") or not task:
         return
 
     def watch() -> None:
-        while True:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    named = f.read().strip()
-            except FileNotFoundError:
-                time.sleep(0.05)
-                continue
-            if named == task:
-                from tensorflow.python.eager import context
+        if snapshot_request(None, every_s=0.05) == task:
+            from tensorflow.python.eager import context
 
-                context.context().abort_collective_ops(
-                    tf.errors.UNAVAILABLE, "a peer was lost: the controller asked this task "
-                    "to save the group's state")
-            return
+            context.context().abort_collective_ops(
+                tf.errors.UNAVAILABLE, "a peer was lost: the controller asked this task "
+                "to save the group's state")
 
     threading.Thread(target=watch, name="snapshot-request", daemon=True).start()
 
