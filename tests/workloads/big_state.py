@@ -66,4 +66,4 @@ def make_dataset(global_batch_size: int, seed: int | None = None) -> tf.data.Dat
     if pace_from is None:
         return dataset
     pace = Pace(int(pace_from), float(os.environ.get("BIG_STATE_PACE_S", "0.2")))
-    return dataset.map(pace.apply)
+    return pace.over(dataset)

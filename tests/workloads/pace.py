@@ -5,6 +5,12 @@ host (the parent of ``ORCHESTRATE_CHECKPOINT_DIR``); then training runs at full 
 The pace adds a Python-computed 0.0 to the features, which leaves every finite value as it is,
 so a paced run computes exactly what an unpaced one does.
 
+With ``PACE_UNTIL_BATCH`` set (``Pace.over``), the batches from that one on (counted from the
+pipeline's start, which a resume's skip keeps: the index is the step) pass through no Python
+at all: tf_keras' fit ends by destroying its input iterator, which waits for a py_function in
+flight while it holds the GIL that the py_function needs to return, and hangs. A test whose
+run must end cleanly paces up to a few steps before its last.
+
 A resumed task skips the batches its checkpoint has seen through the whole pipeline, pace
 included: ``resume_step()`` says how many, so that they go by unpaced (``Pace(resume_step(),
 ...)``) and a resume costs what an unpaced one does."""
@@ -42,6 +48,22 @@ class Pace:
     def __init__(self, start: int, seconds: float) -> None:
         self.start, self.seconds, self.batches = start, seconds, 0
         self.release = Path(os.environ["ORCHESTRATE_CHECKPOINT_DIR"]).parent / "release"
+
+    def over(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """``dataset`` paced (``apply``); only before batch ``PACE_UNTIL_BATCH`` where it is
+        set (the later batches take the branch of a ``tf.cond`` that calls no Python)."""
+        until = os.environ.get("PACE_UNTIL_BATCH")
+        if until is None:
+            return dataset.map(self.apply)
+        limit = tf.constant(int(until), tf.int64)
+
+        def one(index: tf.Tensor, batch: tuple[tf.Tensor, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
+            features, labels = batch
+            paced = tf.cond(index < limit, lambda: self.apply(features, labels)[0],
+                            lambda: features)
+            return paced, labels
+
+        return dataset.enumerate().map(one)
 
     def apply(self, features: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         token = tf.py_function(self._wait, [], tf.float32)

@@ -17,4 +17,4 @@ __all__ = ["build_model", "make_dataset"]
 
 def make_dataset(global_batch_size: int, seed: int | None = None) -> tf.data.Dataset:
     pace = Pace(resume_step(), float(os.environ.get("DIGITS_PACE_S", "0.2")))
-    return unpaced(global_batch_size, seed).map(pace.apply)
+    return pace.over(unpaced(global_batch_size, seed))

@@ -22,4 +22,4 @@ def make_dataset(global_batch_size: int, seed: int | None = None) -> tf.data.Dat
     dataset = dataset.shuffle(len(features), seed=seed, reshuffle_each_iteration=True)
     dataset = dataset.repeat().batch(global_batch_size, drop_remainder=True)
     pace = Pace(resume_step(), float(os.environ.get("DIGITS_PACE_S", "0.2")))
-    return dataset.map(pace.apply)
+    return pace.over(dataset)
