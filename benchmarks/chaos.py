@@ -20,6 +20,8 @@ one before. Fault classes:
   two steps before a save, and freed once the group has been stopped.
 - host cut off (full mode, namespace SSH hosts): a worker's host's link down for 5 s (host_lost,
   caught by the status poll), the tasks running as an unprivileged user.
+- chief's host cut off (full mode, namespace SSH hosts): the same for the chief's host: a
+  worker saves in its place.
 
 Figures: faults injected and survived (the attempt a fault hit ended with the cause it should
 have, or, for the controller, the run was taken over), steps redone per fault (the chief's last
@@ -74,6 +76,7 @@ LOCAL_FAULTS = ("worker killed", "chief killed", "task hung", "preempted", "cont
                 "disk full")
 EXPECTED = {"worker killed": "crashed", "chief killed": "crashed", "task hung": "hung",
             "preempted": "preempted", "disk full": "crashed", "host cut off": "host_lost",
+            "chief's host cut off": "host_lost",
             "controller killed": None}  # None: no attempt ends
 OUTAGE_S = 5.0
 TMPFS_SIZE = "32m"
@@ -109,8 +112,9 @@ def schedule(faults: tuple[str, ...], seed: int) -> list[tuple[str, int, str]]:
     order = rng.sample(list(faults), len(faults))
     tasks = [f"worker:{i}" for i in range(WORKERS)]
     return [(fault, rng.randint(*GAP),
-             CHIEF if fault == "chief killed" else rng.choice(tasks[1:]) if fault in (
-                 "worker killed", "host cut off") else rng.choice(tasks))
+             CHIEF if fault in ("chief killed", "chief's host cut off")
+             else rng.choice(tasks[1:]) if fault in ("worker killed", "host cut off")
+             else rng.choice(tasks))
             for fault in order]
 
 
@@ -299,7 +303,7 @@ class Soak:
             ballast = fill(self.disk)
             self.cleanups.append(lambda: ballast.unlink(missing_ok=True))
             self._free_when_stopped(ballast, attempt)
-        elif fault == "host cut off":
+        elif fault in ("host cut off", "chief's host cut off"):
             host = self.target.hosts[int(task.split(":")[1])]
             host.cut()
             self.cleanups.append(host.restore)
@@ -489,7 +493,8 @@ def main() -> None:
                     skipped["namespace SSH hosts"] = reason
                 else:
                     target = Target("namespaces", lab, tuple(lab.hosts(WORKERS)))
-                    ssh_faults = tuple(f for f in (*LOCAL_FAULTS, "host cut off")
+                    ssh_faults = tuple(f for f in (*LOCAL_FAULTS, "host cut off",
+                                                   "chief's host cut off")
                                        if f != "disk full" and f in chosen)
                     results.append(soak(directory, target, ssh_faults, args.seed, "ssh",
                                         lab.plain_user()))

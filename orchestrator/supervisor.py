@@ -447,27 +447,28 @@ class Supervisor:
     def _snapshot_taker(self, failure: AttemptFailed,
                         watched: Sequence[Watched]) -> tuple[Watched | None, str]:
         """The survivor that saves the group's state after ``failure``, or why none does: the
-        chief; or, when the chief's process died, the first other task still reachable that
-        had completed a step (asked to: ``_ask_for_snapshot``), into the chief's directory."""
+        chief; or, when the chief's process died or its host was lost, the first other task
+        still reachable (on another host, for a lost one) that had completed a step (asked to:
+        ``_ask_for_snapshot``), into the chief's directory."""
         chief = next((w for w in watched if w.key == self._chief_key), None)
         if chief is None:
             return None, "the chief was not started"
-        if chief.key == failure.task:
-            if failure.cause not in DIED:
-                return None, (f"the chief's host {chief.plan.host.name} was lost (another task "
-                              "saves in the chief's place only when the chief's process died)")
+        chief_host = chief.plan.host.name
+        host_lost = chief.unreachable is not None or (
+            failure.host == chief_host and failure.cause not in DIED)
+        if chief.key == failure.task or host_lost:
+            gone = f"the chief's host {chief_host} was lost" if host_lost else \
+                f"the chief ({chief.key}) died"
             survivor = next((w for w in watched if w is not chief and w.unreachable is None
-                             and w.reached_step), None)
+                             and w.reached_step
+                             and not (host_lost and w.plan.host.name == chief_host)), None)
             if survivor is not None and survivor.plan.host.ephemeral:
-                return None, (f"the chief ({chief.key}) died, and {survivor.key}'s run "
-                              "directory is its pod's own (emptyDir): it cannot be asked to "
-                              "save in the chief's place")
+                return None, (f"{gone}, and {survivor.key}'s run directory is its pod's own "
+                              "(emptyDir): it cannot be asked to save in the chief's place")
             if survivor is None:
-                return None, f"no task that had completed a step outlived the chief ({chief.key})"
+                where = " on another host" if host_lost else ""
+                return None, f"{gone}, and no task{where} that had completed a step outlived it"
             return survivor, ""
-        if chief.unreachable is not None or (failure.cause is not Cause.HUNG
-                                             and failure.host == chief.plan.host.name):
-            return None, f"the chief's host {chief.plan.host.name} was lost"
         if not chief.reached_step:
             return None, "the group had not completed a step"
         return chief, ""

@@ -213,6 +213,26 @@ def test_host_cut_off_from_the_network(hostlab: HostLab, tmp_path: Path) -> None
     assert namespace_commands(fault.hosts[1]) <= {"sshd", "sshd-session"}
 
 
+
+def test_the_chiefs_host_cut_off_a_worker_saves_in_its_place(hostlab: HostLab,
+                                                            tmp_path: Path) -> None:
+    """The chief's machine gone with it: the controller asks worker:1 (its own host, still
+    reachable) to abort the step that hangs on the cut host and save the step it completed
+    into the chief's checkpoint directory on its own host; the relaunch sends that snapshot to
+    every host, the chief's, back by then, included."""
+    def cut(fault: Fault, view: RunView, event: Event | None) -> None:
+        fault.hosts[0].cut()
+        fault.later(8.0, fault.hosts[0].restore)
+
+    result, fault = train_with_fault(hostlab, tmp_path, "f-cutchief", progress_of("worker:0"),
+                                     cut)
+    first = assert_recovered(result, "host_lost", "worker:0", max_lost=1)
+    assert fault.hosts[0].address in first.detail
+    assert first.snapshot == (f"worker:1 saved its state at step {first.snapshot_step} after "
+                              "worker:0 failed"), first.snapshot
+    assert result.attempts[1].resumed_from_step == first.snapshot_step
+    assert namespace_commands(fault.hosts[0]) <= {"sshd", "sshd-session"}
+
 def test_hung_worker_is_caught_by_the_progress_watchdog(hostlab: HostLab, tmp_path: Path) -> None:
     result, _ = train_with_fault(hostlab, tmp_path, "f-hang", progress_of("worker:1"),
                                  kill_task("STOP"))
