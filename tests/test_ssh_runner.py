@@ -220,10 +220,7 @@ def test_a_group_left_as_zombies_counts_as_gone_over_ssh(runner: SSHRunner) -> N
     holds: it does not reap its child until the end."""
     leader = subprocess.Popen(["setsid", "sh", "-c", "sleep 60 & sleep 60; :"])
     try:
-        members = lambda: [int(p) for p in subprocess.run(  # noqa: E731
-            ["ps", "-o", "pid=", "-g", str(leader.pid)], capture_output=True, text=True,
-            check=False).stdout.split()]
-        wait_until(lambda: len(members()) == 3)
+        wait_until(lambda: len(live_group_members(leader.pid)) == 3)
         assert runner.run(group_lives(leader.pid), check=False).ok  # all three live
         os.kill(leader.pid, signal.SIGKILL)  # the leader a zombie, its children alive
         wait_until(lambda: process_stat(leader.pid) is not None
