@@ -196,42 +196,31 @@ def test_a_machine_back_within_a_poll_is_still_a_lost_host(hostlab: HostLab, tmp
     assert "vanished" in first.detail or "answer" in first.detail, first.detail
 
 
-def test_host_cut_off_from_the_network(hostlab: HostLab, tmp_path: Path) -> None:
-    def cut(fault: Fault, view: RunView, event: Event | None) -> None:
-        fault.hosts[1].cut()
-        fault.later(8.0, fault.hosts[1].restore)
+@pytest.mark.parametrize(("lost", "saver", "name"), [("worker:1", "worker:0", "f-cut"),
+                                                      ("worker:0", "worker:1", "f-cutchief")],
+                         ids=["worker", "chief"])
+def test_host_cut_off_from_the_network(hostlab: HostLab, tmp_path: Path, lost: str, saver: str,
+                                       name: str) -> None:
+    """A host cut off for 8 s: the survivor's step hangs on it; the controller's request makes
+    the saving task abort the step's collectives and save the step it completed. When the
+    chief's host is the one cut, worker:1 (its own host still reachable) saves into the
+    chief's checkpoint directory on its own host, and the relaunch sends that snapshot to
+    every host, the chief's, back by then, included."""
+    index = int(lost.split(":")[1])
 
-    result, fault = train_with_fault(hostlab, tmp_path, "f-cut", progress_of("worker:1"), cut)
-    first = assert_recovered(result, "host_lost", "worker:1", max_lost=1)
-    assert fault.hosts[1].address in first.detail
-    # The chief's step hung on the cut host; the controller's request made its worker abort
-    # the step's collectives, and it saved the step it had completed.
-    assert first.snapshot == (f"worker:0 saved its state at step {first.snapshot_step} after "
-                              "worker:1 failed"), first.snapshot
+    def cut(fault: Fault, view: RunView, event: Event | None) -> None:
+        fault.hosts[index].cut()
+        fault.later(8.0, fault.hosts[index].restore)
+
+    result, fault = train_with_fault(hostlab, tmp_path, name, progress_of(lost), cut)
+    first = assert_recovered(result, "host_lost", lost, max_lost=1)
+    assert fault.hosts[index].address in first.detail
+    assert first.snapshot == (f"{saver} saved its state at step {first.snapshot_step} after "
+                              f"{lost} failed"), first.snapshot
     assert result.attempts[1].resumed_from_step == first.snapshot_step
     # the task that was cut off with its host was stopped once the host came back
-    assert namespace_commands(fault.hosts[1]) <= {"sshd", "sshd-session"}
+    assert namespace_commands(fault.hosts[index]) <= {"sshd", "sshd-session"}
 
-
-
-def test_the_chiefs_host_cut_off_a_worker_saves_in_its_place(hostlab: HostLab,
-                                                            tmp_path: Path) -> None:
-    """The chief's machine gone with it: the controller asks worker:1 (its own host, still
-    reachable) to abort the step that hangs on the cut host and save the step it completed
-    into the chief's checkpoint directory on its own host; the relaunch sends that snapshot to
-    every host, the chief's, back by then, included."""
-    def cut(fault: Fault, view: RunView, event: Event | None) -> None:
-        fault.hosts[0].cut()
-        fault.later(8.0, fault.hosts[0].restore)
-
-    result, fault = train_with_fault(hostlab, tmp_path, "f-cutchief", progress_of("worker:0"),
-                                     cut)
-    first = assert_recovered(result, "host_lost", "worker:0", max_lost=1)
-    assert fault.hosts[0].address in first.detail
-    assert first.snapshot == (f"worker:1 saved its state at step {first.snapshot_step} after "
-                              "worker:0 failed"), first.snapshot
-    assert result.attempts[1].resumed_from_step == first.snapshot_step
-    assert namespace_commands(fault.hosts[0]) <= {"sshd", "sshd-session"}
 
 def test_hung_worker_is_caught_by_the_progress_watchdog(hostlab: HostLab, tmp_path: Path) -> None:
     result, _ = train_with_fault(hostlab, tmp_path, "f-hang", progress_of("worker:1"),

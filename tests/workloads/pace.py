@@ -9,7 +9,8 @@ With ``PACE_UNTIL_BATCH`` set (``Pace.over``), the batches from that one on (cou
 pipeline's start, which a resume's skip keeps: the index is the step) pass through no Python
 at all: tf_keras' fit ends by destroying its input iterator, which waits for a py_function in
 flight while it holds the GIL that the py_function needs to return, and hangs. A test whose
-run must end cleanly paces up to a few steps before its last.
+run must end cleanly paces up to a few steps before its last. (That teardown still blocks now
+and then without any Python in flight: an open hang, see docs/ARCHITECTURE.md.)
 
 A resumed task skips the batches its checkpoint has seen through the whole pipeline, pace
 included: ``resume_step()`` says how many, so that they go by unpaced (``Pace(resume_step(),
