@@ -4,8 +4,11 @@ env), the plan (description, batch and learning rate) and the doctor (rules)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, get_args
 
@@ -171,3 +174,31 @@ def test_the_worker_command_runtime_reports_start_and_exit_code() -> None:
     assert [e["event"] for e in events] == ["started", "error"]
     assert events[0]["mode"] == "command" and events[1]["exit_code"] == 3
     assert "1" in proc.stdout.splitlines()
+
+
+def test_a_sigterm_after_the_script_ended_leaves_its_exit_code(tmp_path: Path) -> None:
+    """'down' TERMs every group; a script that had already stopped at its peer's step (exit
+    75) must be recorded 75 even when the TERM reaches its wrapper while the wrapper's Python
+    shuts down, which a loaded host makes last: CI once recorded 143. A sitecustomize makes
+    this wrapper's shutdown last, and says when it has begun."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys, time
+        class _Slow:
+            def __del__(self):
+                print("shutting down", file=sys.stderr, flush=True)
+                time.sleep(3)
+        _slow = _Slow()
+        """))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    proc = subprocess.Popen([sys.executable, "-m", "worker", "command", "--", "sh", "-c",
+                             "exit 75"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        assert proc.stderr.readline() == "shutting down\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 75
+        assert '"exit_code": 75' in proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()

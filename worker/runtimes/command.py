@@ -39,6 +39,11 @@ def run_command(argv: list[str]) -> int:
         and is_chief_task() else None
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     code = proc.wait()
+    # The script has ended: a SIGTERM now (a 'down' TERMs every group, and this one's script
+    # had already stopped at its peer's step) must not turn its code into 143. Python puts
+    # the default action back for a handler that is a function as it shuts down, and a
+    # loaded host's shutdown lasts; an ignored signal stays ignored.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if watch is not None:
         watch.stop()
     elapsed = round(time.monotonic() - started, 3)
