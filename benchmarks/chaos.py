@@ -63,11 +63,9 @@ from orchestrator.state import RunRecord, Store
 
 WORKERS, EPOCHS, STEPS_PER_EPOCH, EVERY = 2, 6, 20, 5
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH
-# The last steps go unpaced, through no Python at all (PACE_UNTIL_BATCH): fit's end destroys
-# the input iterator, which waits for a py_function in flight (the pace's) while holding the
-# GIL that the py_function needs to return, and hangs (caught as 'hung'; see
-# tests/workloads/pace.py). The release file alone left the py_function in every batch. The
-# teardown still blocks now and then with no Python in flight (open; docs/ARCHITECTURE.md).
+# The last steps go unpaced, through no Python at all (PACE_UNTIL_BATCH; see
+# tests/workloads/pace.py): once the fix for a hang at fit's end, when the runtime still
+# destroyed fit's input iterator (it keeps it now: docs/ARCHITECTURE.md, test workloads).
 UNPACED_LAST = 5
 PACE_S = "0.1"
 GAP = (6, 12)  # steps after a recovery's first step before the next fault

@@ -287,22 +287,51 @@ def test_build_errors_name_what_build_model_returned_and_the_fix(
 
 def test_a_tf_keras_module_may_give_arrays_which_the_runtime_batches(
         launcher: Launcher, tmp_path: Path) -> None:
+    # The module's atexit handler (a tracker's last upload, say) runs: a finished task ends
+    # without the interpreter's teardown, but after its atexit handlers.
     (tmp_path / "arrays.py").write_text(textwrap.dedent("""\
+        import atexit, os
         import numpy as np
         from sklearn.datasets import load_digits
 
         from examples.digits import build_model
+
+        atexit.register(lambda: open(os.environ["AT_EXIT"], "w").close())
 
         def make_dataset(global_batch_size, seed=None):
             features, labels = load_digits(return_X_y=True)
             return (features / 16.0).astype(np.float32), labels
         """))
     group = launcher.start(tmp_path / "run", managed_job("arrays", epochs=1, steps_per_epoch=30),
-                           workers=1, env={"PYTHONPATH": str(tmp_path)})
+                           workers=1, env={"PYTHONPATH": str(tmp_path),
+                                           "AT_EXIT": str(tmp_path / "at-exit")})
     assert group.wait() == [0], group.output()
     losses = [e.get("loss") for e in group.events(0, "progress")]
     assert len(losses) == 30 and losses[-1] < losses[0]
     assert group.events(0, "finished")[0].get("step") == 30
+    assert (tmp_path / "at-exit").exists()
+
+
+def test_fits_input_iterators_outlive_fit_and_the_patch_is_undone() -> None:
+    """Destroying fit's input iterator as fit returns blocked a task for seconds now and then
+    while its peers waited in the final save (see ``keeping_input_iterators``); the runtime
+    keeps them instead."""
+    import tensorflow as tf
+    import tf_keras
+    from tf_keras.src.engine import data_adapter
+
+    from worker.runtimes.tf_keras import keeping_input_iterators
+
+    original = data_adapter.DataHandler.enumerate_epochs
+    model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    data = tf.data.Dataset.from_tensors((tf.zeros((2, 4)), tf.zeros((2, 1)))).repeat()
+    kept: list[Any] = []
+    with keeping_input_iterators(kept):
+        model.fit(data, epochs=2, steps_per_epoch=3, verbose=0)
+    assert kept and all(isinstance(i, tf.data.Iterator) for i in kept)
+    assert data_adapter.DataHandler.enumerate_epochs is original
+    assert next(kept[-1])[0].shape == (2, 4)  # alive: it still gives batches
 
 
 def test_a_metric_that_is_not_a_mean_of_examples_is_refused_naming_those_that_are() -> None:

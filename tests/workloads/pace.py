@@ -7,10 +7,10 @@ so a paced run computes exactly what an unpaced one does.
 
 With ``PACE_UNTIL_BATCH`` set (``Pace.over``), the batches from that one on (counted from the
 pipeline's start, which a resume's skip keeps: the index is the step) pass through no Python
-at all: tf_keras' fit ends by destroying its input iterator, which waits for a py_function in
-flight while it holds the GIL that the py_function needs to return, and hangs. A test whose
-run must end cleanly paces up to a few steps before its last. (That teardown still blocks now
-and then without any Python in flight: an open hang, see docs/ARCHITECTURE.md.)
+at all. It was the fix for a hang: fit's end destroyed its input iterator, which waited for a
+py_function in flight while holding the GIL the py_function needed. The tf_keras runtime now
+keeps fit's iterators to the end of the process (see docs/ARCHITECTURE.md, test workloads);
+the chaos soak still sets it, so its last steps run at full speed.
 
 A resumed task skips the batches its checkpoint has seen through the whole pipeline, pace
 included: ``resume_step()`` says how many, so that they go by unpaced (``Pace(resume_step(),

@@ -5,6 +5,7 @@ where it checkpoints, the save on SIGTERM, the final save and the error event.""
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import os
@@ -299,6 +300,18 @@ def exit_stopped(step: int, signalled: bool) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(STOPPED_EXIT)
+
+
+def exit_finished() -> NoReturn:
+    """End a task that has said ``finished`` (its model saved, every checkpoint written):
+    the ``atexit`` handlers run (the user's: a tracker's last upload; TensorFlow's: an async
+    checkpoint joined), then the process ends without the interpreter's teardown, which would
+    destroy the input iterators the runtime keeps (``tf_keras.keeping_input_iterators``) and
+    collect TensorFlow's objects for nothing."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def emit_progress(step: int, total_steps: int, means: dict[str, float], global_batch: int,

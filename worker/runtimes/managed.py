@@ -31,6 +31,7 @@ from worker.runtimes.common import (
     connected_fields,
     create_strategy,
     emit_error,
+    exit_finished,
     is_chief,
     peer_lost,
     prepare_devices,
@@ -151,7 +152,7 @@ def run_managed(job: Job) -> int:
         model_path = save_model(is_chief(strategy), model.save)
         emit("finished", metrics=metrics, model_path=model_path,
              weights_sha256=weights_digest(model.get_weights()), step=step)
-        return 0
+        exit_finished()
     except DeviceError as exc:  # the job's GPU settings: the spec's to fix, as a build error
         emit_error(exc, "build")
         return 1

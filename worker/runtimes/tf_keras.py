@@ -4,8 +4,10 @@ events, and an exact resume in deterministic mode."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from worker.events import emit
@@ -26,6 +28,7 @@ class FitTraining:
         self.model, self.dataset, self.job, self.global_batch = model, dataset, job, global_batch
         self.checkpoint_path = os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"], "chief")
         self.callbacks: list[Any] = []  # fit's, once it has begun
+        self.iterators: list[Any] = []  # fit's input iterators, kept until the process ends
 
     def fit(self) -> tuple[dict[str, float], int]:
         import tf_keras
@@ -40,9 +43,10 @@ class FitTraining:
             steps_per_epoch=self.job.steps_per_epoch,
             total_steps=self.job.total_steps,
         )
-        history = self.model.fit(self.dataset, epochs=self.job.epochs,
-                                 steps_per_epoch=self.job.steps_per_epoch, callbacks=callbacks,
-                                 verbose=0)
+        with keeping_input_iterators(self.iterators):
+            history = self.model.fit(self.dataset, epochs=self.job.epochs,
+                                     steps_per_epoch=self.job.steps_per_epoch,
+                                     callbacks=callbacks, verbose=0)
         metrics = {k: float(v[-1]) for k, v in history.history.items()}
         return metrics, int(self.model.optimizer.iterations.numpy())
 
@@ -81,6 +85,36 @@ class FitTraining:
             # The chief's directory whoever saves (the chief's own writes go there too).
             state.read_checkpoint_manager.save()
         return step, epoch
+
+
+@contextlib.contextmanager
+def keeping_input_iterators(kept: list[Any]) -> Iterator[None]:
+    """Within: every input iterator ``fit`` makes is appended to ``kept``, so that it is not
+    destroyed when ``fit`` returns.
+
+    Destroying a distributed input iterator waits for its tf.data threads, and now and then
+    one of them takes seconds to end (9 to 25 s seen here; with the watchdog's few seconds in
+    the chaos soak, a false 'hung'). The main thread waits inside the tensor's deallocation
+    (``IteratorResource::~IteratorResource``, ``UnboundedThreadPool``'s logical thread), so
+    this task reaches the final save late while every peer waits for it in the save's
+    all-reduce. Kept, the iterator is never destroyed: the task ends with ``os._exit`` once it
+    has said ``finished`` (managed.py), as after a saved stop.
+    """
+    from tf_keras.src.engine import data_adapter
+
+    handler = data_adapter.DataHandler
+    original = handler.enumerate_epochs
+
+    def enumerate_epochs(self: Any) -> Iterator[tuple[int, Any]]:
+        for epoch, iterator in original(self):
+            kept.append(iterator)
+            yield epoch, iterator
+
+    handler.enumerate_epochs = enumerate_epochs
+    try:
+        yield
+    finally:
+        handler.enumerate_epochs = original
 
 
 def prepare(tf: Any, strategy: Any, job: Job, model: Any, dataset: Any, global_batch: int,
