@@ -302,16 +302,17 @@ def exit_stopped(step: int, signalled: bool) -> NoReturn:
     os._exit(STOPPED_EXIT)
 
 
-def exit_finished() -> NoReturn:
-    """End a task that has said ``finished`` (its model saved, every checkpoint written):
-    the ``atexit`` handlers run (the user's: a tracker's last upload; TensorFlow's: an async
-    checkpoint joined), then the process ends without the interpreter's teardown, which would
-    destroy the input iterators the runtime keeps (``tf_keras.keeping_input_iterators``) and
-    collect TensorFlow's objects for nothing."""
+def exit_now(code: int) -> NoReturn:
+    """End a task that has said how it ended (``finished``: its model saved, every checkpoint
+    written; or its ``error``): the ``atexit`` handlers run (the user's: a tracker's last
+    upload; TensorFlow's: an async checkpoint joined), then the process ends with ``code``
+    without the interpreter's teardown, which would destroy the input iterators the runtime
+    keeps (``tf_keras.keeping_input_iterators``: that can block for seconds) and collect
+    TensorFlow's objects for nothing."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def emit_progress(step: int, total_steps: int, means: dict[str, float], global_batch: int,

@@ -31,7 +31,7 @@ from worker.runtimes.common import (
     connected_fields,
     create_strategy,
     emit_error,
-    exit_finished,
+    exit_now,
     is_chief,
     peer_lost,
     prepare_devices,
@@ -152,13 +152,13 @@ def run_managed(job: Job) -> int:
         model_path = save_model(is_chief(strategy), model.save)
         emit("finished", metrics=metrics, model_path=model_path,
              weights_sha256=weights_digest(model.get_weights()), step=step)
-        exit_finished()
+        exit_now(0)
     except DeviceError as exc:  # the job's GPU settings: the spec's to fix, as a build error
         emit_error(exc, "build")
         return 1
     except Exception as exc:  # reported to the controller, then the task fails
         emit_error(exc, phase)
-        return 1
+        exit_now(1)
 
 
 def _build(tf: Any, strategy: Any, job: Job) -> tuple[Any, Training]:

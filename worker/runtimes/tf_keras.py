@@ -98,7 +98,7 @@ def keeping_input_iterators(kept: list[Any]) -> Iterator[None]:
     (``IteratorResource::~IteratorResource``, ``UnboundedThreadPool``'s logical thread), so
     this task reaches the final save late while every peer waits for it in the save's
     all-reduce. Kept, the iterator is never destroyed: the task ends with ``os._exit`` once it
-    has said ``finished`` (managed.py), as after a saved stop.
+    has said ``finished`` or its error (``exit_now``), as after a saved stop.
     """
     from tf_keras.src.engine import data_adapter
 
