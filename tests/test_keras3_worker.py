@@ -410,3 +410,71 @@ def test_the_loops_loss_metrics_and_update_over_replicas_equal_one_process_on_th
     assert result["got"] == pytest.approx(result["expected"], rel=1e-5)
     assert result["after_reset"] == {}
     assert result["weights_gap"] < 1e-6  # gradients summed over replicas = the global mean's
+
+
+SNAPSHOT_CASES = """
+import json, os, sys
+import tensorflow as tf
+import tf_keras
+
+from worker.runtimes.common import SnapshotRefused
+from worker.runtimes.managed import Job
+from worker.runtimes.tf_keras import prepare, saved_step
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()  # one task: the legacy optimizer
+with strategy.scope():
+    model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(2)])
+job = Job.from_json(sys.argv[1])
+data = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.zeros((8,), tf.int64))).repeat()
+training = prepare(tf, strategy, job, model, data, 8, 0.01)
+gradients = "Graph execution error:\\n\\nDetected at node Adam/CollectiveReduceV2 defined at"
+metrics = "Graph execution error:\\n\\nDetected at node div_no_nan/CollectiveReduceV2 defined at"
+def case(failure, ahead):
+    model.optimizer.iterations.assign(6 + ahead)
+    try:
+        step, _ = training.snapshot(RuntimeError(failure))
+    except SnapshotRefused as exc:
+        return "refused: " + str(exc)
+    latest = tf.train.latest_checkpoint(os.path.join(os.environ["ORCHESTRATE_CHECKPOINT_DIR"],
+                                                     "chief"))
+    return [step, saved_step(tf, latest, 6), int(model.optimizer.iterations.numpy()),
+            int(model._train_counter.numpy())]
+class Cases(tf_keras.callbacks.Callback):  # after the runtime's: step 6 is the last completed
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 5:
+            print(json.dumps({"gradients": case(gradients, 0),
+                              "metrics, update whole": case(metrics, 1),
+                              "metrics, update not whole": case(metrics, 0),
+                              "no node": case("lost", 0)}))
+            self.model.stop_training = True
+fit = model.fit
+model.fit = lambda *args, callbacks, **kwargs: fit(*args, callbacks=[*callbacks, Cases()],
+                                                   **kwargs)
+training.fit()
+"""
+
+
+def test_a_snapshot_is_of_the_last_step_whose_update_is_whole(tmp_path: Path) -> None:
+    """A tf_keras step has two collectives: the gradients' all-reduce, then (after the update)
+    the metrics'. A peer lost in the second left the step's update applied; the soak once
+    resumed such a snapshot one step early, and its weights were not bit-identical. The
+    legacy optimizer's iterations, one ahead, say the update is whole."""
+    script = tmp_path / "cases.py"
+    script.write_text(SNAPSHOT_CASES)
+    job = managed_job("unused", epochs=2, steps_per_epoch=6, checkpoint_every_steps=100,
+                      optimizer="adam")
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "PYTHONPATH": str(REPO),
+           "ORCHESTRATE_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, str(script), json.dumps(job)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    # the gradients' all-reduce failed: nothing moved
+    assert cases["gradients"] == [6, 6, 6, 6], cases
+    # the metrics' failed after a whole update: the snapshot is of step 7, counters and all
+    assert cases["metrics, update whole"] == [7, 7, 7, 7]
+    assert cases["metrics, update not whole"] == (
+        "refused: the step after 6 failed in div_no_nan/CollectiveReduceV2, not in the "
+        "gradients' all-reduce: its update may be partly applied")
+    assert cases["no node"].startswith("refused: the step after 6 failed in an operation not")

@@ -231,8 +231,9 @@ class LoopTraining:
             self._save()                  # no step (the relaunch goes straight to the save)
         return logs, self.step
 
-    def snapshot(self) -> tuple[int, int]:
-        """The state at the loop's step count: the steps whose function returned."""
+    def snapshot(self, failure: BaseException) -> tuple[int, int]:
+        """The state at the loop's step count: the steps whose function returned (``failure``,
+        the error that broke the step under way, is not needed: see FitTraining.snapshot)."""
         if not self.step:
             raise SnapshotRefused("no step had completed")
         if self.chief and self.saved_step == self.step:

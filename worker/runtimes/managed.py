@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -111,10 +112,10 @@ class Training(Protocol):
         """Train to the last step; the last epoch's metrics and the step reached."""
         ...
 
-    def snapshot(self) -> tuple[int, int]:
-        """After ``fit`` failed on a peer's loss: save a checkpoint at the last step this task
-        completed (as a periodic one), without a collective; (step, epoch). Raises
-        SnapshotRefused where the state is not at a completed step."""
+    def snapshot(self, failure: BaseException) -> tuple[int, int]:
+        """After ``fit`` failed on a peer's loss (``failure``): save a checkpoint at the last
+        step this task completed (as a periodic one), without a collective; (step, epoch).
+        Raises SnapshotRefused where the state is not at a completed step."""
         ...
 
 
@@ -146,7 +147,7 @@ def run_managed(job: Job) -> int:
             # it to (the chief is the peer that died).
             if job.snapshot_on_crash and peer_lost(tf, exc) and (
                     is_chief(strategy) or asked_for_snapshot()):
-                save_snapshot(training.snapshot, training.checkpoint_path)
+                save_snapshot(functools.partial(training.snapshot, exc), training.checkpoint_path)
             raise
         phase = "save"
         model_path = save_model(is_chief(strategy), model.save)

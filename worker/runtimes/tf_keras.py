@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -50,12 +51,22 @@ class FitTraining:
         metrics = {k: float(v[-1]) for k, v in history.history.items()}
         return metrics, int(self.model.optimizer.iterations.numpy())
 
-    def snapshot(self) -> tuple[int, int]:
-        """The state at the last step whose function returned, in BackupAndRestore's
-        checkpoint. The step that failed never had its gradients' all-reduce (one collective:
-        the gradients go as one pack), so no weight or optimizer slot moved; the counters that
-        do not wait for it (the optimizer's iterations, fit's train counter) may have, and are
-        put back as that step left them."""
+    def snapshot(self, failure: BaseException) -> tuple[int, int]:
+        """The state after the last step whose update is whole, in BackupAndRestore's
+        checkpoint; ``failure`` is the error that broke the step under way.
+
+        A step has two collectives: the gradients' all-reduce (one pack), which every weight
+        and optimizer slot update waits for, and, after the update, the metrics' (tf_keras
+        reads their SyncOnRead totals across the group for the step's logs). A peer lost in
+        the first leaves the state at the last completed step; lost in the second, the step's
+        update has run (and fit's callbacks never heard of the step). The legacy optimizer
+        (tf_keras' under a strategy) increments ``iterations`` only once every update is
+        applied: one ahead of the last completed step means the failed step is whole, and the
+        snapshot is of it. Otherwise the failed collective must be the gradients', else the
+        update may be half applied and no snapshot is exact. The counters that do not wait for
+        the update (fit's train counter; a newer optimizer's iterations) are set as the step
+        saved left them.
+        """
         backup = self.callbacks[0] if self.callbacks else None
         state = getattr(self.model, "_training_state", None)
         if backup is None or state is None or backup.completed is None:
@@ -64,6 +75,7 @@ class FitTraining:
         optimizer = self.model.optimizer
         refuse_early_updates(optimizer)
         import tensorflow as tf
+        from tf_keras.src.optimizers.legacy.optimizer_v2 import OptimizerV2
 
         on_read = [v.name for v in self.model.variables
                    if getattr(v, "synchronization", None) == tf.VariableSynchronization.ON_READ]
@@ -72,6 +84,15 @@ class FitTraining:
                 f"the model has variables synchronized on read ({on_read[0]}; tf_keras' "
                 "BatchNormalization statistics are): each task holds its own, and saving them "
                 "averages them across every task, which the lost one cannot join")
+        ahead = int(optimizer.iterations.numpy()) - iterations
+        if isinstance(optimizer, OptimizerV2) and ahead == 1:
+            step, iterations, counter = step + 1, iterations + 1, counter + 1
+        else:
+            node = failed_node(failure)
+            if node is None or not in_scope(node, optimizer._name):
+                raise SnapshotRefused(
+                    f"the step after {step} failed in {node or 'an operation not named'}, not "
+                    "in the gradients' all-reduce: its update may be partly applied")
         epoch, batch = divmod(step - 1, self.job.steps_per_epoch)
         # Another task saving in the chief's place writes even a step the chief had saved:
         # the chief's directory on this task's host may not have it.
@@ -85,6 +106,17 @@ class FitTraining:
             # The chief's directory whoever saves (the chief's own writes go there too).
             state.read_checkpoint_manager.save()
         return step, epoch
+
+
+def failed_node(failure: BaseException) -> str | None:
+    """The graph node a TensorFlow error names ("Detected at node NAME"), if any."""
+    found = re.search(r"Detected at node '?([^\s']+)", str(failure))
+    return found.group(1) if found else None
+
+
+def in_scope(node: str, scope: str) -> bool:
+    """Whether ``node`` is in name scope ``scope`` (or a copy of it: ``Adam_1``)."""
+    return re.fullmatch(rf"{re.escape(scope)}(_\d+)?", node.split("/", 1)[0]) is not None
 
 
 @contextlib.contextmanager
