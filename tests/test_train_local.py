@@ -89,7 +89,10 @@ def test_killed_worker_resumes_from_the_chiefs_checkpoint(tmp_path: Path) -> Non
     checkpoints = [e.get("step") for e in events_of(Path(first.tasks[0].log))
                    if e.kind == "checkpoint"]
     assert second.resumed_from_step == checkpoints[-1] > 0  # not from step 0
-    assert second.resumed_from_step <= first.last_step  # at most the step reached before the kill
+    # At most one step past the last one reported: a survivor whose update of the step under
+    # way was whole (the peer was lost in the step's later collective, the metrics') saves that
+    # step, which fit never reported (FitTraining.snapshot).
+    assert second.resumed_from_step <= first.last_step + 1
     assert first.last_step >= killed_at[0]
     resumed = [e for e in events_of(Path(second.tasks[1].log)) if e.kind == "resumed"]
     assert resumed and resumed[0].get("step") == second.resumed_from_step
