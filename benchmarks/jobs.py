@@ -157,10 +157,11 @@ class Run:
         return min(times) if times else None
 
     def all_started_s(self, attempt: int = 1) -> float | None:
-        """Seconds from the start until every task's worker process was running Python."""
+        """Seconds from the start until every task's worker process was running Python (its
+        ``started`` event; a warm task's ``warming``, before it imports TensorFlow)."""
         firsts: dict[str, float] = {}
         for e in self.events:
-            if e.kind == "started" and e.attempt == attempt:
+            if e.kind in ("started", "warming") and e.attempt == attempt:
                 firsts[e.task] = min(firsts.get(e.task, e.time), e.time)
         return max(firsts.values()) - self.started if firsts else None
 

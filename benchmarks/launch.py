@@ -6,8 +6,9 @@ completed step, and from the first start of the same worker processes (same argv
 environment, directory; no controller) to theirs. Where `train` has its preflight doctor,
 `train --no-doctor` is measured as well. The kinds take turns, the order rotating every
 repeat; the overhead is the median of each repeat's difference. Also reported: when every
-task's worker process was up (its `started` event), which is where the launch path's own
-cost shows before TensorFlow's start-up. Goal: overhead under 15% of the hand-launched time.
+task's worker process was up (its `started` event; a warm task's `warming`), which is where the
+launch path's own cost shows before TensorFlow's start-up. Goal: at most 10% over the
+hand-launched time (README row 1: <= 1.10x).
 
     python benchmarks/launch.py              # 2 and 3 workers, local + namespaces, 5 repeats
     python benchmarks/launch.py --quick      # 2 local workers, `train` only, once
@@ -33,7 +34,7 @@ from jobs import (
     write_spec,
 )
 
-GOAL_OVERHEAD = 0.15
+GOAL_OVERHEAD = 0.10
 
 
 def measure(target: Target, workers: int, runs: int, directory: Path, kinds: list[str],
@@ -55,7 +56,7 @@ def measure(target: Target, workers: int, runs: int, directory: Path, kinds: lis
             "first_step_s": spread(managed), "overhead_s": spread(overhead),
             "all_started_s": spread([r.all_started_s() for r in found[kind]]),
             "ratio": ratio(median_of(managed), median_of(manual)), "overhead_fraction": fraction,
-            "goal_met": fraction is not None and fraction < GOAL_OVERHEAD,
+            "goal_met": fraction is not None and fraction <= GOAL_OVERHEAD,
         }
     return result
 
@@ -88,7 +89,7 @@ def main() -> None:
             for r in results for kind, o in r["orchestrated"].items()]
     rows += [[name, "-", "skipped", why, "", "", "", "", ""] for name, why in skipped.items()]
     publish("launch", args, host, started,
-            {"goal": f"overhead < {GOAL_OVERHEAD:.0%} of hand-launched time to first step",
+            {"goal": f"overhead <= {GOAL_OVERHEAD:.0%} of hand-launched time to first step",
              "job": "examples.digits, 1 epoch x 10 steps, progress every step",
              "results": results, "skipped": skipped},
             ["target", "workers", "launcher", "by hand", "launcher's", "overhead", "overhead %",

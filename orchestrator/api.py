@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import threading
@@ -29,7 +30,7 @@ from orchestrator.runtimes import GpuDescription, resolve_gpus, runtime_for
 from orchestrator.runtimes.base import JAX_ADDRESSES_ENV, JAX_PROCESS_ID_ENV, JAX_PROCESSES_ENV
 from orchestrator.spec import ClusterSpec, Container
 from orchestrator.state import AttemptRecord, ClusterRecord, RunRecord, Store, TaskRecord
-from orchestrator.supervisor import Supervisor
+from orchestrator.supervisor import HEARTBEAT_S, Supervisor
 from orchestrator.view import Listener, RunResult, RunView, safe
 
 if TYPE_CHECKING:
@@ -321,23 +322,35 @@ class Cluster:
         secret_values = secrets.resolve(self.spec, str(self.spec_path))  # before anything
         if not attach:
             self.up()  # idempotent: re-syncs only what changed since the last up
-        spec = self.spec
+        display = _notebook_display(listener, progress)
+        supervisor = Supervisor(self.spec, self.provider, self.store, workdir=self.workdir,
+                                listener=_both(display, listener), secret_values=secret_values)
+        run_id = active[0].id if attach else resumed
         if doctor and not attach:
-            report = self.doctor()
-            if on_doctor is not None:
-                on_doctor(report)
-            report.raise_if_blocking()
+            # A new run's first attempt starts warm at once (Supervisor.prestart): its tasks
+            # import TensorFlow while the doctor checks, and go (or are stopped) after it.
+            early = None if resumed is not None else supervisor.prestart()
+            try:
+                with _beating(self.store, early):
+                    report = self.doctor()
+                    if on_doctor is not None:
+                        on_doctor(report)
+                    report.raise_if_blocking()
+            except BaseException:
+                if early is not None:
+                    supervisor.discard(early)
+                raise
             # collectives: auto, decided once from the GPUs found, so every task of every
             # attempt agrees (without the doctor, each task decides by the GPUs it sees)
-            spec = resolve_gpus(spec, report.gpus_per_task)
-        display = _notebook_display(listener, progress)
-        supervisor = Supervisor(spec, self.provider, self.store, workdir=self.workdir,
-                                listener=_both(display, listener), secret_values=secret_values)
+            supervisor.use_spec(resolve_gpus(self.spec, report.gpus_per_task))
+            if early is not None:
+                self.store.note_run(early, "")
+            run_id = run_id or early
         for note in self.provider.notes():
             supervisor.note(note)
         if resumed is not None:
             self.store.reopen_run(resumed)
-        run_id = active[0].id if attach else resumed or self.store.new_run(self.name)
+        run_id = run_id or self.store.new_run(self.name)
         run = Run(self, supervisor, run_id, attach=attach, resume=resumed is not None,
                   display=display)
         if wait:
@@ -615,6 +628,32 @@ def _both(first: Listener | None, second: Listener | None) -> Listener | None:
         other(view, event)
 
     return call
+
+
+@contextlib.contextmanager
+def _beating(store: Store, run_id: str | None) -> Iterator[None]:
+    """Heartbeat run ``run_id`` (none: nothing) until the block ends, before its supervisor
+    does: a doctor can take minutes, and a run silent for ``HEARTBEAT_STALE_S`` is one another
+    'train' would offer to take over."""
+    if run_id is None:
+        yield
+        return
+    done = threading.Event()
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(Exception):  # the supervisor's own beats say it later
+                store.heartbeat(run_id)
+            if done.wait(HEARTBEAT_S):
+                return
+
+    thread = threading.Thread(target=beat, daemon=True, name="orchestrate-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _controller_alive(run: RunRecord) -> bool:

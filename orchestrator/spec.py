@@ -996,7 +996,8 @@ class Retry(Model):
         "job's module imported, waiting: a relaunch then skips the cold start (managed jobs). "
         "Each is an idle Python process with TensorFlow loaded (about 0.6 GiB resident, under "
         f"0.5% of a core while it waits). auto starts them once an attempt has trained {WARM_AFTER_S:.0f}s "
-        "(short runs do not pay for them); true at its first step; false never.",
+        "(short runs do not pay for them); true at its first step; false never. Unless "
+        "false, a new run's first attempt starts so too, while train's doctor checks the hosts.",
     )
 
     @field_validator("per_cause")

@@ -443,6 +443,12 @@ class Store:
             )
         return run_id
 
+    def delete_run(self, run_id: str) -> None:
+        """Forget a run that never got to its first attempt (``Supervisor.discard``)."""
+        with self._tx() as db:
+            db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
+            db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+
     def reopen_run(self, run_id: str) -> None:
         """Mark an ended run running again, supervised by this process (``train --resume``)."""
         with self._tx() as db:

@@ -43,6 +43,7 @@ from orchestrator.launchers import launcher_for, launcher_named
 from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
 from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
+from orchestrator.remote.fanout import fan_out
 from orchestrator.spec import WARM_AFTER_S, ClusterSpec, is_url
 from orchestrator.state import AttemptRecord, Store, TaskRecord
 from orchestrator.view import (
@@ -67,6 +68,9 @@ SNAPSHOT_AFTER = (Cause.CRASHED, Cause.HOST_LOST, Cause.HUNG)
 # killed first: Supervisor._end_the_hung_task), so the survivor's step fails within moments
 DIED = (Cause.CRASHED, Cause.HUNG)
 LAUNCH_SETTLE_S = 2.0  # how long a failed launch's pid file is looked for (see _start)
+# How long the first attempt's warm tasks (Supervisor.prestart) wait for their go: a controller
+# killed while its doctor ran leaves none waiting longer (a later go finds them gone: cold).
+PRESTART_WAIT_S = 600.0
 UNEXPECTED_FIX = ("this is a bug in orchestrate, or the state store (under ORCHESTRATE_HOME) "
                   "failed: run it again as 'orchestrate --debug ...' for the traceback; the "
                   "run's tasks were stopped")
@@ -124,6 +128,61 @@ class Supervisor:
         self._marks: dict[int, dict[str, float]] = {}
         self._warm: WarmTasks | None = None  # the next attempt's tasks, waiting (retry.warm_tasks)
         self._current: dict[str, TaskHandle] = {}  # the running attempt's tasks, by key
+        self._prestarted: ClusterPlan | None = None  # the first attempt, as prestart started it
+
+    # -- the first attempt, started while the doctor checks -------------------------------
+    def prestart(self) -> str | None:
+        """Record a new run and start its first attempt's tasks as warm tasks now, so that
+        they import TensorFlow and the job's module while the doctor checks the hosts (its
+        report may change the job's ``collectives``: the go carries the final environment).
+        The run's id; None where the run keeps no warm tasks (``warm.wanted``, the provider's
+        ``warm_tasks``) or its first attempt cannot be planned yet: nothing is recorded, and
+        the first attempt starts cold after the doctor, as before."""
+        if not (warm.wanted(self.spec) and self.provider.warm_tasks):
+            return None
+        try:
+            hosts = self.provider.hosts()
+            python = self.provider.python(hosts[0])
+            busy = self.provider.busy_ports(hosts)
+        except OrchestratorError:  # the doctor says what is wrong; the attempt asks again
+            return None
+        run_id = self.store.new_run(self.spec.name)
+        try:
+            first = planning.build(self.spec, hosts, run_id=run_id, attempt=1, python=python,
+                                   local_workdir=str(self.workdir), busy_ports=busy)
+        except OrchestratorError:  # a plan error: the doctor reports it
+            self.store.delete_run(run_id)
+            return None
+        self.store.note_run(run_id, "the doctor checks every host; the first attempt's tasks "
+                                    "start meanwhile")
+        self._warm = WarmTasks(self.store, run_id, self.launcher,
+                               lambda name: self.provider.runner(self._host(name)), self._say)
+        self._warm.start(self._with_secrets(first), {}, wait_s=PRESTART_WAIT_S)
+        self._prestarted = first
+        return run_id
+
+    def discard(self, run_id: str) -> None:
+        """The run is not to be: stop what ``prestart`` started, remove its directory from
+        every host, and forget the run (the doctor found a blocking problem, or a Ctrl-C came
+        first), as if it never began."""
+        try:
+            if self._warm is not None:
+                self._warm.stop()
+            first = self._prestarted
+            if first is not None:
+                machines = {(t.host.machine, t.host.root): t.host for t in first.tasks}
+                fan_out([h for h in machines.values() if posixpath.isabs(h.root)],
+                        lambda host: self.provider.runner(host).run(
+                            ["rm", "-rf", "--", first.paths[host.name].run_dir], check=False),
+                        name_of=lambda host: host.name)
+        finally:
+            self.store.delete_run(run_id)
+
+    def use_spec(self, spec: ClusterSpec) -> None:
+        """The spec as the doctor resolved it (``resolve_gpus``), before ``run``."""
+        if spec.name != self.spec.name:
+            raise ValueError(f"spec {spec.name!r} is not {self.spec.name!r}")
+        self.spec = spec
 
     # -- the run ---------------------------------------------------------------------------
     def run(self, run_id: str, *, attach: bool = False, resume: bool = False) -> RunResult:
@@ -176,11 +235,13 @@ class Supervisor:
             mode=self.spec.checkpoint.mirror, on_mirrored=self._mirrored,
             on_pulling=self._pulling, on_off=self._say)
         previous = self.store.attempts(run_id) if attach or resume else []
-        if warm.wanted(self.spec) and self.provider.warm_tasks:
+        if warm.wanted(self.spec) and self.provider.warm_tasks and self._warm is None:
             self._warm = WarmTasks(self.store, run_id, self.launcher,
                                    lambda name: self.provider.runner(self._host(name)), self._say)
-            if attach and previous:  # the warm tasks the dead controller started
-                self._warm.adopt(self.store.get_run(run_id).warm, previous[-1].number + 1)
+            if attach:  # the warm tasks the dead controller started (for its first attempt
+                # while its doctor checked the hosts, when it had none yet)
+                self._warm.adopt(self.store.get_run(run_id).warm,
+                                 (previous[-1].number if previous else 0) + 1)
         if attach:
             self._causes.update(Cause(a.cause) for a in previous
                                 if a.cause in Cause._value2member_map_)

@@ -29,7 +29,7 @@ from orchestrator.remote.base import Runner, TaskHandle, _ours, group_lives, mod
 from orchestrator.spec import ClusterSpec, CommandJob, is_url
 from orchestrator.state import Store, TaskRecord
 from worker import verified as verified_module
-from worker.warm import GO_ENV, PEER_ENV, VERIFY_ENV
+from worker.warm import GO_ENV, PEER_ENV, VERIFY_ENV, WAIT_ENV
 
 Started = tuple[str, TaskHandle]  # a warm task: its host's name, its handle
 START_WAIT_S = 30.0  # how long a relaunch waits for warm tasks still being started
@@ -74,18 +74,21 @@ class WarmTasks:
         return self._attempt
 
     # -- start -----------------------------------------------------------------------------
-    def start(self, plan: ClusterPlan, peers: dict[str, TaskHandle]) -> None:
+    def start(self, plan: ClusterPlan, peers: dict[str, TaskHandle],
+              wait_s: float | None = None) -> None:
         """Start ``plan``'s tasks warm, in the background (``peers``: the running attempt's
-        tasks by key, whose end a warm task outlives by ``worker.warm.ORPHAN_S`` at most)."""
+        tasks by key, whose end a warm task outlives by ``worker.warm.ORPHAN_S`` at most; with
+        none, ``wait_s``: how long each waits for its go from its start)."""
         with self._lock:
             if self._attempt >= plan.attempt or self.off:
                 return
             self._attempt = plan.attempt
-        self._thread = threading.Thread(target=self._start, args=(plan, peers), daemon=True,
-                                        name="orchestrate-warm")
+        self._thread = threading.Thread(target=self._start, args=(plan, peers, wait_s),
+                                        daemon=True, name="orchestrate-warm")
         self._thread.start()
 
-    def _start(self, plan: ClusterPlan, peers: dict[str, TaskHandle]) -> None:
+    def _start(self, plan: ClusterPlan, peers: dict[str, TaskHandle],
+               wait_s: float | None) -> None:
         layout = plan.checkpoints
         chief_dir = layout.of(plan.chief.host)
         verify = None if is_url(chief_dir) else json.dumps([chief_dir, *verify_files(plan)])
@@ -98,6 +101,8 @@ class WarmTasks:
                 env[PEER_ENV] = str(peer.pgid)  # a container's processes see other pids
             if task.key == plan.chief_key and verify is not None:
                 env[VERIFY_ENV] = verify
+            if wait_s is not None:
+                env[WAIT_ENV] = f"{wait_s:g}"
             runner = self.runner_for(task.host.name)
             try:
                 runner.run(f"rm -f {shlex.quote(go_path(task))}", check=False)

@@ -21,6 +21,7 @@ from hostlab import HostLab
 
 from orchestrator import paths
 from orchestrator.api import Cluster
+from orchestrator.doctor import DoctorFailed
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event, parse_line
 from orchestrator.state import Store
@@ -60,10 +61,10 @@ def task_log(cluster: str, run_id: str, attempt: int, task: str) -> Path:
 
 
 class KillWhenWarm:
-    """A listener: once attempt 2's warm tasks say ``ready`` (or ``warm_unusable``), SIGKILL
-    worker:1 of attempt 1, then release the paced run."""
+    """A listener: once attempt 2's warm tasks say ``ready`` (or ``warm_unusable``; None: at
+    attempt 1's first step), SIGKILL worker:1 of attempt 1, then release the paced run."""
 
-    def __init__(self, wait_for: str = "ready") -> None:
+    def __init__(self, wait_for: str | None = "ready") -> None:
         self.pids: dict[tuple[int, str], int] = {}
         self.killed_at: float | None = None
         self.wait_for = wait_for
@@ -84,7 +85,7 @@ class KillWhenWarm:
     def _kill(self, cluster: str, run_id: str) -> None:
         logs = [task_log(cluster, run_id, 2, t) for t in ("worker:0", "worker:1")]
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while self.wait_for is not None and time.monotonic() < deadline:
             if all(any(e.kind == self.wait_for for e in events_of(log)) for log in logs):
                 break
             time.sleep(0.1)
@@ -244,10 +245,13 @@ def test_warm_tasks_on_ssh_hosts_as_an_unprivileged_user_and_down_stops_them(
 @pytest.mark.tf
 def test_a_module_that_runs_ops_at_import_turns_warm_tasks_off_and_starts_cold(
         tmp_path: Path, orchestrate_home: Path) -> None:
+    """The first attempt's tasks start warm while the doctor checks: importing the module
+    starts TensorFlow's runtime, so each waits unfit and at the go starts the task afresh in its
+    place; no warm task is started for a later attempt, and the relaunch starts cold."""
     path = spec_file(tmp_path, WARM.format(name="warm-eager", port=24700, end=24740,
                                            module="tests.workloads.eager_digits", warm="true",
                                            epochs=3))
-    killer = KillWhenWarm(wait_for="warm_unusable")
+    killer = KillWhenWarm(wait_for=None)
     result = Cluster.from_spec(path).train(listener=killer).wait()
     killer.join()
     assert result.status == "succeeded" and len(result.attempts) == 2
@@ -256,11 +260,119 @@ def test_a_module_that_runs_ops_at_import_turns_warm_tasks_off_and_starts_cold(
                             "tests.workloads.eager_digits runs TensorFlow ops")
                for m in killer.messages), killer.messages
     for task in ("worker:0", "worker:1"):
-        events = events_of(task_log("warm-eager", result.run_id, 2, task))
+        events = events_of(task_log("warm-eager", result.run_id, 1, task))
         kinds = [e.kind for e in events]
         # it waited unfit, and at the go started the task afresh in its place
         assert "ready" not in kinds and kinds.index("warm_unusable") < kinds.index("go") < \
-            kinds.index("started") < kinds.index("finished"), kinds
+            kinds.index("started"), kinds
         assert next(e for e in events if e.kind == "go").get("cold") is True
-        # no warm task was started for an attempt 3
-        assert not task_log("warm-eager", result.run_id, 3, task).exists()
+        # the relaunch started cold: no warm task was started for attempt 2
+        again = [e.kind for e in events_of(task_log("warm-eager", result.run_id, 2, task))]
+        assert "warming" not in again and "started" in again and "finished" in again, again
+
+
+FIRST = """\
+name: {name}
+workers: 2
+ports: {{start: {port}, end: {end}}}
+job: {{module: examples.digits, epochs: 1, steps_per_epoch: 5, progress_every_steps: 1}}
+checkpoint: {{every_steps: 5{dir}}}
+timeouts: {{stop_grace_s: 1, startup_s: 180}}
+"""
+
+
+def warming_now(cluster: str) -> tuple[str, dict[str, int]]:
+    """While the doctor runs: the cluster's one run (recorded before the doctor) and the pid of
+    each first-attempt task once it has said ``warming`` (within 60 s)."""
+    (run,) = Store().runs(cluster)
+    assert run.status == "running" and run.attempts == []
+    assert run.message == "the doctor checks every host; the first attempt's tasks start meanwhile"
+    deadline = time.monotonic() + 60
+    while True:
+        found = {t: next((int(e.get("pid")) for e in events_of(task_log(cluster, run.id, 1, t))
+                          if e.kind == "warming"), 0) for t in ("worker:0", "worker:1")}
+        if all(found.values()) or time.monotonic() > deadline:
+            return run.id, found
+        time.sleep(0.05)
+
+
+def gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().split(") ")[1][0] == "Z"
+
+
+@pytest.mark.tf
+def test_the_first_attempt_starts_warm_while_the_doctor_checks_and_goes_after_it(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    """The doctor and the tasks' start overlap: by the time the doctor's report is in, both
+    tasks of attempt 1 are running (importing TensorFlow); they go once it passed, as the
+    processes that train."""
+    path = spec_file(tmp_path, FIRST.format(name="warm-first", port=24750, end=24790, dir=""))
+    seen: dict[str, object] = {}
+    said: list[str] = []
+
+    def on_doctor(report: object) -> None:
+        seen["run"], seen["pids"] = warming_now("warm-first")
+
+    def listener(view: RunView, event: Event | None) -> None:
+        said[:] = view.messages
+
+    result = Cluster.from_spec(path).train(on_doctor=on_doctor, listener=listener).wait()
+    assert result.status == "succeeded" and result.run_id == seen["run"]
+    assert len(result.attempts) == 1
+    pids = seen["pids"]
+    assert isinstance(pids, dict) and all(pids.values()), pids
+    for task in ("worker:0", "worker:1"):
+        events = {e.kind: e for e in events_of(task_log("warm-first", result.run_id, 1, task))}
+        assert {"warming", "go", "started", "finished"} <= set(events), sorted(events)
+        assert events["go"].get("cold") is False
+        assert events["started"].get("pid") == pids[task]  # the process started before the report
+    assert any("started 2 tasks (2 warm: told to go)" in m for m in said), said
+    assert Store().get_run(result.run_id).warm == []
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("how", ["blocking problem", "ctrl-c"])
+def test_a_doctor_that_stops_the_run_stops_its_first_tasks_and_leaves_no_run(
+        tmp_path: Path, orchestrate_home: Path, how: str) -> None:
+    """The doctor finds a blocking problem (checkpoints cannot be written under /proc), or a
+    Ctrl-C comes while it checks: the first attempt's warm tasks are stopped, their run
+    directory removed, and no run is recorded, as before they started early."""
+    checkpoint = ", dir: /proc/orchestrate-no-such-dir" if how == "blocking problem" else ""
+    path = spec_file(tmp_path, FIRST.format(name="warm-refused", port=24800, end=24840,
+                                            dir=checkpoint))
+    seen: dict[str, object] = {}
+
+    def on_doctor(report: object) -> None:
+        seen["run"], seen["pids"] = warming_now("warm-refused")
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+
+    expected: type[BaseException] = DoctorFailed if how == "blocking problem" \
+        else KeyboardInterrupt
+    with pytest.raises(expected) as raised:
+        Cluster.from_spec(path).train(on_doctor=on_doctor)
+    if how == "blocking problem":
+        assert "/proc/orchestrate-no-such-dir" in str(raised.value)
+    pids = seen["pids"]
+    assert isinstance(pids, dict) and all(pids.values()), pids
+    assert all(gone(pid) for pid in pids.values()), pids
+    assert Store().runs("warm-refused") == []
+    run_dir = Path(paths.RunPaths.of(str(paths.cluster_home("warm-refused")), str(seen["run"])
+                                     ).run_dir)
+    assert not run_dir.exists()
+
+
+def test_a_warm_task_with_no_predecessor_waits_for_its_go_only_so_long(tmp_path: Path) -> None:
+    """A first-attempt warm task whose controller never says go (killed while its doctor ran)
+    exits by itself after ORCHESTRATE_WARM_WAIT_S, saying why, with the code a go written
+    too late reads as no task."""
+    go = tmp_path / "worker-0.go"
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "command", "--", "true"], cwd=REPO, capture_output=True,
+        text=True, timeout=60, env={**os.environ, "ORCHESTRATE_WARM": str(go),
+                                    "ORCHESTRATE_WARM_WAIT_S": "0.5"})
+    events = [e for e in map(parse_line, proc.stdout.splitlines()) if e is not None]
+    assert proc.returncode == 76, proc.stdout + proc.stderr
+    assert [e.kind for e in events] == ["warming", "warm_unusable", "warm_expired"]
+    assert events[-1].get("reason") == "no go within 0.5s of its start"

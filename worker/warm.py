@@ -19,7 +19,9 @@ file) it also checks every new checkpoint as the chief writes it, every tensor r
 (``worker.verified``), so that a relaunch finds the newest checkpoint already verified.
 
 A warm task whose predecessor on this host (``ORCHESTRATE_WARM_PEER``: its process group) is
-gone for ``ORPHAN_S`` without a go exits: its controller is gone too.
+gone for ``ORPHAN_S`` without a go exits: its controller is gone too. One with no predecessor (a
+run's first attempt, started while the controller's doctor checks the hosts) waits at most
+``ORCHESTRATE_WARM_WAIT_S`` seconds from its start.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from worker.events import emit
 GO_ENV = "ORCHESTRATE_WARM"
 VERIFY_ENV = "ORCHESTRATE_WARM_VERIFY"  # "DIR:RESULT_FILE:REQUEST_FILE" (JSON list)
 PEER_ENV = "ORCHESTRATE_WARM_PEER"
+WAIT_ENV = "ORCHESTRATE_WARM_WAIT_S"  # a task with no predecessor: how long it waits for its go
 ORPHAN_S = 600.0
 EXPIRED_EXIT = 76
 POLL_S = 0.05  # how often a waiting task looks for its go file (0.8% of a core at 0.02 s)
@@ -61,11 +64,15 @@ def main(argv: list[str], run: Callable[[list[str]], int]) -> int:
              rss_mib=round(_rss_kib() / 1024, 1))
     verifier = _verifier()  # reading a checkpoint back needs no runtime: unfit or not
     peer = int(os.environ.get(PEER_ENV, "0") or 0)
+    wait_s = float(os.environ.get(WAIT_ENV, "0") or 0)
     peer_gone: float | None = None
     peer_checked = 0.0
     while not os.path.exists(go_path):
         if verifier is not None:
             verifier.tick()
+        if wait_s and time.time() - since > wait_s and not os.path.exists(go_path):
+            emit("warm_expired", reason=f"no go within {wait_s:g}s of its start")
+            return EXPIRED_EXIT
         if peer and time.monotonic() - peer_checked >= PEER_EVERY_S:
             peer_checked = time.monotonic()
             alive = verified.group_alive(peer)
@@ -79,7 +86,7 @@ def main(argv: list[str], run: Callable[[list[str]], int]) -> int:
     with open(go_path, encoding="utf-8") as f:
         go: dict[str, Any] = json.load(f)
     os.remove(go_path)
-    for name in (VERIFY_ENV, PEER_ENV):
+    for name in (VERIFY_ENV, PEER_ENV, WAIT_ENV):
         os.environ.pop(name, None)
     os.environ.update(go["env"])
     os.chdir(go["cwd"])

@@ -83,13 +83,56 @@ def prepare_devices(tf: Any, collectives: str, memory_growth: bool) -> Devices:
     return Devices(len(gpus), collectives)
 
 
+COORDINATOR_WAIT_S = 60.0  # how long a task waits for the coordination service's port
+COORDINATOR_POLL_S = 0.02
+
+
+def await_port(address: str, *, limit_s: float = COORDINATOR_WAIT_S) -> None:
+    """Until ``address`` (host:port, [v6]:port) takes a connection (at most ``limit_s``; then
+    the framework's own wait goes on). A task that asks for the coordination service before
+    its leader has started it is refused, and gRPC tries again only after its first backoff,
+    1 s: tasks started at once (a launch, a relaunch) paid that second whenever another than
+    the leader got there first."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(COORDINATOR_POLL_S)
+
+
+def coordination_leader(config: str | None) -> tuple[str, bool] | None:
+    """The task that runs TensorFlow's coordination service for ``config`` (a TF_CONFIG), as
+    ``multi_worker_util.coordination_leader`` picks it (chief 0 where there is a chief, else
+    worker 0): its address, and whether it is this task. None without a cluster."""
+    import json
+
+    try:
+        parsed = json.loads(config or "{}")
+        cluster, task = parsed.get("cluster") or {}, parsed.get("task") or {}
+        job = "chief" if cluster.get("chief") else "worker"
+        address = str(cluster[job][0])
+        return address, (task.get("type"), int(task.get("index", 0))) == (job, 0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
 def create_strategy(tf: Any, devices: Devices, collective_timeout_s: float | None = None) -> Any:
     """MWMS with the collectives of ``devices``; must run before any other TF op (after
-    ``prepare_devices``).
+    ``prepare_devices``). A task other than the coordination service's leader first waits for
+    the leader's port (``await_port``).
 
     With ``collective_timeout_s``, a collective that waits longer (a stuck peer) fails
     the task instead of hanging it forever.
     """
+    leader = coordination_leader(os.environ.get("TF_CONFIG"))
+    if leader is not None and not leader[1]:
+        await_port(leader[0])
     implementation = tf.distribute.experimental.CommunicationImplementation
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=implementation.NCCL if devices.collectives == "nccl" else implementation.RING,

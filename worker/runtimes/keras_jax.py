@@ -58,6 +58,7 @@ from worker.checkpoints import (
 )
 from worker.events import emit
 from worker.runtimes.common import (
+    await_port,
     emit_error,
     emit_progress,
     exit_stopped,
@@ -74,8 +75,6 @@ SHUTDOWN_TIMEOUT_S = 10
 # The preemption service's key (tsl's preemption_sync_manager.cc): a time, RFC 3339, at which a
 # task will be gone; every process's sync manager then agrees on a step to stop at.
 PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
-COORDINATOR_WAIT_S = 60.0  # how long a process waits for the chief's coordination service
-COORDINATOR_POLL_S = 0.02
 
 Phase = str
 
@@ -131,30 +130,12 @@ def _connect(processes: Processes) -> Any:
 
     _cache_compilations(jax)
     if not processes.chief:
-        _await_coordinator(processes.coordinator)
+        await_port(processes.coordinator)
     jax.distributed.initialize(
         coordinator_address=processes.coordinator, num_processes=processes.count,
         process_id=processes.index, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     return jax
-
-
-def _await_coordinator(address: str, *, limit_s: float = COORDINATOR_WAIT_S) -> None:
-    """Until the coordinator's port takes a connection (at most ``limit_s``; then JAX's own
-    wait goes on). A process that asks for the coordination service before the chief has
-    started it is refused, and gRPC tries again only after its first backoff, 1 s: on a
-    relaunch, whose processes all start at once, that second was most of the connect phase."""
-    import socket
-
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, int(port)), timeout=1.0):
-                return
-        except OSError:
-            time.sleep(COORDINATOR_POLL_S)
 
 
 def _cache_compilations(jax: Any) -> None:
