@@ -167,7 +167,7 @@ class Supervisor:
         first), as if it never began."""
         try:
             if self._warm is not None:
-                self._warm.stop()
+                self._warm.stop(settle=True)  # before the directory its tasks log to goes
             first = self._prestarted
             if first is not None:
                 machines = {(t.host.machine, t.host.root): t.host for t in first.tasks}

@@ -198,8 +198,11 @@ class WarmTasks:
             self.off = reason
             self.say(f"warm tasks are off for this run: {reason}")
 
-    def stop(self) -> None:
-        """Stop every warm task (the run ended)."""
+    def stop(self, *, settle: bool = False) -> None:
+        """Stop every warm task (the run ended). With ``settle``, starts still under way end
+        first, so that none of them starts (and writes its log) after this returns."""
+        if settle:
+            self._wait_started()
         with self._lock:
             self._attempt = max(self._attempt, 1 << 30)  # a starter still running stops its own
             tasks, self._tasks = self._tasks, {}

@@ -455,3 +455,39 @@ def test_on_a_gpu_host_with_jaxs_cpu_wheel_the_doctor_warns_from_the_real_prefli
                                       "HBM3): JAX is installed without CUDA")
     assert problem.fix == ("install JAX with CUDA there: python3 -m pip install "
                            f"'jax[cuda12]=={importlib.metadata.version('jax')}'")
+
+
+def installed(root: Path, module: str, metadata: str, name: str, body: str) -> None:
+    """A package ``module`` in ``root`` with its metadata at ``root/metadata`` (a directory
+    ``name``d METADATA or PKG-INFO inside, or a file when ``name`` is empty)."""
+    (root / module).mkdir(parents=True)
+    (root / module / "__init__.py").write_text("")
+    if name:
+        (root / metadata).mkdir()
+        (root / metadata / name).write_text(body)
+    else:
+        (root / metadata).write_text(body)
+
+
+@pytest.mark.parametrize(("module", "dists", "metadata", "name", "body", "expected"), [
+    ("tensorflow", ("tensorflow-cpu",), "tensorflow_cpu-2.20.1.dist-info", "METADATA",
+     "Metadata-Version: 2.1\nName: tensorflow-cpu\nVersion: 2.20.1\n\nName: not-this\n", "2.20.1"),
+    ("tf_keras", ("tf-keras",), "tf_keras-2.21.0.dist-info", "METADATA",
+     "Name: tf_keras\nVersion: 2.21.0\n", "2.21.0"),
+    ("oldpkg", (), "oldpkg-0.9-py3.11.egg-info", "PKG-INFO",
+     "Metadata-Version: 1.0\nName: OldPkg\nVersion: 0.9\n", "0.9"),
+    ("flatpkg", (), "flatpkg-1.2.egg-info", "", "Name: flatpkg\nVersion: 1.2\n", "1.2"),
+    # a metadata directory named otherwise: found by the full scan
+    ("renamed", ("renamed",), "something_else-3.1.dist-info", "METADATA",
+     "Metadata-Version: 2.1\nName: renamed\nVersion: 3.1\n", "3.1"),
+    ("bare", (), "unrelated-1.0.dist-info", "METADATA", "Name: unrelated\nVersion: 1.0\n", None),
+])
+def test_the_preflight_reads_the_version_of_the_distribution_a_module_comes_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, dists: tuple[str, ...],
+        metadata: str, name: str, body: str, expected: str | None) -> None:
+    installed(tmp_path, module, metadata, name, body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert preflight.installed_version(module, *dists) == expected
+    if expected is not None:  # the same answer as importlib.metadata's own
+        found = [d.version for d in importlib.metadata.distributions(path=[str(tmp_path)])]
+        assert found == [expected]

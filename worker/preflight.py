@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -164,7 +163,13 @@ def _env_seconds(name: str, default: float) -> float:
 
 # -- software ------------------------------------------------------------------------------
 def installed_version(module: str, *dists: str) -> str | None:
-    """The version of the distribution that provides the ``module`` this Python would import."""
+    """The version of the distribution that provides the ``module`` this Python would import.
+
+    Its metadata directory is found by name first (``NAME-VERSION.dist-info``, or
+    ``.egg-info``), and only its header read: going through ``importlib.metadata`` parses
+    every distribution's metadata in the directory, which with a hundred installed (TensorFlow
+    brings most of them) was 0.3 s of the preflight's 0.36 s. A distribution whose directory is
+    named otherwise is still found by that full scan."""
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -172,10 +177,44 @@ def installed_version(module: str, *dists: str) -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     entry = str(Path(next(iter(spec.submodule_search_locations))).parent)
-    for dist in importlib.metadata.distributions(path=[entry]):
-        if dist.metadata["Name"] and dist.metadata["Name"].lower() in (*dists, module):
+    wanted = {_normal(name) for name in (*dists, module)}
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(entry)):
+            stem, dot, kind = name.rpartition(".")
+            if dot and kind in ("dist-info", "egg-info") and \
+                    _normal(stem.split("-")[0]) in wanted:
+                header = _metadata_header(Path(entry, name))
+                if _normal(header.get("name", "")) in wanted and header.get("version"):
+                    return header["version"]
+    from importlib import metadata
+
+    for dist in metadata.distributions(path=[entry]):
+        if dist.metadata["Name"] and _normal(dist.metadata["Name"]) in wanted:
             return str(dist.version)
     return None
+
+
+def _normal(name: str) -> str:
+    """A distribution's name as PEP 503 compares them (``tf-keras`` is ``tf_keras``)."""
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _metadata_header(path: Path) -> dict[str, str]:
+    """``Name`` and ``Version`` from the header of a distribution's metadata (a ``.dist-info``
+    directory's METADATA, an ``.egg-info`` directory's PKG-INFO, or an ``.egg-info`` file)."""
+    found: dict[str, str] = {}
+    source = path / ("METADATA" if path.suffix == ".dist-info" else "PKG-INFO") \
+        if path.is_dir() else path
+    with contextlib.suppress(OSError, UnicodeDecodeError), source.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                break  # the header ends at the first blank line
+            key, sep, value = line.partition(":")
+            if sep and key.strip().lower() in ("name", "version"):
+                found.setdefault(key.strip().lower(), value.strip())
+            if len(found) == 2:
+                break
+    return found
 
 
 def tensorflow_facts(do_import: bool) -> dict[str, Any]:
