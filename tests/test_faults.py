@@ -67,11 +67,12 @@ def train_with_fault(hostlab: HostLab, tmp_path: Path, name: str, trigger: Trigg
                      action: Action, *, startup_s: int = 120,
                      module: str = "tests.workloads.paced_digits", extra: str = "",
                      cluster_hook: Callable[[Cluster, Fault], None] | None = None,
-                     ) -> tuple[RunResult, Fault]:
+                     doctor: bool = True) -> tuple[RunResult, Fault]:
     """Train on 3 lab hosts and inject ``action`` once ``trigger`` holds. The default workload
     is paced (0.2 s a batch) until the fault is injected, so a trigger on a step event acts
     while training still runs however late the event is read; then every host's run is
-    released to full speed."""
+    released to full speed. With the doctor, the first attempt's tasks start warm while it
+    checks (their ``started`` comes at the go); without, cold, once the plan is made."""
     hosts = hostlab.hosts(3)
     path = write_spec(tmp_path, hostlab, hosts, BODY.format(name=name, startup_s=startup_s,
                                                                 module=module) + extra)
@@ -94,7 +95,7 @@ def train_with_fault(hostlab: HostLab, tmp_path: Path, name: str, trigger: Trigg
             release(hosts, name, view.run_id)  # a host whose disk was wiped has a new run dir
 
     try:
-        result = cluster.train(listener=listener).wait()
+        result = cluster.train(listener=listener, doctor=doctor).wait()
     finally:
         for timer in fault.timers:
             timer.join()
@@ -240,8 +241,11 @@ def test_peer_that_never_connects_hits_the_startup_timeout(hostlab: HostLab,
         return (event is not None and event.attempt == 1 and event.kind == "started"
                 and event.task == "worker:2")
 
+    # A cold start (no doctor, no warm first attempt): ``started`` is said as the process
+    # starts, seconds before it could connect (a warm task says it at its go, and connects
+    # at once: it would be stopped having trained).
     result, _ = train_with_fault(hostlab, tmp_path, "f-start", never_connects, kill_task("STOP"),
-                                 startup_s=25)
+                                 startup_s=25, doctor=False)
     assert result.status == "succeeded"
     first = result.attempts[0]
     assert (first.cause, first.failed_task) == ("startup_timeout", "worker:2")
@@ -253,11 +257,12 @@ def test_taken_port_is_avoided_on_the_next_attempt(hostlab: HostLab, tmp_path: P
     squatters: list[subprocess.Popen[bytes]] = []
 
     def squat_after_the_probe(cluster: Cluster, fault: Fault) -> None:
-        probe = cluster.provider.busy_ports
+        start_group = cluster.provider.start_group
 
-        def busy_ports(hosts: object) -> set[tuple[str, int]]:
-            found = probe(hosts)  # type: ignore[arg-type]
-            if not squatters:  # another program grabs the port between probe and launch
+        def squat(plan: object) -> object:
+            # After the attempt's plan probed the ports, before its tasks start (or, warm
+            # since the doctor ran, go and bind): another program grabs the port meanwhile.
+            if not squatters:
                 host = fault.hosts[1]
                 # SO_REUSEADDR: an earlier test's connections may leave 23456 in TIME_WAIT;
                 # a listening squatter blocks gRPC's bind either way.
@@ -268,9 +273,9 @@ def test_taken_port_is_avoided_on_the_next_attempt(hostlab: HostLab, tmp_path: P
                 argv = ["ip", "netns", "exec", str(host.namespace), sys.executable, "-c", code]
                 squatters.append(subprocess.Popen(argv, stdout=subprocess.PIPE))
                 assert squatters[0].stdout is not None and squatters[0].stdout.readline()
-            return found
+            return start_group(plan)  # type: ignore[arg-type]
 
-        cluster.provider.busy_ports = busy_ports  # type: ignore[method-assign]
+        cluster.provider.start_group = squat  # type: ignore[method-assign,assignment]
 
     def never(fault: Fault, view: RunView, event: Event | None) -> bool:
         fault.fired.append("squatter")  # the fault is the squatter itself
