@@ -98,6 +98,9 @@ def run_argv(container: Container, task: TaskPlan) -> list[str]:
     return ["sh", "-c", script, rt]
 
 
+REMOVE_TRIES = 30  # how many times a stop removes a container that is still listed
+
+
 def selector(runtime: str, label: str, value: str, *, every: bool) -> str:
     """A shell expression: the ids of containers with ``label=value`` (running, or ``every``)."""
     return (f"$({runtime} ps -q{'a' if every else ''} --filter "
@@ -105,12 +108,19 @@ def selector(runtime: str, label: str, value: str, *, every: bool) -> str:
 
 
 def stop_script(runtime: str, rc_path: str, grace_s: float) -> str:
-    """Stop the task's container (TERM, KILL after ``grace_s``; 0: KILL at once) and remove it."""
+    """Stop the task's container (TERM, KILL after ``grace_s``; 0: KILL at once) and remove it.
+
+    The removal is checked: a container run with ``--rm`` is also removed by the engine's own
+    cleanup process when it exits, and an ``rm -f`` that races it can return (podman 4 says
+    "no such container", or nothing) while the container is still listed, being removed. So
+    ``rm -f`` is repeated until no container of the task is listed (``REMOVE_TRIES`` s at most).
+    """
     grace = max(0, int(grace_s + 0.999))
     running, every = (selector(runtime, "rc", rc_path, every=e) for e in (False, True))
     return (f"ids={running}; if [ -n \"$ids\" ]; then {runtime} stop -t {grace} $ids "
-            f">/dev/null 2>&1; fi; ids={every}; if [ -n \"$ids\" ]; then {runtime} rm -f $ids "
-            f">/dev/null 2>&1; fi; true")
+            f">/dev/null 2>&1; fi; i=0; while ids={every}; [ -n \"$ids\" ] && "
+            f"[ $i -lt {REMOVE_TRIES} ]; do [ $i -eq 0 ] || sleep 1; {runtime} rm -f $ids "
+            f">/dev/null 2>&1; i=$((i+1)); done; true")
 
 
 def states_script(runtime: str, rc_path: str) -> str:

@@ -66,6 +66,7 @@ class WarmTasks:
         self._lock = threading.Lock()
         self._tasks: dict[str, Started] = {}  # by task key, for attempt self._attempt
         self._attempt = 0  # the attempt the warm tasks are (being) started for
+        self._went = 0  # the last attempt told to go: a start of it still under way is too late
         self._verifier: TaskHandle | None = None  # the chief's, when it checks checkpoints
         self._thread: threading.Thread | None = None
 
@@ -114,7 +115,7 @@ class WarmTasks:
         with ThreadPoolExecutor(max_workers=min(32, len(plan.tasks))) as pool:
             started = [s for s in pool.map(one, plan.tasks) if s is not None]
         with self._lock:
-            current = self._attempt == plan.attempt
+            current = self._attempt == plan.attempt and self._went < plan.attempt
             if current:
                 self._tasks = {task.key: (task.host.name, handle) for task, handle in started}
                 self._verifier = next((h for t, h in started if t.key == plan.chief_key
@@ -162,8 +163,8 @@ class WarmTasks:
         with self._lock:
             tasks = self._tasks if self._attempt == plan.attempt else {}
             self._tasks, self._verifier = {}, None
-            if self._attempt <= plan.attempt:
-                self._attempt = plan.attempt  # a late starter of this attempt stops its tasks
+            self._attempt = max(self._attempt, plan.attempt)
+            self._went = max(self._went, plan.attempt)  # a late starter stops its own tasks
         if not tasks:
             return {}
 

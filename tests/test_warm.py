@@ -5,6 +5,7 @@ phases add up to its total. Real TensorFlow, real processes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -396,3 +397,58 @@ def test_a_warm_task_with_no_predecessor_waits_for_its_go_only_so_long(tmp_path:
     assert proc.returncode == 76, proc.stdout + proc.stderr
     assert [e.kind for e in events] == ["warming", "warm_unusable", "warm_expired"]
     assert events[-1].get("reason") == "no go within 0.5s of its start"
+
+
+def test_warm_tasks_that_finish_starting_after_their_go_are_stopped_not_kept(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A relaunch waits START_WAIT_S for its warm tasks to be started; past it, the attempt
+    starts cold. Warm tasks whose start ends after that are stopped at once, never recorded as
+    the run's warm tasks (they would wait for a go that never comes, or, in a container, hold
+    the name the cold task needs)."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from orchestrator import warm
+    from orchestrator.launchers import ProcessLauncher
+    from orchestrator.remote.base import TaskHandle
+
+    monkeypatch.setattr(warm, "START_WAIT_S", 0.2)
+    release, stopped = threading.Event(), []
+
+    class SlowLauncher(ProcessLauncher):
+        def start(self, runner: Any, task: Any) -> TaskHandle:
+            release.wait(30)
+            return TaskHandle(task.host.name, 4242, task.rc_path + ".log", task.rc_path)
+
+        def stop(self, runner: Any, handle: TaskHandle, grace_s: float) -> Any:
+            stopped.append(handle.rc_path)
+
+    @dataclasses.dataclass(frozen=True)
+    class Task:  # what WarmTasks reads of a TaskPlan
+        key: str
+        rc_path: str
+        host: Any = dataclasses.field(default_factory=lambda: SimpleNamespace(name="h0"))
+        env: dict[str, str] = dataclasses.field(default_factory=dict)
+        argv: tuple[str, ...] = ("python", "-m", "worker")
+
+    runner = SimpleNamespace(run=lambda *a, **k: SimpleNamespace(stdout="go"))
+    tasks = [Task(f"worker:{i}", f"/r/w{i}.rc") for i in range(2)]
+    plan = cast(Any, SimpleNamespace(
+        attempt=2, tasks=tasks, chief=tasks[0], chief_key="worker:0",
+        checkpoints=SimpleNamespace(of=lambda h: "gs://b/ckpt")))
+    store = Store(tmp_path / "state.db")
+    said: list[str] = []
+    keeper = warm.WarmTasks(store, "run-1", SlowLauncher(), lambda name: cast(Any, runner),
+                            said.append)
+    saved: list[object] = []
+    monkeypatch.setattr(store, "set_warm", lambda run_id, records: saved.append(records))
+
+    keeper.start(plan, {})
+    assert keeper.go(plan) == {}  # not started within START_WAIT_S: the attempt starts cold
+    release.set()
+    assert keeper._thread is not None
+    keeper._thread.join(30)
+    assert sorted(stopped) == ["/r/w0.rc", "/r/w1.rc"]
+    assert [r for r in saved if r] == []  # never the run's warm tasks
+    keeper.stop()
+    assert sorted(stopped) == ["/r/w0.rc", "/r/w1.rc"]  # nothing left to stop twice
