@@ -4,11 +4,12 @@ For 2 and 3 workers, on the local provider and on sshd hosts in network namespac
 provider), in one run: the time from the start of `orchestrate train` to the chief's first
 completed step, and from the first start of the same worker processes (same argv, TF_CONFIG,
 environment, directory; no controller) to theirs. Where `train` has its preflight doctor,
-`train --no-doctor` is measured as well. The kinds take turns, the order rotating every
-repeat; the overhead is the median of each repeat's difference. Also reported: when every
-task's worker process was up (its `started` event; a warm task's `warming`), which is where the
-launch path's own cost shows before TensorFlow's start-up. Goal: at most 10% over the
-hand-launched time (README row 1: <= 1.10x).
+`train --no-doctor` is measured as well; where it keeps a passing doctor report for the next
+train, `train --recheck` (the doctor runs) and `train` (it starts on the kept pass) both are.
+The kinds take turns, the order rotating every repeat; the overhead is the median of each
+repeat's difference. Also reported: when every task's worker process was up (its `started`
+event; a warm task's `warming`), which is where the launch path's own cost shows before
+TensorFlow's start-up. Goal: at most 10% over the hand-launched time (README row 1: <= 1.10x).
 
     python benchmarks/launch.py              # 2 and 3 workers, local + namespaces, 5 repeats
     python benchmarks/launch.py --quick      # 2 local workers, `train` only, once

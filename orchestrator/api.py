@@ -14,18 +14,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import containers, secrets
+from orchestrator import containers, kept_pass, secrets
 from orchestrator import doctor as doctoring
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.doctor import DoctorReport, TensorFlowImport
-from orchestrator.errors import OrchestratorError, StateError
+from orchestrator.errors import OrchestratorError, RunFailed, StateError
 from orchestrator.events import Event, LineBuffer, read_line
 from orchestrator.hosts import Host, one_per_machine
 from orchestrator.launchers import launcher_named
 from orchestrator.plan import ClusterPlan, TaskPlan
 from orchestrator.providers import DownReport, Provider, for_spec
 from orchestrator.remote.base import TaskState
+from orchestrator.remote.fanout import fan_out
 from orchestrator.runtimes import GpuDescription, resolve_gpus, runtime_for
 from orchestrator.runtimes.base import JAX_ADDRESSES_ENV, JAX_PROCESS_ID_ENV, JAX_PROCESSES_ENV
 from orchestrator.spec import ClusterSpec, Container
@@ -230,7 +231,8 @@ class Cluster:
             local_workdir=str(self.workdir),
         )
 
-    def doctor(self, *, tensorflow: TensorFlowImport = "auto") -> DoctorReport:
+    def doctor(self, *, tensorflow: TensorFlowImport = "auto",
+               pass_key: str | None = None) -> DoctorReport:
         """Check every host in parallel: SSH, Python, TensorFlow, GPUs, disk, ports, and every
         host's TCP connection to every other host's task port. What it finds is in the report
         (``report.blocking``, ``report.raise_if_blocking()``); it raises for none of it.
@@ -244,6 +246,8 @@ class Cluster:
                 sees); "always" everywhere (seconds per host); "never". For a job with
                 ``job.backend: jax`` the same for JAX, in a child process (the devices it
                 sees), and TensorFlow is not imported.
+            pass_key: the key of the pass kept if nothing is found (``kept_pass``), as
+                ``train`` found it before; by default, asked for after a clean report.
         """
         started = time.monotonic()
         plan = self.plan()
@@ -255,7 +259,43 @@ class Cluster:
         with self.provider.check_runners([m.host for m in machines]) as runner:
             report = doctoring.examine(self.spec, self.provider.kind, plan, machines, runner,
                                        tensorflow=tensorflow, found=found)
-        return replace(report, seconds=time.monotonic() - started)
+        report = replace(report, seconds=time.monotonic() - started)
+        self._keep_pass(report, tensorflow != "never" and not cloud.unprovisioned, pass_key)
+        return report
+
+    def kept_pass(self) -> kept_pass.Kept | None:
+        """The doctor's passing report ``train`` would start on without checking again, if one
+        is kept for this spec and these hosts (``orchestrator/kept_pass.py``; asks each host
+        for its ``STAMP``)."""
+        key = self._pass_key()
+        return None if key is None else kept_pass.load(self.name, key)
+
+    def _pass_key(self) -> str | None:
+        """The key of a pass for this spec and its hosts as they are now; None where no pass
+        is kept (a scheduler's hosts) or a host did not answer."""
+        if self.spec.provider.kind not in kept_pass.PROVIDERS:
+            return None
+        plan = self.plan()
+        python = self.provider.python
+        found = fan_out(kept_pass.hosts_of(plan),
+                        lambda h: self.provider.runner(h).run(kept_pass.stamp_argv(python(h)),
+                                                              timeout_s=30).stdout.strip(),
+                        name_of=lambda h: h.name)
+        if found.failed:
+            return None
+        stamps = {r.name: str(r.value) for r in found.succeeded}
+        return kept_pass.key_of(self.spec, plan, python, stamps)
+
+    def _keep_pass(self, report: DoctorReport, complete: bool, key: str | None) -> None:
+        """Keep ``report`` for the next train if it found nothing on every host (``complete``:
+        it looked everywhere it could), else drop any pass kept before. ``key``: the pass's,
+        if known; else asked for only now (every host just answered)."""
+        clean = complete and not report.problems and report.gpus_per_task is not None
+        key = (key or self._pass_key()) if clean else None
+        if key is None:
+            kept_pass.drop(self.name)
+        else:
+            kept_pass.keep(self.name, key, report.seconds, report.gpus_per_task)
 
     def scaling(self, replicas: int | None = None) -> Scaling:
         """Global batch size and learning rate, for ``replicas`` (default: one per task)."""
@@ -296,7 +336,8 @@ class Cluster:
     def train(self, *, listener: Listener | None = None, wait: bool = True,
               attach: bool = False, resume: str | None = None, doctor: bool = True,
               progress: bool | None = None,
-              on_doctor: Callable[[DoctorReport], None] | None = None) -> Run:
+              on_doctor: Callable[[DoctorReport], None] | None = None,
+              recheck: bool = False) -> Run:
         """Run the job, restarting the whole group on failure; with ``wait=False``, in a thread.
 
         Args:
@@ -311,6 +352,9 @@ class Cluster:
             progress: show the live view in a Jupyter notebook; default: when running in one
                 and no ``listener`` is given.
             on_doctor: called with the doctor's report before anything starts.
+            recheck: run the doctor even where a passing report is kept for this spec and
+                these hosts (``kept_pass()``; without ``recheck``, ``train`` starts on it and
+                says so).
 
         Raises:
             DoctorFailed: the doctor found a blocking problem (the report lists them).
@@ -328,21 +372,19 @@ class Cluster:
         run_id = active[0].id if attach else resumed
         if doctor and not attach:
             # A new run's first attempt starts warm at once (Supervisor.prestart): its tasks
-            # import TensorFlow while the doctor checks, and go (or are stopped) after it.
+            # import TensorFlow while the doctor checks (or the hosts' stamps are compared with
+            # a kept pass's), and go (or are stopped) after it.
             early = None if resumed is not None else supervisor.prestart()
             try:
                 with _beating(self.store, early):
-                    report = self.doctor()
-                    if on_doctor is not None:
-                        on_doctor(report)
-                    report.raise_if_blocking()
+                    gpus = self._checked(supervisor, recheck, on_doctor)
             except BaseException:
                 if early is not None:
                     supervisor.discard(early)
                 raise
             # collectives: auto, decided once from the GPUs found, so every task of every
             # attempt agrees (without the doctor, each task decides by the GPUs it sees)
-            supervisor.use_spec(resolve_gpus(self.spec, report.gpus_per_task))
+            supervisor.use_spec(resolve_gpus(self.spec, gpus))
             if early is not None:
                 self.store.note_run(early, "")
             run_id = run_id or early
@@ -358,6 +400,25 @@ class Cluster:
         else:
             run._start_thread()
         return run
+
+    def _checked(self, supervisor: Supervisor, recheck: bool,
+                 on_doctor: Callable[[DoctorReport], None] | None) -> list[int] | None:
+        """``train``'s doctor, or the pass kept for this spec and these hosts (said to the
+        run's view) unless ``recheck``; the GPUs of every task it found.
+
+        Raises:
+            DoctorFailed: the doctor found a blocking problem.
+        """
+        key = self._pass_key()
+        kept = None if key is None or recheck else kept_pass.load(self.name, key)
+        if kept is not None:
+            supervisor.note(kept.line())
+            return kept.gpus_per_task
+        report = self.doctor(pass_key=key)
+        if on_doctor is not None:
+            on_doctor(report)
+        report.raise_if_blocking()
+        return report.gpus_per_task
 
     def _resumable(self, which: str) -> str:
         """The run ``train --resume`` continues: ``which`` is its id, or "last"."""
@@ -406,6 +467,7 @@ class Cluster:
         stopped += self._remove_containers()
         report = self.provider.down()
         self._record("down")
+        kept_pass.drop(self.name)
         self.provider.close()
         return DownReport(report.removed, (*stopped, *report.stopped), report.notes)
 
@@ -695,6 +757,8 @@ class Run:
             self._result = self.supervisor.run(self.id, attach=self.attach, resume=self.resume)
         except BaseException as exc:
             self._error = exc
+            if isinstance(exc, RunFailed):  # something may be wrong that a doctor would see
+                kept_pass.drop(self.cluster.name)
             if self._thread is None:
                 raise
         finally:

@@ -118,6 +118,9 @@ def train(
     run_doctor: Annotated[bool, typer.Option(
         "--doctor/--no-doctor", help="Check every host first and stop on a blocking problem.")]
     = True,
+    recheck: Annotated[bool, typer.Option(
+        help="Run the doctor even if it passed for this spec and these hosts before (a pass "
+        "with nothing found is kept for the next train, 12 h at most).")] = False,
 ) -> None:
     """Launch every task, show live progress, recover from failures, print the result."""
     from orchestrator.api import Cluster
@@ -127,7 +130,8 @@ def train(
     cluster = Cluster.from_spec(spec_file)
     cluster.provider.progress = lambda line: say(f"  {line}")  # what 'up' waits for
     train_with = functools.partial(cluster.train, attach=attach, resume=resume, doctor=run_doctor,
-                                   on_doctor=lambda report: doctor_brief(out, report))
+                                   on_doctor=lambda report: doctor_brief(out, report),
+                                   recheck=recheck)
     if out.is_terminal and not plain:
         with LiveProgress(out) as live:
             run = train_with(listener=live)

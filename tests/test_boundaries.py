@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("orchestrator", "cli"),
     ("api",),
     ("console",),
-    ("supervisor", "doctor"),
+    ("supervisor", "doctor", "kept_pass"),
     ("watch", "checkpoints", "warm"),
     ("launchers",),
     ("containers",),
