@@ -155,11 +155,14 @@ class Supervisor:
             return None
         self.store.note_run(run_id, "the doctor checks every host; the first attempt's tasks "
                                     "start meanwhile")
-        self._warm = WarmTasks(self.store, run_id, self.launcher,
-                               lambda name: self.provider.runner(self._host(name)), self._say)
+        self._warm = self._new_warm(run_id)
         self._warm.start(self._with_secrets(first), {}, wait_s=PRESTART_WAIT_S)
         self._prestarted = first
         return run_id
+
+    def _new_warm(self, run_id: str) -> WarmTasks:
+        return WarmTasks(self.store, run_id, self.launcher,
+                         lambda name: self.provider.runner(self._host(name)), self._say)
 
     def discard(self, run_id: str) -> None:
         """The run is not to be: stop what ``prestart`` started, remove its directory from
@@ -236,8 +239,7 @@ class Supervisor:
             on_pulling=self._pulling, on_off=self._say)
         previous = self.store.attempts(run_id) if attach or resume else []
         if warm.wanted(self.spec) and self.provider.warm_tasks and self._warm is None:
-            self._warm = WarmTasks(self.store, run_id, self.launcher,
-                                   lambda name: self.provider.runner(self._host(name)), self._say)
+            self._warm = self._new_warm(run_id)
             if attach:  # the warm tasks the dead controller started (for its first attempt
                 # while its doctor checked the hosts, when it had none yet)
                 self._warm.adopt(self.store.get_run(run_id).warm,
