@@ -53,6 +53,7 @@ def spec_file(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
     return path
 
 
+@pytest.mark.tf  # it trains: in a TF lane, not beside them (tests/conftest.py)
 def test_a_passing_doctor_is_kept_for_the_next_train_until_something_may_have_changed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = spec_file(tmp_path, LOCAL.format(repo=REPO, epochs=1))

@@ -123,6 +123,12 @@ def test_tcp_between_steps_on_two_nodes(slurm: SlurmLab) -> None:
 def test_scontrol_squeue_sbatch_srun_on_this_machine(slurm: SlurmLab) -> None:
     out = slurm.run("srun", "-N3", "--ntasks-per-node=1", "hostname", user=slurm.user).stdout
     assert sorted(out.split()) == ["n1", "n2", "n3"]
+    # srun's job is listed (COMPLETING) until slurmctld hears every node's end of it: seconds
+    # on a loaded machine
+    deadline = time.monotonic() + 60
+    while slurm.squeue() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert slurm.squeue() == []
     job = slurm.run("sbatch", "--parsable", "-p", "short", "-N1", "--wrap", "sleep 300",
                     user=slurm.user).stdout.strip()
     jobs = slurm.squeue()
