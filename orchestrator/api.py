@@ -287,15 +287,16 @@ class Cluster:
         return kept_pass.key_of(self.spec, plan, python, stamps)
 
     def _keep_pass(self, report: DoctorReport, complete: bool, key: str | None) -> None:
-        """Keep ``report`` for the next train if it found nothing on every host (``complete``:
-        it looked everywhere it could), else drop any pass kept before. ``key``: the pass's,
-        if known; else asked for only now (every host just answered)."""
-        clean = complete and not report.problems and report.gpus_per_task is not None
-        key = (key or self._pass_key()) if clean else None
+        """Keep ``report`` for the next train, with its warnings, if it passed on every host
+        (``complete``: it looked everywhere it could), else drop any pass kept before. ``key``:
+        the pass's, if known; else asked for only now (every host just answered)."""
+        passed = complete and report.ok and report.gpus_per_task is not None
+        key = (key or self._pass_key()) if passed else None
         if key is None:
             kept_pass.drop(self.name)
         else:
-            kept_pass.keep(self.name, key, report.seconds, report.gpus_per_task)
+            kept_pass.keep(self.name, key, report.seconds, report.gpus_per_task,
+                           report.warnings)
 
     def scaling(self, replicas: int | None = None) -> Scaling:
         """Global batch size and learning rate, for ``replicas`` (default: one per task)."""
@@ -413,6 +414,9 @@ class Cluster:
         kept = None if key is None or recheck else kept_pass.load(self.name, key)
         if kept is not None:
             supervisor.note(kept.line())
+            for warning in kept.warnings:
+                supervisor.note(f"! warning {warning.check}: {warning.message}\n"
+                                f"    fix: {warning.fix}")
             return kept.gpus_per_task
         report = self.doctor(pass_key=key)
         if on_doctor is not None:

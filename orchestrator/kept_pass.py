@@ -1,22 +1,24 @@
 """A passing doctor report, kept so that the next ``train`` of the same cluster starts without
 checking every host again (``train --recheck`` checks anyway).
 
-``train`` runs the doctor before its first attempt. Where the report found nothing at all (no
-blocking problem, no warning), it is kept in the cluster's directory on this machine under a
-key of everything the checks depend on: the spec as loaded, every host the plan places a task
-on (name, address, SSH endpoint, root, node, labels), the Python each runs, what is installed
-for it and which GPUs its driver lists (``STAMP``: one short command per host over the
-connection ``up`` already holds), and the doctor's own rules (its source and the preflight's).
-The next ``train`` whose key is the same, within ``KEEP_S``, says so and starts without the
-doctor, with the GPU counts the kept report found (``collectives: auto`` decides from them, as
-after a doctor). A different key checks again: a package installed, upgraded or removed on any
-host, a GPU gone, another host or spec.
+``train`` runs the doctor before its first attempt. Where the report passed (no blocking
+problem, every host checked), it is kept, with its warnings, in the cluster's directory on this
+machine under a key of everything the checks depend on: the spec as loaded, every host the plan
+places a task on (name, address, SSH endpoint, root, node, labels), the Python each runs, what
+is installed for it and which GPUs its driver lists (``STAMP``: one short command per host over
+the connection ``up`` already holds), and the doctor's own rules (its source and the
+preflight's). The next ``train`` whose key is the same, within ``KEEP_S``, says so and starts
+without the doctor, with the GPU counts the kept report found (``collectives: auto`` decides
+from them, as after a doctor), and shows the kept warnings again, as found then (a warning the
+user has accepted, such as task ports reachable from this machine on a network they trust,
+would otherwise cost a doctor on every train). A different key checks again: a package
+installed, upgraded or removed on any host, a GPU gone, another host or spec.
 
 What the key does not see: a disk filled, a port or a firewall rule changed, an image rebuilt
 under the same tag. So a run that fails drops the pass (the next ``train`` checks), ``down``
-drops it, ``orchestrate doctor`` replaces it (or drops it, when it finds a problem), and none
-is trusted past ``KEEP_S``. A scheduler's hosts (Slurm, Kubernetes) are placed anew for every
-run: no pass is kept for them.
+drops it, ``orchestrate doctor`` replaces it (or drops it, when it finds a blocking problem),
+and none is trusted past ``KEEP_S``. A scheduler's hosts (Slurm, Kubernetes) are placed anew
+for every run: no pass is kept for them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from orchestrator import paths
 from orchestrator.files import PRIVATE_DIR, write_atomic
 from orchestrator.hosts import Host
 from orchestrator.plan import ClusterPlan
+from orchestrator.problems import Problem
 from orchestrator.spec import ClusterSpec
 
 KEEP_S = 12 * 3600.0  # how long a passing report is trusted at most
@@ -62,17 +65,21 @@ print(h.hexdigest())
 
 @dataclass(frozen=True)
 class Kept:
-    """A kept pass: when the doctor passed, in how long, and the GPUs it found per task."""
+    """A kept pass: when the doctor passed, in how long, the GPUs it found per task and the
+    warnings it gave."""
 
     at: float  # time.time()
     seconds: float
     gpus_per_task: list[int] | None
+    warnings: tuple[Problem, ...] = ()
 
     def line(self, now: float | None = None) -> str:
         """What ``train`` says when it starts on this pass."""
         age = max(0.0, (time.time() if now is None else now) - self.at)
+        found = (f", with {len(self.warnings)} warning(s), shown again below as found then"
+                 if self.warnings else "")
         return (f"doctor: passed {_age(age)} ago for this spec and these hosts (checked in "
-                f"{self.seconds:.1f}s): not run again ('train --recheck' runs it)")
+                f"{self.seconds:.1f}s{found}): not run again ('train --recheck' runs it)")
 
 
 def hosts_of(plan: ClusterPlan) -> list[Host]:
@@ -113,20 +120,27 @@ def load(cluster: str, key: str, *, now: float | None = None) -> Kept | None:
             return None
         if gpus is not None:
             gpus = [int(g) for g in gpus]
+        warnings = tuple(Problem(str(w["check"]), str(w["message"]), str(w["fix"]),
+                                 blocking=False, hosts=tuple(str(h) for h in w["hosts"]))
+                         for w in data.get("warnings", []))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     age = (time.time() if now is None else now) - at
     if not 0 <= age <= KEEP_S:
         return None
-    return Kept(at, seconds, gpus)
+    return Kept(at, seconds, gpus, warnings)
 
 
-def keep(cluster: str, key: str, seconds: float, gpus_per_task: list[int] | None) -> None:
-    """Keep a pass for ``key`` (replacing any other)."""
+def keep(cluster: str, key: str, seconds: float, gpus_per_task: list[int] | None,
+         warnings: tuple[Problem, ...] | list[Problem] = ()) -> None:
+    """Keep a pass for ``key`` (replacing any other), with the report's ``warnings``."""
     path = _path(cluster)
     path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
-    write_atomic(path, json.dumps({"key": key, "at": time.time(), "seconds": round(seconds, 3),
-                                   "gpus_per_task": gpus_per_task}))
+    write_atomic(path, json.dumps({
+        "key": key, "at": time.time(), "seconds": round(seconds, 3),
+        "gpus_per_task": gpus_per_task,
+        "warnings": [{"check": w.check, "message": w.message, "fix": w.fix,
+                      "hosts": list(w.hosts)} for w in warnings]}))
 
 
 def drop(cluster: str) -> None:

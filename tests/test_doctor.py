@@ -19,6 +19,7 @@ from hostlab import HostLab, LabHost
 
 from orchestrator.api import Cluster
 from orchestrator.state import Store
+from orchestrator.supervisor import Supervisor
 
 PORTS = "ports: {start: 24110, end: 24120}\n"
 
@@ -112,6 +113,20 @@ def test_healthy_hosts_reach_each_others_task_ports_and_ports_open_beyond_them_a
     assert all(f"{h.address}:24110" in exposure["message"] for h in hosts)
     rules = exposure["fix"].split("e.g. on each host: ")[1].split(" (or ")[0].split("; ")
     assert len(rules) == 4 and all(r.startswith("sudo iptables -A INPUT") for r in rules)
+
+    # The report passed: it is kept with its warning, which the next train shows again (as
+    # found then) instead of checking every host again.
+    cluster = Cluster.from_spec(path)
+    kept = cluster.kept_pass()
+    assert kept is not None and [(w.check, w.message, w.fix, w.hosts) for w in kept.warnings] \
+        == [("exposure", exposure["message"], exposure["fix"], tuple(exposure["hosts"]))]
+    supervisor = Supervisor(cluster.spec, cluster.provider, cluster.store,
+                            workdir=cluster.workdir)
+    assert cluster._checked(supervisor, recheck=False, on_doctor=None) == [0, 0, 0]
+    said, warning = supervisor.view.messages
+    assert "doctor: passed" in said and "with 1 warning(s), shown again below" in said
+    assert warning == f"! warning exposure: {exposure['message']}\n    fix: {exposure['fix']}"
+    cluster.provider.close()
     try:
         for h in hosts:
             for rule in rules:
@@ -129,6 +144,8 @@ def test_healthy_hosts_reach_each_others_task_ports_and_ports_open_beyond_them_a
     assert proc.stdout.rstrip().endswith("✓ ready to train")
     provider = Cluster.from_spec(path).provider  # the doctor's connections left the ports free
     assert provider.busy_ports(provider.hosts()) == set()
+    kept = Cluster.from_spec(path).kept_pass()  # the clean report replaced the kept one
+    assert kept is not None and kept.warnings == ()
 
 
 @pytest.mark.netns

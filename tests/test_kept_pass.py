@@ -66,7 +66,7 @@ def test_a_passing_doctor_is_kept_for_the_next_train_until_something_may_have_ch
     assert kept is not None and kept.gpus_per_task == [0, 0]
     record = paths.cluster_home("kept") / kept_pass.FILE
     assert stat.S_IMODE(record.stat().st_mode) == 0o600
-    assert set(json.loads(record.read_text())) == {"key", "at", "seconds", "gpus_per_task"}
+    assert set(json.loads(record.read_text())) == {"key", "at", "seconds", "gpus_per_task", "warnings"}
 
     # The next train, from the CLI: no doctor, and it says why.
     cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain"],
