@@ -22,6 +22,16 @@ for _path in (str(REPO / "tests"), str(REPO)):  # the lab and the fake Compute A
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+# Python as it runs by default caches compiled modules (``__pycache__``), so a command's second
+# start reads bytecode instead of compiling its source again. Some machines turn that off for
+# every process (PYTHONDONTWRITEBYTECODE=1 in the environment, seen on the development machines
+# of this project): there each `orchestrate` command compiled the controller's source anew, some
+# 0.15 s of the launch row. Every process a benchmark starts (controllers, hand-launched tasks,
+# lab hosts' commands) runs with the default here, as a user's Python would; the machine's
+# setting is reported with the figures (``describe_machine``).
+BYTECODE_OFF_HERE = os.environ.pop("PYTHONDONTWRITEBYTECODE", "")
+sys.dont_write_bytecode = False
+
 
 def parser(doc: str | None, *, full_repeats: int = 3) -> argparse.ArgumentParser:
     """The flags every benchmark takes: ``--quick`` (a CI smoke run) and ``--repeats N``."""
@@ -86,6 +96,8 @@ def describe_machine() -> dict[str, Any]:
         "tf_keras": _version("tf-keras"),
         "platform": platform.platform(terse=True),
         "load_before": [round(x, 2) for x in os.getloadavg()],
+        "bytecode_cache": "on (the machine sets PYTHONDONTWRITEBYTECODE; unset for the benchmark)"
+        if BYTECODE_OFF_HERE else "on",
     }
 
 

@@ -15,10 +15,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import containers, kept_pass, secrets
-from orchestrator import doctor as doctoring
 from orchestrator import plan as planning
 from orchestrator import spec as specs
-from orchestrator.doctor import DoctorReport, TensorFlowImport
 from orchestrator.errors import OrchestratorError, RunFailed, StateError
 from orchestrator.events import Event, LineBuffer, read_line
 from orchestrator.hosts import Host, one_per_machine
@@ -36,6 +34,7 @@ from orchestrator.view import Listener, RunResult, RunView, safe
 
 if TYPE_CHECKING:
     from orchestrator.console import NotebookProgress
+    from orchestrator.doctor import DoctorReport, TensorFlowImport
 
 HEARTBEAT_STALE_S = 10.0
 RESUMABLE = ("stopped", "cancelled", "failed")  # runs `train --resume` may continue
@@ -249,6 +248,8 @@ class Cluster:
             pass_key: the key of the pass kept if nothing is found (``kept_pass``), as
                 ``train`` found it before; by default, asked for after a clean report.
         """
+        from orchestrator import doctor as doctoring  # not imported by a train on a kept pass
+
         started = time.monotonic()
         plan = self.plan()
         cloud = self.provider.cloud_check()
