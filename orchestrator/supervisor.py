@@ -143,13 +143,15 @@ class Supervisor:
         try:
             hosts = self.provider.hosts()
             python = self.provider.python(hosts[0])
-            busy = self.provider.busy_ports(hosts)
         except OrchestratorError:  # the doctor says what is wrong; the attempt asks again
             return None
         run_id = self.store.new_run(self.spec.name)
         try:
+            # No look for taken ports (a command per host, before any task could start): a
+            # warm task's environment has no TF_CONFIG, and the attempt's own plan, which the
+            # go carries, takes its ports after such a look.
             first = planning.build(self.spec, hosts, run_id=run_id, attempt=1, python=python,
-                                   local_workdir=str(self.workdir), busy_ports=busy)
+                                   local_workdir=str(self.workdir))
         except OrchestratorError:  # a plan error: the doctor reports it
             self.store.delete_run(run_id)
             return None
