@@ -1113,7 +1113,9 @@ class Supervisor:
             failed_at=failure.failed_at if failure else None,
             detected_at=detected_at,
             resumed_from_step=watched[0].start_step if watched else None,
-            last_step=max((w.step for w in watched), default=0),
+            # The saver completed the step it saved, though its progress line for that step
+            # may not have been read before the failure stopped the polls.
+            last_step=max([w.step for w in watched] + [snapshot_step or 0]),
             first_step_at=min(firsts) if firsts else None,
             tasks=[w.record(self.launcher) for w in watched],
             snapshot_step=snapshot_step, snapshot=self._redact(snapshot)[:2000],
