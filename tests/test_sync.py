@@ -15,7 +15,7 @@ from hostlab import HostLab, LabHost
 
 from orchestrator.remote.local import LocalRunner
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import STAMP, pack_dir, survey, sync_dir
+from orchestrator.remote.sync import STAMP, Packer, pack_dir, survey, sync_dir
 from orchestrator.state import Store
 
 EXCLUDES = ("*.bin", "secrets", "data/raw")
@@ -116,6 +116,54 @@ def test_sync_with_local_runner_is_idempotent(tree: Path, tmp_path: Path) -> Non
     assert (target / "pkg" / "model.py").read_text() == "W = 1\n"
     assert sync_dir(runner, str(tree), str(target), EXCLUDES) is False
     assert sorted(p.name for p in target.parent.iterdir()) == ["code"]
+
+
+def test_a_packer_packs_each_tree_once_for_every_host(tree: Path, tmp_path: Path) -> None:
+    runner, packer = LocalRunner(), Packer()
+    targets = [tmp_path / f"host{i}" / "code" for i in range(3)]
+    try:
+        assert [sync_dir(runner, str(tree), str(t), EXCLUDES, packer=packer)
+                for t in targets] == [True, True, True]
+        assert packer.packed == 1
+        scratch = Path(packer._archive_path()).parent
+    finally:
+        packer.close()
+    assert {(t / "pkg" / "model.py").read_text() for t in targets} == {"W = 1\n"}
+    assert not scratch.exists()  # the archives are gone with the packer
+
+
+def test_an_unchanged_tree_is_known_by_its_listing_and_not_packed_again(
+        tree: Path, tmp_path: Path) -> None:
+    digests, runner = tmp_path / "state" / "digests.json", LocalRunner()
+    digests.parent.mkdir()
+    first, second = tmp_path / "host0" / "code", tmp_path / "host1" / "code"
+
+    def sync(target: Path) -> tuple[bool, int]:
+        packer = Packer(digests)
+        try:
+            return sync_dir(runner, str(tree), str(target), EXCLUDES, packer=packer), packer.packed
+        finally:
+            packer.close()
+
+    assert sync(first) == (True, 1)
+    assert oct(digests.stat().st_mode & 0o777) == "0o600"
+    assert "hunter2" not in digests.read_text() and "W = 1" not in digests.read_text()
+    assert sync(first) == (False, 0)  # listed as when packed: the digest is known
+    assert sync(second) == (True, 1)  # a host without it: packed, and sent
+
+    model = tree / "pkg" / "model.py"
+    before = model.stat().st_mtime_ns
+    model.write_text("W = 2\n")  # the same size: seen by its modification time
+    assert sync(first) == (True, 1)
+    assert (first / "pkg" / "model.py").read_text() == "W = 2\n"
+
+    model.write_text("W = 1\n")
+    os.utime(model, ns=(before, before))  # listed as the first time: W = 1's digest is known,
+    assert sync(first) == (True, 1)  # host0 holds W = 2's: packed, and sent
+    assert (first / "pkg" / "model.py").read_text() == "W = 1\n"
+
+    digests.write_text("{not json")  # a damaged file is only a cache: packed again
+    assert sync(first) == (False, 1)
 
 
 @pytest.fixture

@@ -30,9 +30,10 @@ from orchestrator.providers.keys import PRIVATE_NAME, KeyPair, ensure_key_pair, 
 from orchestrator.remote.base import Runner, probe_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import Upload, sync_dir, upload_of
+from orchestrator.remote.sync import Packer, Upload, sync_dir, upload_of
 
 SETUP_STAMP = ".orchestrate-setup"
+SYNC_DIGESTS = "sync-digests.json"  # under the cluster's home here: the digests of trees packed (Packer)
 FREE_PORTS_SOUGHT = 4  # per host: probing stops once this many free ports were seen
 POLL_FIRST_S = 0.25
 POLL_MAX_S = 5.0
@@ -314,26 +315,38 @@ class SSHHostsProvider(Provider):
         self._upload.check(self.spec_path)
         return self._upload
 
-    def prepare(self, host: Host) -> bool:
+    def prepare(self, host: Host, packer: Packer | None = None) -> bool:
         """Make and mark the root, sync the code and the worker package, run setup when it or
-        the code changed.
+        the code changed (``packer``: the archives shared by the hosts prepared together).
 
         Idempotent: returns whether anything changed on the host.
         """
         runner = self.runner(host)
         self.claim_root(host)
-        code_changed, lib_changed = self.sync_code(runner, host.root)
+        code_changed, lib_changed = self.sync_code(runner, host.root, packer)
         return self.run_setup(runner, runner, host.root, code_changed) or code_changed \
             or lib_changed
 
-    def sync_code(self, runner: Runner, root: str) -> tuple[bool, bool]:
+    def packer(self) -> Packer:
+        """The archives of one sync to this cluster's hosts; a tree this machine packed before,
+        unchanged since, is known by its digest without being packed again."""
+        return Packer(paths.cluster_home(self.spec.name) / SYNC_DIGESTS)
+
+    def sync_code(self, runner: Runner, root: str,
+                  packer: Packer | None = None) -> tuple[bool, bool]:
         """Sync the workdir and the worker package under ``root``; whether each changed."""
         workdir = specs.workdir_of(self.spec, self.spec_path)
-        code_changed = sync_dir(runner, str(workdir), paths.code_dir(root),
-                                self.config.sync_excludes,
-                                allowed_secrets=self.upload().allowed_secrets)
-        lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent),
-                               f"{paths.lib_dir(root)}/worker", ("__pycache__", "*.pyc"))
+        packs = packer or self.packer()
+        try:
+            code_changed = sync_dir(runner, str(workdir), paths.code_dir(root),
+                                    self.config.sync_excludes,
+                                    allowed_secrets=self.upload().allowed_secrets, packer=packs)
+            lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent),
+                                   f"{paths.lib_dir(root)}/worker", ("__pycache__", "*.pyc"),
+                                   packer=packs)
+        finally:
+            if packer is None:
+                packs.close()
         return code_changed, lib_changed
 
     def run_setup(self, files: Runner, runner: Runner, root: str, code_changed: bool) -> bool:
@@ -363,7 +376,12 @@ class SSHHostsProvider(Provider):
         for host in hosts:  # what needs no host's home, before any is touched
             self._refuse_root(host, paths.unsafe_root(host.root))
         private_dir(paths.cluster_home(self.spec.name))
-        fan_out(hosts, self.prepare, name_of=lambda h: h.name).raise_if_failed("prepare hosts")
+        packer = self.packer()  # every tree packed once at most, for all the hosts
+        try:
+            fan_out(hosts, lambda h: self.prepare(h, packer),
+                    name_of=lambda h: h.name).raise_if_failed("prepare hosts")
+        finally:
+            packer.close()
 
     def notes(self) -> list[str]:
         with self._lock:

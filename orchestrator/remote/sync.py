@@ -3,14 +3,18 @@ and what an upload would hold (``survey``), secrets left out."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import gzip
 import hashlib
+import json
 import os
 import shlex
+import shutil
 import stat
 import tarfile
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ from typing import Any
 from orchestrator import paths
 from orchestrator import spec as specs
 from orchestrator.errors import RemoteError, SpecError
+from orchestrator.files import write_atomic
 from orchestrator.remote.base import Runner
 from orchestrator.view import human_bytes
 
@@ -37,6 +42,7 @@ SECRET_EXCLUDES = (
     "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "credentials.json",
     "application_default_credentials.json", "service-account*.json",
 )
+DIGESTS_KEPT = 32  # trees a ``Packer``'s digests file remembers, the newest kept
 MAX_UPLOAD_BYTES = 2 << 30  # an upload larger than this is refused: data belongs elsewhere
 LARGEST_SHOWN = 5  # top-level entries ``survey`` names, largest first
 SECRETS_SHOWN = 20  # secret paths ``survey`` names (the count covers every one)
@@ -116,7 +122,7 @@ def upload_of(workdir: Path, config: specs.SSHHosts) -> Upload:
 
 def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence[str], *,
              allowed_secrets: Sequence[str] = (),
-             max_bytes: int | None = MAX_UPLOAD_BYTES) -> bool:
+             max_bytes: int | None = MAX_UPLOAD_BYTES, packer: Packer | None = None) -> bool:
     """Make ``remote_dir`` on the host hold exactly the tree under ``local_dir``.
 
     ``remote_dir`` is owned by the sync: anything else in it is replaced. It is
@@ -129,6 +135,8 @@ def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence
             are always left out, and so are ``SECRET_EXCLUDES``.
         allowed_secrets: patterns (as ``excludes``) of secret paths to upload anyway.
         max_bytes: refuse a tree whose files add up to more (None: no limit).
+        packer: the ``Packer`` of a sync to several hosts (each tree packed once for all of
+            them); without one, the tree is packed for this host alone.
 
     Returns:
         False when the host already had this exact tree, True when it was uploaded.
@@ -140,17 +148,154 @@ def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence
     target = remote_dir.rstrip("/")
     if not target:
         raise RemoteError(f"refusing to sync into {remote_dir!r}", host=runner.host_name)
-    with tempfile.TemporaryDirectory(prefix="orchestrate-sync-") as scratch:
-        archive = os.path.join(scratch, "tree.tar.gz")
-        digest = pack_dir(local_dir, archive, excludes, allowed_secrets=allowed_secrets,
+    own = packer is None
+    packs = packer or Packer()
+    try:
+        tree = packs.tree(local_dir, excludes, allowed_secrets=allowed_secrets,
                           max_bytes=max_bytes)
-        if _remote_stamp(runner, target) == digest:
+        if _remote_stamp(runner, target) == tree.digest():
             return False
+        archive, digest = tree.archive()
         token = uuid.uuid4().hex[:12]
         remote_archive = f"{target}.sync-{token}.tar.gz"
         runner.put_file(archive, remote_archive)
+    finally:
+        if own:
+            packs.close()
     runner.run(_swap_script(remote_archive, target, token, digest))
     return True
+
+
+class Packer:
+    """The archives of one sync to many hosts (``up``): each tree is packed once, by the
+    first host that lacks it, and the others are sent the same file.
+
+    With ``digests`` (a private JSON file of this machine's), a tree listed as it was when it
+    was last packed (every path, kind, mode, size and nanosecond modification time the same:
+    rsync's quick check) is known by that digest without being packed again, so a host that
+    already holds it costs a walk of the local tree and one command; a tree is only packed
+    for a host that lacks it. As with rsync, an edit that keeps a file's size and mtime is
+    not seen: ``touch`` the file to send it.
+    """
+
+    def __init__(self, digests: Path | None = None) -> None:
+        self.digests_file = digests
+        self.packed = 0  # trees packed so far (a tree known by its listing is not)
+        self._lock = threading.Lock()
+        self._trees: dict[tuple[object, ...], _Tree] = {}
+        self._scratch: str | None = None
+
+    def tree(self, local_dir: str, excludes: Sequence[str], *,
+             allowed_secrets: Sequence[str] = (),
+             max_bytes: int | None = MAX_UPLOAD_BYTES) -> _Tree:
+        """The tree under ``local_dir`` as ``sync_dir`` uploads it (listed once per packer).
+
+        Raises:
+            RemoteError: ``local_dir`` is not a directory or cannot be listed, or its files add
+                up to over ``max_bytes``.
+        """
+        key = (local_dir, tuple(excludes), tuple(allowed_secrets), max_bytes)
+        with self._lock:
+            found = self._trees.get(key)
+            if found is None:
+                found = self._trees[key] = _Tree(self, *key)
+        return found
+
+    def close(self) -> None:
+        """Remove the archives packed (a sync in progress must have finished)."""
+        with self._lock:
+            scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _archive_path(self) -> str:
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = tempfile.mkdtemp(prefix="orchestrate-sync-")
+            return os.path.join(self._scratch, f"tree-{uuid.uuid4().hex[:12]}.tar.gz")
+
+    def _known(self, listing: str) -> str | None:
+        return self._read_digests().get(listing) if self.digests_file is not None else None
+
+    def _remember(self, listing: str, digest: str) -> None:
+        if self.digests_file is None:
+            return
+        with self._lock:  # the hosts' threads of this packer; another process's write may be lost
+            known = self._read_digests()
+            known.pop(listing, None)
+            known[listing] = digest
+            kept = dict(list(known.items())[-DIGESTS_KEPT:])
+            with contextlib.suppress(OSError):  # only a cache: the next sync packs again
+                write_atomic(self.digests_file, json.dumps({"trees": kept}, indent=1) + "\n")
+
+    def _read_digests(self) -> dict[str, str]:
+        assert self.digests_file is not None
+        try:
+            trees = json.loads(self.digests_file.read_text(encoding="utf-8")).get("trees", {})
+        except (OSError, ValueError, AttributeError):
+            return {}
+        return {k: v for k, v in trees.items() if isinstance(k, str) and isinstance(v, str)} \
+            if isinstance(trees, dict) else {}
+
+
+class _Tree:
+    """One tree of a ``Packer``: its listing (taken once), its digest, its archive (made once)."""
+
+    def __init__(self, packer: Packer, local_dir: str, excludes: tuple[str, ...],
+                 allowed: tuple[str, ...], max_bytes: int | None) -> None:
+        self.packer = packer
+        self.local_dir = local_dir
+        self.excludes = excludes
+        self.allowed = allowed
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._listing = _listing(local_dir, _patterns(excludes), allowed, max_bytes)
+        self._known = packer._known(self._listing)
+        self._packed: tuple[str, str] | None = None
+
+    def digest(self) -> str:
+        """The archive's sha256: known from an earlier packing of the same listing, or packed."""
+        return self._known if self._known is not None else self.archive()[1]
+
+    def archive(self) -> tuple[str, str]:
+        """The archive's path and sha256, packed by the first caller; the others wait for it."""
+        with self._lock:
+            if self._packed is None:
+                path = self.packer._archive_path()
+                digest = pack_dir(self.local_dir, path, self.excludes, allowed_secrets=self.allowed,
+                                  max_bytes=self.max_bytes)
+                self.packer.packed += 1
+                self._packed = (path, digest)
+                self.packer._remember(self._listing, digest)
+            return self._packed
+
+
+def _listing(local_dir: str, patterns: tuple[str, ...], allowed: tuple[str, ...],
+             max_bytes: int | None) -> str:
+    """A digest of what an upload of ``local_dir`` holds, from the file system's metadata alone
+    (path, kind, mode, size, nanosecond mtime, a link's target): the quick check's key.
+
+    Raises:
+        RemoteError: as ``pack_dir``, for a missing or unreadable directory and a tree over
+            ``max_bytes``.
+    """
+    root = _directory(local_dir)
+    digest = hashlib.sha256(json.dumps([str(root.resolve()), patterns, allowed]).encode())
+    total = 0
+    for rel in _walk(root, PurePosixPath(), patterns, allowed, []):
+        path = root / rel
+        try:
+            st = path.lstat()
+            link = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
+        except OSError as exc:
+            raise _unreadable(path, exc) from None
+        size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        total += size
+        if max_bytes is not None and total > max_bytes:
+            raise too_large(local_dir, total, max_bytes, complete=False)
+        digest.update(json.dumps([rel.as_posix(), st.st_mode, size, st.st_mtime_ns, link])
+                      .encode() + b"\n")
+    return digest.hexdigest()
 
 
 def pack_dir(local_dir: str, archive_path: str, excludes: Sequence[str], *,
