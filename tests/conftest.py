@@ -63,6 +63,32 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         sys.modules["containers"].stop_background_build()
 
 
+_BUSY: dict[str, list[float]] = {}  # per xdist worker: seconds in tests, tests (its lanes' load)
+_LANES: dict[str, set[str]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each xdist worker's time in tests (setup, call and teardown), by lane: the suite's
+    wall time is its busiest worker's, so this says which lane to lighten."""
+    node = getattr(report, "node", None)
+    worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
+    busy = _BUSY.setdefault(worker, [0.0, 0])
+    busy[0] += report.duration
+    if report.when == "call":
+        busy[1] += 1
+    _, at, lane = report.nodeid.rpartition("@")
+    _LANES.setdefault(worker, set()).add(lane if at and "/" not in lane else "shared")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _BUSY:
+        return
+    terminalreporter.section("time in tests per xdist worker (the suite waits for the busiest)")
+    for worker, (seconds, tests) in sorted(_BUSY.items(), key=lambda kv: -kv[1][0]):
+        lanes = ", ".join(sorted(_LANES.get(worker, ())))
+        terminalreporter.write_line(f"{worker}: {seconds / 60:5.1f} min, {tests} tests ({lanes})")
+
+
 @pytest.fixture(scope="session")
 def image() -> str:
     """The worker image built from docker/Dockerfile (tests/containers.py); skips where podman
