@@ -217,10 +217,12 @@ class Packer:
     def _known(self, listing: str) -> str | None:
         return self._read_digests().get(listing) if self.digests_file is not None else None
 
-    def _remember(self, listing: str, digest: str) -> None:
-        if self.digests_file is None:
-            return
+    def _packed(self, listing: str, digest: str) -> None:
+        """Count a tree packed, and remember its digest by its listing."""
         with self._lock:  # the hosts' threads of this packer; another process's write may be lost
+            self.packed += 1
+            if self.digests_file is None:
+                return
             known = self._read_digests()
             known.pop(listing, None)
             known[listing] = digest
@@ -264,9 +266,8 @@ class _Tree:
                 path = self.packer._archive_path()
                 digest = pack_dir(self.local_dir, path, self.excludes, allowed_secrets=self.allowed,
                                   max_bytes=self.max_bytes)
-                self.packer.packed += 1
                 self._packed = (path, digest)
-                self.packer._remember(self._listing, digest)
+                self.packer._packed(self._listing, digest)
             return self._packed
 
 
