@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.storage import is_url
+from worker.tfimport import tensorflow
 
 INDEX = "checkpoint"
 WEIGHTS = ".weights.h5"
@@ -44,9 +45,7 @@ def restores(tf: Any, path: str) -> str | None:
 
 # -- files: a path, or a URL through TensorFlow's file systems ---------------------------------
 def _gfile() -> Any:
-    import tensorflow as tf
-
-    return tf.io.gfile
+    return tensorflow().io.gfile
 
 
 def join(directory: str, name: str) -> str:
@@ -151,9 +150,7 @@ def check(path: str) -> str | None:
     """None if the checkpoint at ``path`` (either format) restores; else why not."""
     if is_keras_format(path):
         return keras_restores(path)
-    import tensorflow as tf
-
-    return restores(tf, path)
+    return restores(tensorflow(), path)
 
 
 def index_names(directory: str) -> list[str]:
@@ -232,8 +229,7 @@ def verify(base: str) -> dict[str, Any]:
     if keras_dir is not None:
         return newest_good(keras_dir, index_names(keras_dir), keras_restores,
                            lambda kept, _: write_index(keras_dir, kept))
-    import tensorflow as tf
-
+    tf = tensorflow()
     directory = restore_dir(tf, base)
     state = tf.train.get_checkpoint_state(directory)
     if state is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from worker.events import emit
 from worker.preflight import describe_error
+from worker.tfimport import tensorflow
 
 CHECK_S = 60.0  # a gs:// check that takes longer than this counts as failed (a hang)
 STORAGE_FIX = (
@@ -45,8 +46,7 @@ def write_problem(location: str, timeout_s: float | None = None) -> str | None:
 
     def attempt() -> None:
         try:
-            import tensorflow as tf
-
+            tf = tensorflow()
             tf.io.gfile.makedirs(location)
             marker = f"{location}/.orchestrate-check-{uuid.uuid4().hex}"
             with tf.io.gfile.GFile(marker, "w") as f:

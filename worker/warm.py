@@ -38,6 +38,7 @@ from typing import Any
 
 from worker import verified
 from worker.events import emit
+from worker.tfimport import tensorflow
 
 GO_ENV = "ORCHESTRATE_WARM"
 VERIFY_ENV = "ORCHESTRATE_WARM_VERIFY"  # "DIR:RESULT_FILE:REQUEST_FILE" (JSON list)
@@ -107,7 +108,7 @@ def _prepare(argv: list[str]) -> str:
     if _job_field(argv, "backend") == "jax":
         return _prepare_jax(argv)
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-    import tensorflow  # noqa: F401  (the point: imported before the go)
+    tensorflow()  # the point: imported before the go
 
     if os.environ["TF_USE_LEGACY_KERAS"] == "1":
         import tf_keras  # noqa: F401

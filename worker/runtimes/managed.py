@@ -41,6 +41,7 @@ from worker.runtimes.common import (
     weights_digest,
 )
 from worker.storage import check_checkpoint_storage
+from worker.tfimport import tensorflow
 
 STORAGE_ERROR = 2
 
@@ -130,8 +131,7 @@ def run_managed(job: Job) -> int:
 
         return keras_jax.run(job)
     try:
-        import tensorflow as tf
-
+        tf = tensorflow()
         devices = prepare_devices(tf, job.collectives, job.gpu_memory_growth)
         strategy = create_strategy(tf, devices, job.collective_timeout_s)
         if job.snapshot_on_crash:

@@ -1,0 +1,47 @@
+"""The worker imports TensorFlow without JAX (worker/tfimport.py): half a second of every
+task's start on a host that has both, for TFLite's conversion of JAX functions only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytest.importorskip("jax")
+
+PROBE = """
+import json, sys
+{before}
+from worker.tfimport import tensorflow
+tf = tensorflow()
+after_tf = "jax" in sys.modules
+lite_util = sys.modules["tensorflow.lite.python.util"]
+import jax
+print(json.dumps({{"jax_with_tf": after_tf, "tf": tf.__version__, "same": tf is sys.modules["tensorflow"],
+                  "lite_jit": lite_util._jit is not None, "jax_works": bool(jax.numpy.ones(2).sum() == 2),
+                  "again": tensorflow() is tf}}))
+"""
+
+
+def probe(before: str = "") -> dict[str, object]:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(before=before)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, check=True)
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_tensorflow_loads_without_jax_and_jax_imports_afterwards() -> None:
+    result = probe()
+    assert result["jax_with_tf"] is False and result["tf"] and result["same"] is True
+    assert result["jax_works"] is True and result["again"] is True
+    assert result["lite_jit"] is False  # the one thing TensorFlow would have taken from JAX
+
+
+def test_where_jax_is_loaded_first_tensorflow_gets_it_as_ever() -> None:
+    result = probe(before="import jax")
+    assert result["jax_with_tf"] is True and result["lite_jit"] is True
+    assert result["jax_works"] is True

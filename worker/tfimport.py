@@ -1,0 +1,32 @@
+"""TensorFlow, imported without loading JAX.
+
+``import tensorflow`` imports JAX when it is installed (``tensorflow.lite.python.util`` takes
+``jax.jit`` for TFLite's conversion of JAX functions, and nothing else in TensorFlow does):
+about half a second of CPU at every task's start on a host that also has JAX (the worker
+image's JAX variant, a venv with ``orchestrate[worker]`` and ``jax``), for an API no task
+uses. So the first import of TensorFlow in a worker process goes through ``tensorflow()``,
+which hides JAX while TensorFlow loads (as ``orchestrator/remote/ssh.py`` hides invoke from
+paramiko). An ``import jax`` afterwards works as ever; where JAX is already imported (the JAX
+runtime), TensorFlow gets it as it would have.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+
+def tensorflow() -> ModuleType:
+    """The ``tensorflow`` module, imported now if it was not."""
+    loaded = sys.modules.get("tensorflow")
+    if loaded is not None:
+        return loaded
+    hide = "jax" not in sys.modules
+    if hide:
+        sys.modules["jax"] = None  # type: ignore[assignment]  # makes ``import jax`` fail
+    try:
+        import tensorflow  # noqa: F401
+    finally:
+        if hide and "jax" in sys.modules and sys.modules["jax"] is None:
+            del sys.modules["jax"]
+    return sys.modules["tensorflow"]
