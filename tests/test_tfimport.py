@@ -4,6 +4,7 @@ task's start on a host that has both, for TFLite's conversion of JAX functions o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +28,11 @@ print(json.dumps({{"jax_with_tf": after_tf, "tf": tf.__version__, "same": tf is 
 """
 
 
-def probe(before: str = "") -> dict[str, object]:
+def probe(before: str = "", **env: str) -> dict[str, object]:
+    environment = {**os.environ, "TF_USE_LEGACY_KERAS": "1", **env}
     out = subprocess.run([sys.executable, "-c", PROBE.format(before=before)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, check=True)
+                         env=environment, capture_output=True, text=True, timeout=300,
+                         check=True)
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -45,3 +48,16 @@ def test_where_jax_is_loaded_first_tensorflow_gets_it_as_ever() -> None:
     result = probe(before="import jax")
     assert result["jax_with_tf"] is True and result["lite_jit"] is True
     assert result["jax_works"] is True
+
+
+def test_with_keras_3_on_jax_tensorflow_loads_jax_and_keras_works() -> None:
+    """TensorFlow imports Keras 3 unless tf.keras is tf_keras, and Keras 3 on JAX needs JAX
+    then: hidden, Keras was left half-imported (a Keras 3 job on JAX checking its gs://
+    checkpoint directory through TensorFlow before the runtime imported JAX)."""
+    code = ("import os; from worker.tfimport import tensorflow; tensorflow(); import keras; "
+            "layer = keras.layers.Dropout(0.1); print(keras.backend.backend(), type(layer).__name__)")
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "jax"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "jax Dropout"

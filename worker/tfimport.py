@@ -8,10 +8,17 @@ uses. So the first import of TensorFlow in a worker process goes through ``tenso
 which hides JAX while TensorFlow loads (as ``orchestrator/remote/ssh.py`` hides invoke from
 paramiko). An ``import jax`` afterwards works as ever; where JAX is already imported (the JAX
 runtime), TensorFlow gets it as it would have.
+
+Only where ``tf.keras`` is tf_keras (``TF_USE_LEGACY_KERAS=1``, as the runtime sets it for a
+tf_keras job): otherwise ``import tensorflow`` also imports Keras 3 (``keras.src.optimizers``,
+in a ``try`` that swallows an ImportError), and a Keras 3 whose backend is JAX
+(``KERAS_BACKEND``, or ``~/.keras/keras.json``) would be left half-imported without it: its
+layers then fail with "module 'keras.src.backend' has no attribute 'name_scope'".
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType
 
@@ -21,7 +28,7 @@ def tensorflow() -> ModuleType:
     loaded = sys.modules.get("tensorflow")
     if loaded is not None:
         return loaded
-    hide = "jax" not in sys.modules
+    hide = "jax" not in sys.modules and os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     if hide:
         sys.modules["jax"] = None  # type: ignore[assignment]  # makes ``import jax`` fail
     try:
