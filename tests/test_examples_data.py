@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 PROBE = """
-import hashlib, json, sys
+import json, sys
 import {module} as example
 features, labels = example.load_digits()
 loaded_sklearn = "sklearn" in sys.modules

@@ -28,8 +28,8 @@ print(json.dumps({{"jax_with_tf": after_tf, "tf": tf.__version__, "same": tf is 
 """
 
 
-def probe(before: str = "", **env: str) -> dict[str, object]:
-    environment = {**os.environ, "TF_USE_LEGACY_KERAS": "1", **env}
+def probe(before: str = "") -> dict[str, object]:
+    environment = {**os.environ, "TF_USE_LEGACY_KERAS": "1"}
     out = subprocess.run([sys.executable, "-c", PROBE.format(before=before)], cwd=REPO,
                          env=environment, capture_output=True, text=True, timeout=300,
                          check=True)
@@ -54,7 +54,7 @@ def test_with_keras_3_on_jax_tensorflow_loads_jax_and_keras_works() -> None:
     """TensorFlow imports Keras 3 unless tf.keras is tf_keras, and Keras 3 on JAX needs JAX
     then: hidden, Keras was left half-imported (a Keras 3 job on JAX checking its gs://
     checkpoint directory through TensorFlow before the runtime imported JAX)."""
-    code = ("import os; from worker.tfimport import tensorflow; tensorflow(); import keras; "
+    code = ("from worker.tfimport import tensorflow; tensorflow(); import keras; "
             "layer = keras.layers.Dropout(0.1); print(keras.backend.backend(), type(layer).__name__)")
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "jax"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
