@@ -8,8 +8,10 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ from orchestrator.remote.base import (
 from orchestrator.remote.local import live_group_members
 from orchestrator.remote.ssh import (
     BULK_CHANNELS,
+    BULK_STALL_S,
     MAX_CHANNELS,
     READ_LOG_MAX,
     SSHRunner,
@@ -371,6 +374,31 @@ RATE = "160mbit"
 BIG = 96 << 20
 
 
+def download_under_way(runner: SSHRunner, remote: str, local_dir: Path
+                       ) -> tuple[threading.Thread, list[BaseException]]:
+    """A thread downloading ``remote`` into ``local_dir``, once its first bytes are there, and
+    the list that gets what it raises."""
+    errors: list[BaseException] = []
+
+    def download() -> None:
+        try:
+            runner.get_file(remote, str(local_dir / Path(remote).name))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=download)
+    thread.start()
+    download_in_progress(local_dir, thread)
+    return thread, errors
+
+
+def stacks_of_threads() -> str:
+    """Every thread's stack, for a test that finds one still running."""
+    frames = sys._current_frames()
+    return "\n".join(f"thread {t.name}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+                     for t in threading.enumerate() if t.ident in frames)
+
+
 def random_file(runner: SSHRunner, host: LabHost, size: int) -> str:
     path = f"{host.home}/files/{uuid.uuid4().hex}.bin"
     runner.run(["sh", "-c", 'mkdir -p "${1%/*}" && head -c "$2" /dev/urandom >"$1"', "sh", path, str(size)])
@@ -444,27 +472,41 @@ def test_closing_the_runner_fails_a_download_in_flight_as_lost_and_leaves_nothin
     hostlab: HostLab, runner: SSHRunner, host: LabHost, tmp_path: Path
 ) -> None:
     big = random_file(runner, host, BIG)
-    errors: list[BaseException] = []
-
-    def download() -> None:
-        try:
-            runner.get_file(big, str(tmp_path / "big.bin"))
-        except BaseException as exc:
-            errors.append(exc)
-
     host.throttle(RATE, to=str(hostlab.bridge_address))
     try:
-        downloader = threading.Thread(target=download)
-        downloader.start()
-        download_in_progress(tmp_path, downloader)
+        downloader, errors = download_under_way(runner, big, tmp_path)
         runner.close()
-        downloader.join(60)
+        downloader.join(BULK_STALL_S + 30)
     finally:
         host.heal()
+    assert not downloader.is_alive(), stacks_of_threads()
     assert len(errors) == 1 and isinstance(errors[0], HostUnreachableError), errors
     assert "lost" in str(errors[0]) and big in str(errors[0])
     assert list(tmp_path.iterdir()) == []
     assert runner.run(["echo", "back"]).stdout == "back\n"
+
+
+@pytest.mark.netns
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # as above
+def test_a_download_from_a_host_cut_off_fails_as_lost_once_no_byte_came_for_the_stall_bound(
+    hostlab: HostLab, runner: SSHRunner, host: LabHost, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host cut off mid-download sends nothing more and no error: the transfer fails as
+    lost once no byte has come for BULK_STALL_S (shortened here), not after TCP's minutes."""
+    monkeypatch.setattr("orchestrator.remote.ssh.BULK_STALL_S", 2)
+    big = random_file(runner, host, BIG)
+    host.throttle(RATE, to=str(hostlab.bridge_address))
+    try:
+        downloader, errors = download_under_way(runner, big, tmp_path)
+        host.cut()
+        downloader.join(60)
+    finally:
+        host.heal()
+    assert not downloader.is_alive(), stacks_of_threads()
+    assert len(errors) == 1 and isinstance(errors[0], HostUnreachableError), errors
+    assert "no byte moved for 2 s" in str(errors[0]) and big in str(errors[0])
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.netns

@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Literal
 
@@ -60,6 +60,11 @@ finally:
 
 KEEPALIVE_S = 15
 DEAD_PEER_S = 60  # unacknowledged data for this long means the host is gone (TCP_USER_TIMEOUT)
+# A transfer that moves no byte for this long fails as lost, its connection closed: a host cut
+# off mid-transfer otherwise holds it until TCP gives up on the unacknowledged data, and
+# paramiko's own clean-up (closing the remote file) waits behind a writer stuck in a full
+# socket buffer for as long.
+BULK_STALL_S = 45
 # Two connections per host. The control connection carries commands (at most 6 at once; the
 # watch loop's polls are commands, each bringing its task's status and new log bytes) and the
 # one SFTP session that reads logs (``read_log``); the bulk connection carries transfers (at
@@ -431,9 +436,9 @@ class SSHRunner(Runner):
         if parent:
             self.run(["mkdir", "-p", "--", parent])
         part = f"{remote_path}.part-{uuid.uuid4().hex[:12]}"
-        with self._bulk_sftp(f"upload of {local_path} to {remote_path}") as sftp:
+        with self._bulk_sftp(f"upload of {local_path} to {remote_path}") as (sftp, moved):
             try:
-                sftp.put(local_path, part, confirm=True)
+                sftp.put(local_path, part, callback=moved, confirm=True)
                 if mode is not None:
                     sftp.chmod(part, mode)
                 sftp.posix_rename(part, remote_path)
@@ -449,8 +454,8 @@ class SSHRunner(Runner):
         fd, part = tempfile.mkstemp(dir=directory, prefix=".download-")
         os.close(fd)
         try:
-            with self._bulk_sftp(f"download of {remote_path} to {local_path}") as sftp:
-                sftp.get(remote_path, part)
+            with self._bulk_sftp(f"download of {remote_path} to {local_path}") as (sftp, moved):
+                sftp.get(remote_path, part, callback=moved)
             os.replace(part, local_path)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -495,16 +500,27 @@ class SSHRunner(Runner):
         return sftp
 
     @contextlib.contextmanager
-    def _bulk_sftp(self, what: str) -> Iterator[paramiko.SFTPClient]:
-        """A fresh SFTP session for one transfer, at most BULK_CHANNELS of them at once."""
+    def _bulk_sftp(self, what: str) -> Iterator[tuple[paramiko.SFTPClient, Callable[[int, int], None]]]:
+        """A fresh SFTP session for one transfer, at most BULK_CHANNELS of them at once, and the
+        callback the transfer calls as bytes move: once none has moved for BULK_STALL_S, the
+        session's connection is closed and the transfer fails as lost."""
         with self._bulk_slots:
             sftp = self._open_sftp(what, "bulk")
+            chan = sftp.get_channel()
+            transport = chan.get_transport() if chan is not None else None
+
+            def close() -> None:
+                if transport is not None:
+                    self._forget("bulk", transport)
+
+            guard = _StallGuard(close)
             with self._sessions_lock:
                 self._bulk.add(sftp)
             try:
-                with self._sftp_errors(what, sftp.get_channel()):
-                    yield sftp
+                with self._sftp_errors(what, chan, guard):
+                    yield sftp, guard.moved
             finally:
+                guard.stop()
                 with self._sessions_lock:
                     self._bulk.discard(sftp)
                 with contextlib.suppress(Exception):
@@ -521,11 +537,14 @@ class SSHRunner(Runner):
             raise
 
     @contextlib.contextmanager
-    def _sftp_errors(self, what: str, chan: paramiko.Channel | None) -> Iterator[None]:
+    def _sftp_errors(self, what: str, chan: paramiko.Channel | None,
+                     guard: _StallGuard | None = None) -> Iterator[None]:
         """SFTP failures as RemoteError, or as HostUnreachableError once the connection is gone."""
         try:
             yield
         except (EOFError, paramiko.SSHException, OSError) as exc:
+            if guard is not None and guard.stalled:
+                raise self._lost(f"{what}: no byte moved for {BULK_STALL_S} s", exc) from exc
             if chan is not None and self._alive(chan):
                 raise RemoteError(
                     f"{what} failed: {_describe(exc)}",
@@ -533,6 +552,29 @@ class SSHRunner(Runner):
                     fix="check the paths and their permissions, here and on the host",
                 ) from exc
             raise self._lost(what, exc) from exc
+
+
+class _StallGuard:
+    """Calls ``close`` once ``moved`` has not been called for BULK_STALL_S (from a thread of its
+    own, looking every second), and says so in ``stalled``."""
+
+    def __init__(self, close: Callable[[], object]) -> None:
+        self._close, self._last, self.stalled = close, time.monotonic(), False
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="ssh-transfer-stall", daemon=True).start()
+
+    def moved(self, done: int, total: int) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(1.0, BULK_STALL_S)):
+            if time.monotonic() - self._last > BULK_STALL_S:
+                self.stalled = True
+                self._close()
+                return
 
 
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):

@@ -63,7 +63,9 @@ class FitTraining:
         (tf_keras' under a strategy) increments ``iterations`` only once every update is
         applied: one ahead of the last completed step means the failed step is whole, and the
         snapshot is of it. Otherwise the failed collective must be the gradients', else the
-        update may be half applied and no snapshot is exact. The counters that do not wait for
+        update may be half applied and no snapshot is exact. A failure before the next step's
+        train function was called (fit reduces across the group eagerly at an epoch's edge, and
+        waits there on a lost peer too) leaves the state whole. The counters that do not wait for
         the update (fit's train counter; a newer optimizer's iterations) are set as the step
         saved left them.
         """
@@ -87,12 +89,15 @@ class FitTraining:
         ahead = int(optimizer.iterations.numpy()) - iterations
         if isinstance(optimizer, OptimizerV2) and ahead == 1:
             step, iterations, counter = step + 1, iterations + 1, counter + 1
+        elif backup.launched == step and ahead == 0:
+            pass  # failed between steps (an eager collective of fit's at an epoch's edge)
         else:
             node = failed_node(failure)
             if node is None or not in_scope(node, optimizer._name):
                 raise SnapshotRefused(
                     f"the step after {step} failed in {node or 'an operation not named'}, not "
-                    "in the gradients' all-reduce: its update may be partly applied")
+                    "in the gradients' all-reduce: its update may be partly applied "
+                    f"({error_summary(failure)})")
         epoch, batch = divmod(step - 1, self.job.steps_per_epoch)
         # Another task saving in the chief's place writes even a step the chief had saved:
         # the chief's directory on this task's host may not have it.
@@ -112,6 +117,13 @@ def failed_node(failure: BaseException) -> str | None:
     """The graph node a TensorFlow error names ("Detected at node NAME"), if any."""
     found = re.search(r"Detected at node '?([^\s']+)", str(failure))
     return found.group(1) if found else None
+
+
+def error_summary(failure: BaseException) -> str:
+    """The error's type and the start of its message (TensorFlow's "Graph execution error:"
+    heading left out), on one line, at most 300 characters."""
+    text = " ".join(str(failure).replace("Graph execution error:", "", 1).split())
+    return f"{type(failure).__name__}: {text}"[:300]
 
 
 def in_scope(node: str, scope: str) -> bool:
@@ -224,6 +236,11 @@ def make_callbacks(
                                           save=self._save_at_stop)
             emit("resumed" if self._step else "training", step=self._step,
                  total_steps=total_steps)
+            self.launched = self._step  # the last step whose train function was called
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            super().on_train_batch_begin(batch, logs)
+            self.launched = self._current_epoch * steps_per_epoch + batch + 1
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             super().on_train_batch_end(batch, logs)
