@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import containers, kept_pass, secrets
+from orchestrator import boards, containers, kept_pass, secrets
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.errors import OrchestratorError, RunFailed, StateError
@@ -325,6 +325,8 @@ class Cluster:
             "cluster_def": {role: list(eps) for role, eps in plan.cluster_def.items()},
             "tasks": [_task_entry(plan, t) for t in plan.tasks],
             "checkpoints": _checkpoints_entry(plan),
+            **({"tensorboard": _tensorboard_entry(plan)}
+               if "ORCHESTRATE_TENSORBOARD_DIR" in plan.chief.env else {}),
             "stop": _stop_entry(self.spec),
             "gpus": asdict(GpuDescription.of(self.spec.job)),
             **({"container": _container_entry(self.spec.engine_container)}
@@ -559,6 +561,19 @@ class Cluster:
                              fix=f"start one with 'orchestrate train {self.spec_path.name}'")
         return runs[0]
 
+    def tensorboard(self, run_id: str | None = None) -> boards.Logs:
+        """A run's TensorBoard logs on this machine (the newest run by default): ``.directory``
+        for ``tensorboard --logdir`` or a notebook's ``%tensorboard``. Where the chief wrote
+        them on another machine, every attempt's files are copied here first, the new and
+        grown ones only; ``.notes`` says which hosts could not be read (``orchestrator.boards``)."""
+        return boards.local_logs(self.spec, self.run(run_id),
+                                 {h.name: h for h in self.provider.hosts()}, self.provider.runner)
+
+    def serve_tensorboard(self, run_id: str | None, say: Callable[[str], None], *,
+                          port: int = 0) -> None:
+        """TensorBoard on this machine over a run's logs until Ctrl-C (``boards.serve``)."""
+        boards.serve(lambda: self.tensorboard(run_id), say, port=port)
+
     def logs(
         self, run_id: str | None = None, task: str | None = None, attempt: int | None = None,
         *, follow: bool = False, poll_s: float = 0.5,
@@ -630,6 +645,17 @@ def _host_entry(host: Host) -> dict[str, Any]:
             "ssh": None if ssh is None else {"user": ssh.user, "address": ssh.address,
                                              "port": ssh.port},
             "labels": dict(host.labels)}
+
+
+def _tensorboard_entry(plan: ClusterPlan) -> dict[str, Any]:
+    """Where the chief writes TensorBoard logs, and how often (managed jobs)."""
+    env = plan.chief.env
+    where, every = env["ORCHESTRATE_TENSORBOARD_DIR"], env.get("ORCHESTRATE_TENSORBOARD_EVERY")
+    writes = (f"the chief writes every {every} step(s)" if every else
+              "ORCHESTRATE_TENSORBOARD_DIR is set for the script")
+    host = "" if plan.chief.host.is_local else f" on {plan.chief.host.name}"
+    return {"dir": where, "every_steps": None if every is None else int(every),
+            "summary": f"{where}{host} ({writes}; 'orchestrate tensorboard' shows it)"}
 
 
 def _checkpoints_entry(plan: ClusterPlan) -> dict[str, Any]:

@@ -191,6 +191,28 @@ def logs(
 
 
 @app.command()
+def tensorboard(
+    cluster: Annotated[str, typer.Argument(help="Cluster spec file (YAML), or cluster name.")],
+    run: Annotated[str | None, typer.Option(help="Run id; the newest by default.")] = None,
+    port: Annotated[int, typer.Option(help="Port on 127.0.0.1; a free one by default.")] = 0,
+    print_dir: Annotated[bool, typer.Option(
+        "--print-dir", help="Only bring the logs here and print their directory.")] = False,
+) -> None:
+    """TensorBoard on a run's logs (its chief's, every attempt's), copied here where they were
+    written on another machine, and kept up to date while it runs."""
+    from orchestrator.api import Cluster
+
+    chosen = Cluster.from_spec(cluster) if Path(cluster).is_file() else Cluster.named(cluster)
+    if print_dir:
+        logs = chosen.tensorboard(run)
+        for note in logs.notes:
+            err.print(f"note: {note}", markup=False, highlight=False)
+        say(str(logs.directory))
+        return
+    chosen.serve_tensorboard(run, say, port=port)
+
+
+@app.command()
 def schema() -> None:
     """Print the spec file's JSON Schema, for editors to validate and complete spec files."""
     from orchestrator.api import spec_schema

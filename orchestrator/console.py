@@ -279,6 +279,8 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
         say("  learning   " + _lr_text(scaling))
     if "checkpoints" in document:
         say("  checkpoint " + document["checkpoints"]["summary"])
+    if "tensorboard" in document:
+        say("  curves     " + document["tensorboard"]["summary"])
     if "stop" in document:
         say("  stop       " + document["stop"]["summary"])
     if "gpus" in document:

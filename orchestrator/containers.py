@@ -51,11 +51,12 @@ def name_of(task: TaskPlan) -> str:
 
 def mounts(task: TaskPlan) -> list[str]:
     """The directories a task reads and writes, outermost only: its cwd (the code), the
-    host's cluster root (runs, logs, the synced worker) and a checkpoint directory outside
-    both (``checkpoint.dir`` on shared storage)."""
+    host's cluster root (runs, logs, the synced worker) and a checkpoint or TensorBoard
+    directory outside both (``checkpoint.dir``, ``tensorboard.dir`` on shared storage)."""
     candidates = [task.cwd, task.host.root or "",
                   task.env.get("ORCHESTRATE_CHECKPOINT_DIR", ""),
-                  task.env.get("ORCHESTRATE_MODEL_DIR", "")]
+                  task.env.get("ORCHESTRATE_MODEL_DIR", ""),
+                  task.env.get("ORCHESTRATE_TENSORBOARD_DIR", "")]
     dirs = sorted({d.rstrip("/") or "/" for d in candidates
                    if d and d.startswith("/") and not is_url(d)})
     outer: list[str] = []

@@ -137,6 +137,11 @@ class RunPaths:
                    model_dir=f"{run_dir}/model", logs_dir=f"{run_dir}/logs")
 
     @property
+    def tensorboard_dir(self) -> str:
+        """Where the chief writes TensorBoard logs unless ``tensorboard.dir`` names a place."""
+        return f"{self.run_dir}/tensorboard"
+
+    @property
     def chief_checkpoint_dir(self) -> str:
         """What the chief writes and every task restores from."""
         return f"{self.checkpoint_dir}/chief"

@@ -13,7 +13,7 @@ from orchestrator.hosts import Host, host_port, is_loopback
 from orchestrator.paths import RunPaths, code_dir, lib_dir
 from orchestrator.runtimes import BatchScaling, runtime_for
 from orchestrator.runtimes.base import process_env
-from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, ClusterSpec, CommandJob, is_url
+from orchestrator.spec import AUTO_MIRROR_MAX_BYTES, ClusterSpec, CommandJob, ManagedJob, is_url
 
 Role = Literal["chief", "worker"]
 
@@ -176,6 +176,20 @@ def build(
     )
 
 
+def tensorboard_env(spec: ClusterSpec, paths: RunPaths, run_id: str) -> dict[str, str]:
+    """Where TensorBoard logs go (``tensorboard.dir``/CLUSTER/RUN_ID, or the run's directory on
+    the task's host) and, for a managed job, every how many steps the chief writes."""
+    board = spec.tensorboard
+    if not board.enabled:
+        return {}
+    where = posixpath.join(board.dir, spec.name, run_id) if board.dir else paths.tensorboard_dir
+    env = {"ORCHESTRATE_TENSORBOARD_DIR": where}
+    if isinstance(spec.job, ManagedJob):
+        env["ORCHESTRATE_TENSORBOARD_EVERY"] = str(board.every_steps or
+                                                    spec.job.progress_every_steps)
+    return env
+
+
 def model_dir(host: Host, paths: RunPaths, checkpoints: CheckpointLayout) -> str:
     """Where the chief saves the final model: its run directory, unless that is gone with the
     task (an ephemeral host, its checkpoints in a bucket): then next to the checkpoints."""
@@ -306,6 +320,7 @@ def _task(shared: _Attempt, role: Role, index: int, host: Host, port: int,
         "ORCHESTRATE_MODEL_DIR": model_dir(host, paths, shared.checkpoints),
         **process_env(spec.job, shared.cluster_def, role, index),
     }
+    env.update(tensorboard_env(spec, paths, shared.run_id))
     stem = paths.task_stem(shared.attempt, role, index)
     if spec.retry.snapshot_on_crash and spec.job.mode == "managed":
         # Written by the controller on a survivor's host when the chief died, naming the task

@@ -969,6 +969,39 @@ class Checkpoint(Model):
         return None if value is None else check_storage_path(value, relative_ok=False)
 
 
+class TensorBoard(Model):
+    """TensorBoard logs of the training, written by the chief (see worker/tensorboard.py)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Managed jobs: the chief writes the loss, every metric, the learning rate "
+        "and the speed, and where each attempt began and why the one before ended. Command "
+        "jobs: ORCHESTRATE_TENSORBOARD_DIR is exported for the script to write there.",
+    )
+    dir: str | None = Field(
+        default=None,
+        description="An absolute path on storage every host mounts; each run writes "
+        "DIR/CLUSTER/RUN_ID there. Default: tensorboard/ in the run's directory on the "
+        "chief's host.",
+    )
+    every_steps: int | None = Field(
+        default=None, ge=1, le=MAX_STEPS,
+        description="Steps between writes; default: job.progress_every_steps.",
+    )
+
+    @field_validator("dir")
+    @classmethod
+    def _location(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if "://" in value:
+            raise Invalid(
+                f"{value!r} is a URL: TensorBoard logs go to a path for now",
+                fix="give an absolute path every host mounts (gcsfuse for a bucket), or leave "
+                    "tensorboard.dir unset to write them in the run's directory")
+        return check_storage_path(value, relative_ok=False)
+
+
 WARM_AFTER_S = 30.0  # retry.warm_tasks: auto starts them after this much training
 
 
@@ -1075,6 +1108,7 @@ class ClusterSpec(Model):
         "state store, a command line, plan or an error message.")
     container: Container | None = Field(
         default=None, description="Run every task in a container image (see docker/README.md).")
+    tensorboard: TensorBoard = Field(default_factory=TensorBoard)
 
     @model_validator(mode="before")
     @classmethod

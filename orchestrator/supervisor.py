@@ -432,6 +432,7 @@ class Supervisor:
             python=self.provider.python(hosts[0]), local_workdir=str(self.workdir),
             busy_ports=(self.provider.busy_ports(hosts) | self._bad_ports) if busy else (),
         )
+        plan = self._with_after(run_id, number, plan)
         plan = self._with_secrets(plan)
         self._chief_host = plan.chief.host
         self._chief_key = plan.chief_key
@@ -440,6 +441,20 @@ class Supervisor:
         self.view.tasks = {t.key: TaskView(t.key, t.host.name, t.endpoint) for t in plan.tasks}
         self._notify(self.view, None)
         return plan
+
+    def _with_after(self, run_id: str, number: int, plan: ClusterPlan) -> ClusterPlan:
+        """``plan`` with why the attempt before ended in every task's env (the chief marks it in
+        its TensorBoard log, ``worker.tensorboard``)."""
+        attempts = self.store.attempts(run_id)
+        if number < 2 or len(attempts) < number - 1:
+            return plan
+        before = attempts[number - 2]
+        after = " ".join(f"{before.failed_task} {before.cause}: {before.detail}".split())
+        if before.snapshot:
+            after += f"; {before.snapshot}"
+        env = {"ORCHESTRATE_RESTARTED_AFTER": self._redact(after)[:500]}
+        return dataclasses.replace(plan, tasks=tuple(
+            dataclasses.replace(t, env={**t.env, **env}) for t in plan.tasks))
 
     def _with_secrets(self, plan: ClusterPlan) -> ClusterPlan:
         """``plan`` with the secrets in every task's env: only launches see this plan (the

@@ -13,6 +13,7 @@ import textwrap
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import paramiko
@@ -184,3 +185,24 @@ def only_tf_aborts_before_the_last(attempts: Sequence[AttemptRecord]) -> None:
     for a in attempts[:-1]:
         assert (a.cause, a.exit_code) == ("crashed", 134) and TF_ABORT in a.evidence, \
             f"attempt {a.number} ended {a.status}: {a.cause} in {a.failed_task}: {a.detail}"
+
+
+def tensorboard_logs(directory: str | Path) -> Any:
+    """The TensorBoard logs in ``directory`` as TensorBoard itself loads them (its
+    EventAccumulator: every record's CRC checked, the steps an attempt redid purged), without
+    TensorFlow (TensorBoard's own stand-in, as where TensorFlow is not installed)."""
+    import types
+
+    sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+    from tensorboard.backend.event_processing import event_accumulator
+
+    logs = event_accumulator.EventAccumulator(
+        str(directory), size_guidance={event_accumulator.SCALARS: 0,
+                                       event_accumulator.TENSORS: 0})
+    logs.Reload()
+    return logs
+
+
+def scalar_steps(logs: Any, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one scalar, in order."""
+    return [(e.step, e.value) for e in logs.Scalars(tag)]

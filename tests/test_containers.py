@@ -26,6 +26,7 @@ def spec_file(tmp_path: Path, container: str) -> Path:
         workers: 2
         job: {{command: [python, train.py]}}
         checkpoint: {{dir: {tmp_path}/shared/ckpt}}
+        tensorboard: {{dir: {tmp_path}/shared/tb}}
         env: {{SECRET_TOKEN: "s3cr3t value; $(rm -rf /)"}}
         container: {container}
         """))
@@ -48,7 +49,8 @@ def test_the_task_runs_the_images_python_with_its_directories_mounted(tmp_path: 
     assert "python3" in task.argv  # the command's `python` too
     assert task.env["PYTHONPATH"].endswith(f"{tmp_path}/home/u/.orchestrate/ct/lib")
     assert containers.mounts(task) == [f"{tmp_path}/home/u/.orchestrate/ct",
-                                       f"{tmp_path}/shared/ckpt/ct/r1"]
+                                       f"{tmp_path}/shared/ckpt/ct/r1",
+                                       f"{tmp_path}/shared/tb/ct/r1"]
     assert containers.name_of(task) == "orch-ct-r1-a1-worker-1"
 
 

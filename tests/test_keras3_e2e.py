@@ -24,6 +24,8 @@ from helpers import (
     only_tf_aborts_before_the_last,
     orchestrate_home_at,
     release_run,
+    scalar_steps,
+    tensorboard_logs,
     write_spec,
 )
 from hostlab import HostLab
@@ -295,6 +297,16 @@ def test_keras3_on_three_ssh_hosts_as_a_plain_user_recovers_a_killed_chief(
     assert losses[-1] < 1.0
     assert len(set(result.digests.values())) == 1
     assert Path(result.model_path).is_file()  # fetched from the chief host
+    # The chief's TensorBoard logs, copied from its host: a file an attempt, every step's loss
+    # once (the steps redone after the crash are drawn from the attempt that redid them).
+    logs = cluster.tensorboard()
+    assert logs.copied == len(result.attempts) and not logs.notes
+    assert logs.directory == paths.run_home("k3-static", first.run_id) / "tensorboard"
+    board = tensorboard_logs(logs.directory)
+    assert [s for s, _ in scalar_steps(board, "train/loss")] == list(range(1, 61))
+    assert [v for _, v in scalar_steps(board, "run/attempt")] == \
+        [float(a.number) for a in result.attempts]
+    assert cluster.tensorboard().copied == 0  # nothing grew: nothing is copied again
     cluster.down()
 
 

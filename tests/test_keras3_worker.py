@@ -429,8 +429,9 @@ data = tf.data.Dataset.from_tensors((tf.ones((8, 4)), tf.zeros((8,), tf.int64)))
 training = prepare(tf, strategy, job, model, data, 8, 0.01)
 gradients = "Graph execution error:\\n\\nDetected at node Adam/CollectiveReduceV2 defined at"
 metrics = "Graph execution error:\\n\\nDetected at node div_no_nan/CollectiveReduceV2 defined at"
-def case(failure, ahead):
+def case(failure, ahead, launched=7):  # 7: the step's train function was called
     model.optimizer.iterations.assign(6 + ahead)
+    training.callbacks[0].launched = launched
     try:
         step, _ = training.snapshot(RuntimeError(failure))
     except SnapshotRefused as exc:
@@ -445,7 +446,8 @@ class Cases(tf_keras.callbacks.Callback):  # after the runtime's: step 6 is the 
             print(json.dumps({"gradients": case(gradients, 0),
                               "metrics, update whole": case(metrics, 1),
                               "metrics, update not whole": case(metrics, 0),
-                              "no node": case("lost", 0)}))
+                              "no node": case("lost", 0),
+                              "between steps": case("lost", 0, launched=6)}))
             self.model.stop_training = True
 fit = model.fit
 model.fit = lambda *args, callbacks, **kwargs: fit(*args, callbacks=[*callbacks, Cases()],
@@ -476,5 +478,10 @@ def test_a_snapshot_is_of_the_last_step_whose_update_is_whole(tmp_path: Path) ->
     assert cases["metrics, update whole"] == [7, 7, 7, 7]
     assert cases["metrics, update not whole"] == (
         "refused: the step after 6 failed in div_no_nan/CollectiveReduceV2, not in the "
-        "gradients' all-reduce: its update may be partly applied")
+        "gradients' all-reduce: its update may be partly applied (RuntimeError: Detected at "
+        "node div_no_nan/CollectiveReduceV2 defined at)")
     assert cases["no node"].startswith("refused: the step after 6 failed in an operation not")
+    assert cases["no node"].endswith("(RuntimeError: lost)")
+    # Failed before step 7's train function was called (fit's eager all-reduce at an epoch's
+    # edge, waiting on the lost peer): the state is step 6's, whole.
+    assert cases["between steps"] == [6, 6, 6, 6]

@@ -7,15 +7,21 @@ tests/test_keras3_e2e.py, tests/test_faults.py, tests/test_container_e2e.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import textwrap
 import threading
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import REPO, release_run
+from helpers import REPO, release_run, scalar_steps, tensorboard_logs
 
 from orchestrator import paths
 from orchestrator.api import Cluster
@@ -86,6 +92,52 @@ def test_a_task_killed_after_the_last_step_costs_no_step(
     assert first.last_step == 25 and second.resumed_from_step == 25 and first.steps_lost == 0
     assert result.status == "succeeded" and Path(result.model_path).is_file()
     assert result.metrics.get("loss") is not None  # the last epoch trained says, not attempt 2
+    # The chief's TensorBoard log, as TensorBoard loads it: one file an attempt, every step's
+    # loss once, and where attempt 2 began and why.
+    board = paths.cluster_home(name) / "runs" / first.run_id / "tensorboard"
+    assert len(list(board.glob("events.out.tfevents.*"))) == 2
+    logs = tensorboard_logs(board)
+    assert [step for step, _ in scalar_steps(logs, "train/loss")] == list(range(1, 26))
+    rates = [rate for _, rate in scalar_steps(logs, "train/learning_rate")]
+    assert len(rates) == 25 and rates[0] > 0 and rates == [pytest.approx(rates[0])] * 25
+    assert scalar_steps(logs, "run/attempt") == [(0, 1.0), (25, 2.0)]
+    marks = [(e.step, e.tensor_proto.string_val[0].decode()) for e in logs.Tensors("run/attempts")]
+    assert marks[0] == (0, "attempt 1 began at step 0")
+    assert marks[1][0] == 25 and marks[1][1].startswith(
+        "attempt 2 began at step 25, after:\n\n    worker:1 crashed: "), marks
+    assert Cluster.from_spec(path).tensorboard().directory == board  # written here: no copy
+    if runtime == "tf_keras":
+        served_loss_is_the_logs(path, scalar_steps(logs, "train/loss"))
+
+
+def served_loss_is_the_logs(spec: Path, loss: list[tuple[int, float]]) -> None:
+    """`orchestrate tensorboard FILE` serves the run's logs: its scalars endpoint returns
+    ``loss``."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cli = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "tensorboard", str(spec),
+                            "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert cli.stdout is not None
+        assert cli.stdout.readline().startswith(f"TensorBoard at http://127.0.0.1:{port}/ on ")
+        url = (f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?"
+               + urllib.parse.urlencode({"tag": "train/loss", "run": "."}))
+        deadline = time.monotonic() + 120
+        served: list[list[float]] = []
+        while not served:  # (an error, or nothing, until TensorBoard has loaded the logs)
+            try:
+                with urllib.request.urlopen(url, timeout=5) as answer:
+                    served = json.loads(answer.read())
+            except (OSError, ValueError):
+                pass
+            assert cli.poll() is None and time.monotonic() < deadline, "TensorBoard never served"
+            time.sleep(0.5)
+        assert [(step, value) for _, step, value in served] == \
+            [(step, pytest.approx(value)) for step, value in loss]
+    finally:
+        cli.send_signal(signal.SIGINT)  # Ctrl-C: TensorBoard is ended with it
+        assert cli.wait(30) == 130
 
 
 def test_a_model_with_statistics_synchronized_on_read_falls_back_to_the_last_checkpoint(

@@ -30,6 +30,7 @@ from worker.runtimes.common import (
     remove_dir,
 )
 from worker.runtimes.managed import BuildError, Job
+from worker.tensorboard import Board, boards_every, learning_rate
 
 KEEP = 3  # checkpoints kept in the chief's directory, as for tf_keras
 
@@ -216,6 +217,9 @@ class LoopTraining:
         emit("resumed" if self.step else "training", step=self.step, total_steps=job.total_steps)
         logs: dict[str, float] = {}
         self._mark = (time.monotonic(), self.step)
+        board, board_every = Board.from_env(self.chief), boards_every()
+        if board is not None:
+            board.begin(self.step)
         for epoch in range(self.step // job.steps_per_epoch, job.epochs):
             self.steps.reset()
             while self.step < (epoch + 1) * job.steps_per_epoch:
@@ -223,8 +227,17 @@ class LoopTraining:
                 self.step += 1
                 if self.step % job.checkpoint_every_steps == 0:
                     self._save()
-                if self.step % job.progress_every_steps == 0 or self.step == job.total_steps:
-                    self._progress()
+                last = self.step == job.total_steps
+                report = self.step % job.progress_every_steps == 0 or last
+                # means() is a collective: every task calls it at the steps the chief writes
+                plot = board_every is not None and (self.step % board_every == 0 or last)
+                if report or plot:
+                    means = self.steps.means()
+                    if plot and board is not None:
+                        board.scalars(self.step, means, self.steps.global_batch,
+                                      learning_rate(self.steps.optimizer))
+                    if report:
+                        self._progress(means)
             logs = self.steps.means()
             emit("epoch", epoch=epoch, logs=logs)
         if self.saved_step != self.step:  # the end is a checkpoint: a failure after it costs
@@ -270,8 +283,8 @@ class LoopTraining:
         """The epoch of the step just done."""
         return max(self.step - 1, 0) // self.job.steps_per_epoch
 
-    def _progress(self) -> None:
-        self._mark = emit_progress(self.step, self.job.total_steps, self.steps.means(),
+    def _progress(self, means: dict[str, float]) -> None:
+        self._mark = emit_progress(self.step, self.job.total_steps, means,
                                    self.steps.global_batch, self._mark)
 
 

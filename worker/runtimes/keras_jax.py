@@ -66,6 +66,7 @@ from worker.runtimes.common import (
     weights_digest,
 )
 from worker.runtimes.managed import BuildError, Job
+from worker.tensorboard import Board, learning_rate
 
 KEEP = 3  # checkpoints kept in the chief's directory, as for the TensorFlow runtimes
 # Long enough for a loaded machine's missed beats; short enough that a process whose peer died
@@ -628,6 +629,12 @@ class JaxTraining:
         emit("resumed" if self.step else "training", step=self.step, total_steps=job.total_steps)
         self._mark = (time.monotonic(), self.step)
         self._logs: dict[str, float] = {}
+        self._board = Board.from_env(self.processes.chief)
+        # Read here: inside fit the optimizer's variables live in the trainer's state, not
+        # readable between its syncs. The runtime compiles a constant rate (job.learning_rate).
+        self._rate = learning_rate(self.model.optimizer)
+        if self._board is not None:
+            self._board.begin(self.step)
         callback = _reporter(self)
         batches = self.batches.from_step(self.step)
         epoch, done = divmod(self.step, job.steps_per_epoch)
@@ -659,6 +666,9 @@ class JaxTraining:
             self._stop()
         if self.step % job.checkpoint_every_steps == 0:
             self.save()
+        if self._board is not None and self._board.due(self.step, job.total_steps):
+            self._board.scalars(self.step, {k: float(v) for k, v in logs.items()},
+                                self.batches.global_batch, self._rate)
         if self.step % job.progress_every_steps == 0 or self.step == job.total_steps:
             self._progress({k: float(v) for k, v in logs.items()})
 

@@ -1,0 +1,170 @@
+"""Where a run's TensorBoard logs are, and their copy on this machine.
+
+The chief of each attempt writes an event file of its own (``worker/tensorboard.py``) in
+``tensorboard.dir``/CLUSTER/RUN_ID (storage every host mounts, this machine too) or else in the
+run's directory on its host. An attempt's chief may run on another host than the one before
+(a lost host replaced), so a run's files may lie on several hosts: ``local_logs`` copies every
+attempt's chief's files here, into the run's directory on this machine, over each host's bulk
+connection (never the control path a watch loop polls on). Event files only grow: a file
+already here at its size on the host is not copied again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import posixpath
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator import paths
+from orchestrator.errors import OrchestratorError, StateError
+from orchestrator.hosts import Host
+from orchestrator.paths import RunPaths
+from orchestrator.remote.base import Runner
+from orchestrator.spec import ClusterSpec
+from orchestrator.state import RunRecord
+
+# Event files, as TensorBoard names them (worker/tensorboard.py, tf.summary), in the directory
+# or in directories under it (Keras's TensorBoard callback writes train/ and validation/, a
+# command job's script may too): anything else a host lists is left there.
+EVENT_PATH = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}/){0,3}"
+                        r"events\.out\.tfevents\.[A-Za-z0-9._-]{1,200}")
+# Lists "SIZE PATH" for each event file under $1 (nothing where the directory is not there).
+LIST_SCRIPT = ('cd -- "$1" 2>/dev/null || exit 0; find . -maxdepth 4 -type f '
+               "-name 'events.out.tfevents.*' | while IFS= read -r f; do "
+               'printf "%s %s\\n" "$(wc -c < "$f")" "${f#./}"; done; exit 0')
+
+
+@dataclass
+class Logs:
+    """A run's TensorBoard directory on this machine, and what getting it there said."""
+
+    directory: Path
+    copied: int = 0  # files copied (new, or grown) this time
+    notes: list[str] = field(default_factory=list)  # hosts that could not be read, and why
+
+
+def chief_key(spec: ClusterSpec) -> str:
+    return "chief:0" if spec.separate_chief else "worker:0"
+
+
+def local_logs(spec: ClusterSpec, run: RunRecord, hosts: Mapping[str, Host],
+               runner_for: Callable[[Host], Runner]) -> Logs:
+    """The run's logs as a directory on this machine: storage this machine mounts, the chief's
+    own directory where it ran here, or a copy of every attempt's chief's files."""
+    if not spec.tensorboard.enabled:
+        raise StateError(f"cluster {spec.name!r} writes no TensorBoard logs "
+                         "(tensorboard.enabled is false in its spec)",
+                         fix="set tensorboard: {enabled: true} for the runs to come")
+    if spec.tensorboard.dir:
+        shared = Path(posixpath.join(spec.tensorboard.dir, spec.name, run.id))
+        if not shared.is_dir():
+            raise StateError(f"run {run.id} has no TensorBoard logs at {shared} on this machine",
+                             fix="mount the storage tensorboard.dir names here, or look from a "
+                                 "machine that mounts it")
+        return Logs(shared)
+    here = paths.run_home(spec.name, run.id) / "tensorboard"
+    logs = Logs(here)
+    sources: dict[str, tuple[Host, str]] = {}
+    for attempt in run.attempts:
+        for task in attempt.tasks:
+            host = hosts.get(task.host)
+            if task.task == chief_key(spec) and host is not None:
+                sources.setdefault(host.name, (host, RunPaths.of(host.root, run.id)
+                                               .tensorboard_dir))
+            elif task.task == chief_key(spec):
+                logs.notes.append(f"{task.host} (attempt {attempt.number}'s chief) is no longer "
+                                  "one of the cluster's hosts: its logs are not here")
+    for host, directory in sources.values():
+        if host.is_local and Path(directory) == here:
+            continue  # the chief ran on this machine, in this very directory
+        try:
+            logs.copied += _pull(runner_for(host), directory, here)
+        except OrchestratorError as exc:
+            logs.notes.append(f"{host.name}: {exc.message}")
+    if not here.is_dir() or not any(here.rglob("events.out.tfevents.*")):
+        said = "; ".join(logs.notes) or "no chief has written any yet"
+        raise StateError(f"run {run.id} has no TensorBoard logs yet ({said})",
+                         fix="look again once its chief has trained a few steps")
+    return logs
+
+
+def _pull(runner: Runner, remote_dir: str, here: Path) -> int:
+    """Copy the event files of ``remote_dir`` that are new or have grown; how many."""
+    listed = runner.run(["sh", "-c", LIST_SCRIPT, "sh", remote_dir]).stdout
+    copied = 0
+    for line in listed.splitlines():
+        size, _, name = line.strip().partition(" ")
+        if not size.isdigit() or not EVENT_PATH.fullmatch(name):
+            continue  # not an event file: never a path this machine would follow
+        mine = here / name
+        if mine.is_file() and mine.stat().st_size >= int(size):
+            continue
+        here.mkdir(parents=True, exist_ok=True, mode=0o700)
+        mine.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        runner.get_file(posixpath.join(remote_dir, name), str(mine))
+        copied += 1
+    return copied
+
+
+def serve(refresh: Callable[[], Logs], say: Callable[[str], None], *, port: int = 0,
+          refresh_s: float = 30.0) -> None:
+    """Run TensorBoard on this machine (127.0.0.1 only) over ``refresh()``'s directory until
+    Ctrl-C, calling ``refresh`` again every ``refresh_s`` (a copy then takes in what the chief
+    wrote since). TensorBoard's Python loader is used (``--load_fast=false``): it drops the
+    steps an attempt redid, as its faster data server does not."""
+    logs = refresh()
+    if importlib.util.find_spec("tensorboard") is None:
+        raise StateError(f"TensorBoard is not installed here (the logs are in {logs.directory})",
+                         fix='pip install -e ".[tensorboard]", or point any TensorBoard at '
+                             "that directory")
+    port = port or _free_port()
+    for note in logs.notes:
+        say(f"note: {note}")
+    with tempfile.TemporaryFile() as said:
+        board = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logs.directory),
+             "--host", "127.0.0.1", "--port", str(port), "--load_fast", "false",
+             "--reload_interval", "5"], stdin=subprocess.DEVNULL, stdout=said, stderr=said)
+        try:
+            say(f"TensorBoard at http://127.0.0.1:{port}/ on {logs.directory} "
+                "(Ctrl-C ends it)")
+            while board.poll() is None:
+                deadline = time.monotonic() + refresh_s
+                while board.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                if board.poll() is None:
+                    for note in _refreshed(refresh):
+                        say(f"note: {note}")
+            said.seek(0)
+            tail = said.read()[-2000:].decode(errors="replace").strip()
+            raise StateError(f"TensorBoard ended by itself (exit {board.returncode}): {tail}",
+                             fix="see its message; --port picks another port")
+        finally:
+            if board.poll() is None:
+                board.terminate()
+                try:
+                    board.wait(10)
+                except subprocess.TimeoutExpired:
+                    board.kill()
+                    board.wait()
+
+
+def _refreshed(refresh: Callable[[], Logs]) -> list[str]:
+    try:
+        return refresh().notes
+    except OrchestratorError as exc:
+        return [exc.message]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
