@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,15 +72,16 @@ def local_logs(spec: ClusterSpec, run: RunRecord, hosts: Mapping[str, Host],
     here = paths.run_home(spec.name, run.id) / "tensorboard"
     logs = Logs(here)
     sources: dict[str, tuple[Host, str]] = {}
+    chief = chief_key(spec)
     for attempt in run.attempts:
-        for task in attempt.tasks:
+        for task in (t for t in attempt.tasks if t.task == chief):
             host = hosts.get(task.host)
-            if task.task == chief_key(spec) and host is not None:
-                sources.setdefault(host.name, (host, RunPaths.of(host.root, run.id)
-                                               .tensorboard_dir))
-            elif task.task == chief_key(spec):
+            if host is None:
                 logs.notes.append(f"{task.host} (attempt {attempt.number}'s chief) is no longer "
                                   "one of the cluster's hosts: its logs are not here")
+            else:
+                sources.setdefault(host.name, (host, RunPaths.of(host.root, run.id)
+                                               .tensorboard_dir))
     for host, directory in sources.values():
         if host.is_local and Path(directory) == here:
             continue  # the chief ran on this machine, in this very directory
@@ -136,11 +136,11 @@ def serve(refresh: Callable[[], Logs], say: Callable[[str], None], *, port: int 
         try:
             say(f"TensorBoard at http://127.0.0.1:{port}/ on {logs.directory} "
                 "(Ctrl-C ends it)")
-            while board.poll() is None:
-                deadline = time.monotonic() + refresh_s
-                while board.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                if board.poll() is None:
+            while True:
+                try:
+                    board.wait(refresh_s)
+                    break
+                except subprocess.TimeoutExpired:
                     for note in _refreshed(refresh):
                         say(f"note: {note}")
             said.seek(0)

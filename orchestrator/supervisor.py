@@ -76,6 +76,12 @@ UNEXPECTED_FIX = ("this is a bug in orchestrate, or the state store (under ORCHE
                   "run's tasks were stopped")
 
 
+def _with_env(plan: ClusterPlan, env: Mapping[str, str]) -> ClusterPlan:
+    """``plan`` with ``env`` added to every task's environment."""
+    return dataclasses.replace(plan, tasks=tuple(
+        dataclasses.replace(t, env={**t.env, **env}) for t in plan.tasks))
+
+
 class Supervisor:
     """Runs one training run to completion, or to a RunFailed with a report."""
 
@@ -452,17 +458,12 @@ class Supervisor:
         after = " ".join(f"{before.failed_task} {before.cause}: {before.detail}".split())
         if before.snapshot:
             after += f"; {before.snapshot}"
-        env = {"ORCHESTRATE_RESTARTED_AFTER": self._redact(after)[:500]}
-        return dataclasses.replace(plan, tasks=tuple(
-            dataclasses.replace(t, env={**t.env, **env}) for t in plan.tasks))
+        return _with_env(plan, {"ORCHESTRATE_RESTARTED_AFTER": self._redact(after)[:500]})
 
     def _with_secrets(self, plan: ClusterPlan) -> ClusterPlan:
         """``plan`` with the secrets in every task's env: only launches see this plan (the
         records keep no env, and ``plan``/``status`` build their own)."""
-        if not self._secrets:
-            return plan
-        return dataclasses.replace(plan, tasks=tuple(
-            dataclasses.replace(t, env={**t.env, **self._secrets}) for t in plan.tasks))
+        return _with_env(plan, self._secrets) if self._secrets else plan
 
     def _supervise(self, run_id: str, number: int, plan: ClusterPlan,
                    watched: list[Watched]) -> dict[str, Event]:

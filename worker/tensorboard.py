@@ -131,6 +131,12 @@ def text_value(tag: str, text: str) -> bytes:
     return _bytes(1, _bytes(1, tag.encode()) + _bytes(9, metadata) + _bytes(8, tensor))
 
 
+def writes_at(step: int, total_steps: int, every: int | None) -> bool:
+    """Whether the chief writes at ``step``, writing every ``every`` steps (None: never) and
+    at the last."""
+    return every is not None and (step % every == 0 or step == total_steps)
+
+
 def boards_every() -> int | None:
     """Every how many steps the chief writes (None: it writes none), as every task reads it
     from the same environment: a runtime whose metrics are read collectively reads them on
@@ -184,7 +190,7 @@ class Board:
         self._write(event(step, summary=summary))
 
     def due(self, step: int, total_steps: int) -> bool:
-        return self.on and (step % self.every_steps == 0 or step == total_steps)
+        return self.on and writes_at(step, total_steps, self.every_steps)
 
     def scalars(self, step: int, values: Mapping[str, float], global_batch: int,
                 learning_rate: float | None = None) -> None:

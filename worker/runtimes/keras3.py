@@ -30,7 +30,7 @@ from worker.runtimes.common import (
     remove_dir,
 )
 from worker.runtimes.managed import BuildError, Job
-from worker.tensorboard import Board, boards_every, learning_rate
+from worker.tensorboard import Board, boards_every, learning_rate, writes_at
 
 KEEP = 3  # checkpoints kept in the chief's directory, as for tf_keras
 
@@ -230,7 +230,7 @@ class LoopTraining:
                 last = self.step == job.total_steps
                 report = self.step % job.progress_every_steps == 0 or last
                 # means() is a collective: every task calls it at the steps the chief writes
-                plot = board_every is not None and (self.step % board_every == 0 or last)
+                plot = writes_at(self.step, job.total_steps, board_every)
                 if report or plot:
                     means = self.steps.means()
                     if plot and board is not None:

@@ -666,11 +666,14 @@ class JaxTraining:
             self._stop()
         if self.step % job.checkpoint_every_steps == 0:
             self.save()
-        if self._board is not None and self._board.due(self.step, job.total_steps):
-            self._board.scalars(self.step, {k: float(v) for k, v in logs.items()},
-                                self.batches.global_batch, self._rate)
-        if self.step % job.progress_every_steps == 0 or self.step == job.total_steps:
-            self._progress({k: float(v) for k, v in logs.items()})
+        plot = self._board is not None and self._board.due(self.step, job.total_steps)
+        report = self.step % job.progress_every_steps == 0 or self.step == job.total_steps
+        if plot or report:
+            means = {k: float(v) for k, v in logs.items()}
+            if plot and self._board is not None:
+                self._board.scalars(self.step, means, self.batches.global_batch, self._rate)
+            if report:
+                self._progress(means)
 
     def after_epoch(self, epoch: int, logs: dict[str, Any]) -> None:
         self._logs = {k: float(v) for k, v in logs.items()}
