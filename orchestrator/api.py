@@ -9,12 +9,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import boards, containers, kept_pass, secrets
+from orchestrator import boards, charts, containers, kept_pass, secrets
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.errors import OrchestratorError, RunFailed, StateError
@@ -28,11 +28,13 @@ from orchestrator.remote.fanout import fan_out
 from orchestrator.runtimes import GpuDescription, resolve_gpus, runtime_for
 from orchestrator.runtimes.base import JAX_ADDRESSES_ENV, JAX_PROCESS_ID_ENV, JAX_PROCESSES_ENV
 from orchestrator.spec import ClusterSpec, Container
-from orchestrator.state import AttemptRecord, ClusterRecord, RunRecord, Store, TaskRecord
+from orchestrator.state import AttemptRecord, ClusterRecord, Point, RunRecord, Store, TaskRecord
 from orchestrator.supervisor import HEARTBEAT_S, Supervisor
 from orchestrator.view import Listener, RunResult, RunView, safe
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from orchestrator.console import NotebookProgress
     from orchestrator.doctor import DoctorReport, TensorFlowImport
 
@@ -47,6 +49,7 @@ class ClusterStatus:
     name: str
     record: ClusterRecord | None
     runs: list[RunRecord]
+    histories: dict[str, list[Point]] = field(default_factory=dict)  # by run id
 
     def to_dict(self) -> dict[str, Any]:
         """The shape of ``orchestrate status --json`` (one entry of its "clusters")."""
@@ -58,28 +61,76 @@ class ClusterStatus:
             "spec_path": record.spec_path if record else None,
             "updated_at": record.updated_at if record else None,
             "hosts": list(record.hosts) if record else [],
-            "runs": [_run_dict(r) for r in self.runs],
+            "runs": [_run_dict(r, self.histories.get(r.id, [])) for r in self.runs],
         }
 
 
-def statuses(name: str | None = None, store: Store | None = None) -> list[ClusterStatus]:
-    """Every cluster in the store (or the one named), each with its runs.
+def statuses(name: str | None = None, store: Store | None = None, *,
+             run_id: str | None = None) -> list[ClusterStatus]:
+    """Every cluster in the store (or the one named), each with its runs and their histories;
+    with ``run_id``, only that run and its cluster.
 
     Raises:
-        StateError: ``name`` is not a cluster the store knows.
+        StateError: ``name`` is not a cluster the store knows, or ``run_id`` not one of its runs.
     """
     store = store or Store()
-    found = [ClusterStatus(c.name, c, store.runs(c.name)) for c in store.clusters()
+    found = [_cluster_status(store, c, run_id) for c in store.clusters()
              if name in (None, c.name)]
     if name and not found:
         known = ", ".join(c.name for c in store.clusters())
         raise StateError(f"no cluster named {name!r}",
                          fix=f"known clusters: {known}" if known else "no cluster has been "
                          "used yet: start with 'orchestrate train SPEC'")
+    if run_id is not None:
+        found = [c for c in found if c.runs]
+        if not found:
+            raise StateError(f"no run {run_id!r}" + (f" of cluster {name!r}" if name else ""),
+                             fix="list the runs with 'orchestrate status"
+                             + (f" {name}'" if name else "'"))
     return found
 
 
-def _run_dict(run: RunRecord) -> dict[str, Any]:
+def _cluster_status(store: Store, cluster: ClusterRecord, run_id: str | None) -> ClusterStatus:
+    runs = store.runs(cluster.name)
+    if run_id is not None:
+        runs = [r for r in runs if r.id == run_id] or [
+            r for r in [_run_or_none(store, run_id)] if r is not None and r.cluster == cluster.name]
+    return ClusterStatus(cluster.name, cluster, runs, {r.id: store.points(r.id) for r in runs})
+
+
+def _run_or_none(store: Store, run_id: str) -> RunRecord | None:
+    try:
+        return store.get_run(run_id)
+    except StateError:
+        return None
+
+
+def plot_run(name: str | None, run_id: str | None, path: Path,
+             store: Store | None = None) -> Path:
+    """Draw a run (the newest of cluster ``name``, or ``run_id``) to ``path`` (.png or .svg).
+
+    Raises:
+        StateError: no such cluster or run, or no cluster named while several have runs.
+        OrchestratorError: matplotlib missing, a run with no progress yet, a path not writable.
+    """
+    found = [c for c in statuses(name, store, run_id=run_id) if c.runs]
+    if not found:
+        raise StateError("no run to draw: no cluster has runs yet",
+                         fix="start one with 'orchestrate train SPEC'")
+    if len(found) > 1:
+        raise StateError(f"several clusters have runs ({', '.join(c.name for c in found)}): "
+                         "which one's to draw?", fix=f"name it: 'orchestrate status "
+                         f"{found[0].name} --plot {path}'")
+    cluster = found[0]
+    run = cluster.to_dict()["runs"][0]
+    if not charts.has_history(run):
+        raise OrchestratorError(f"run {run['id']} has no progress recorded to draw",
+                                fix="wait for its first steps (the chief reports every "
+                                "job.progress_every_steps), then run this again")
+    return charts.save_plot(run, path, f"{cluster.name}: run {run['id']}")
+
+
+def _run_dict(run: RunRecord, history: list[Point]) -> dict[str, Any]:
     return {
         "id": run.id, "status": run.status, "started_at": run.started_at,
         "ended_at": run.ended_at,
@@ -88,6 +139,7 @@ def _run_dict(run: RunRecord) -> dict[str, Any]:
         "metrics": run.metrics, "model_path": run.model_path, "message": run.message,
         "restarts": max(0, len(run.attempts) - 1),
         "attempts": [_attempt_dict(a) for a in run.attempts],
+        "history": [asdict(p) for p in history],
     }
 
 
@@ -549,7 +601,28 @@ class Cluster:
 
     # -- inspection ----------------------------------------------------------------------
     def status(self) -> ClusterStatus:
-        return ClusterStatus(self.name, self.store.get_cluster(self.name), self.store.runs(self.name))
+        runs = self.store.runs(self.name)
+        return ClusterStatus(self.name, self.store.get_cluster(self.name), runs,
+                             {r.id: self.store.points(r.id) for r in runs})
+
+    def history(self, run_id: str | None = None) -> list[Point]:
+        """A run's recorded progress (the newest run by default): the chief's loss, metrics
+        and speed at its steps, per attempt, at most ``history.MAX_POINTS`` spread evenly."""
+        return self.store.points(self.run(run_id).id)
+
+    def plot(self, path: str | Path | None = None, run_id: str | None = None) -> Figure:
+        """A run as a matplotlib figure (a notebook shows it): loss and steps/s over time, one
+        colour per attempt, the restarts marked; written to ``path`` (.png or .svg) if given.
+
+        Raises:
+            OrchestratorError: matplotlib is not installed, or the path cannot be written.
+        """
+        run = self.run(run_id)
+        document = _run_dict(run, self.store.points(run.id))
+        title = f"{self.name}: run {run.id}"
+        if path is not None:
+            charts.save_plot(document, Path(path), title)
+        return charts.figure(document, title)
 
     def run(self, run_id: str | None = None) -> RunRecord:
         """A recorded run: the newest when ``run_id`` is None."""

@@ -160,16 +160,27 @@ def down(spec_file: SpecArg) -> None:
 def status(
     name: Annotated[str | None, typer.Argument(help="Cluster name; all when omitted.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False,
+    run: Annotated[str | None, typer.Option(help="Only this run (an id 'status' lists).")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="Draw the run (the newest, or --run) to this .png or .svg: loss and steps/s over "
+        "time, the restarts marked. Needs matplotlib (the plot extra).")] = None,
+    chart: Annotated[bool, typer.Option(
+        help="Draw each cluster's newest run (or --run) in the terminal.")] = True,
 ) -> None:
-    """Clusters, their hosts and state, runs with every attempt, its cause and recovery figures."""
-    from orchestrator.api import statuses
+    """Clusters, their hosts and state, runs with every attempt, its cause and recovery
+    figures, and a chart of the newest run's loss and speed over time."""
+    from orchestrator.api import plot_run, statuses
     from orchestrator.console import render_status
 
-    clusters = [c.to_dict() for c in statuses(name)]
+    if plot is not None:
+        written = plot_run(name, run, plot)
+        out.print(f"wrote {written}", markup=False, highlight=False)
+        return
+    clusters = [c.to_dict() for c in statuses(name, run_id=run)]
     if as_json:
         out.print_json(json.dumps({"clusters": clusters}), highlight=False)
     else:
-        render_status(out, clusters)
+        render_status(out, clusters, charts=chart)
 
 
 @app.command()

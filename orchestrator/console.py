@@ -12,10 +12,12 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group, RenderableType
+from rich.padding import Padding
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.charts import has_history, terminal_chart
 from orchestrator.view import RunResult, RunView, describe_phases, human_bytes
 
 if TYPE_CHECKING:
@@ -486,7 +488,9 @@ def _seen(h: HostCheck, jax: bool) -> str:
 
 
 # -- status ------------------------------------------------------------------------------------
-def render_status(console: Console, clusters: Sequence[dict[str, Any]]) -> None:
+def render_status(console: Console, clusters: Sequence[dict[str, Any]], *,
+                  charts: bool = True) -> None:
+    """Each cluster with its runs; with ``charts``, its newest run drawn under it."""
     if not clusters:
         console.print("no clusters yet: start with 'orchestrate train SPEC'", highlight=False)
     for c in clusters:
@@ -495,8 +499,11 @@ def render_status(console: Console, clusters: Sequence[dict[str, Any]]) -> None:
         if c["hosts"]:
             console.print("  hosts: " + ", ".join(f"{h['name']} {h['address']}" for h in c["hosts"]),
                           markup=False, highlight=False, soft_wrap=True)
-        for r in c["runs"]:
+        for index, r in enumerate(c["runs"]):
             _render_run(console, r)
+            if charts and index == 0 and has_history(r):
+                console.print(Padding(terminal_chart(r, width=min(console.width, 140) - 4),
+                                      (0, 0, 0, 4)))
 
 
 def _render_run(console: Console, r: dict[str, Any]) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sqlite3
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
@@ -75,6 +76,17 @@ CREATE TABLE IF NOT EXISTS attempts (
     snapshot TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (run_id, number)
 );
+CREATE TABLE IF NOT EXISTS points (
+    run_id TEXT NOT NULL REFERENCES runs (id),
+    attempt INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    at REAL NOT NULL,
+    loss REAL,
+    steps_per_s REAL,
+    examples_per_s REAL,
+    metrics_json TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (run_id, attempt, step)
+);
 """
 
 # Columns added after the first release: (table, column, declaration). Older stores get them.
@@ -103,7 +115,7 @@ def _base_columns() -> dict[str, tuple[str, ...]]:
         db.executescript(SCHEMA)
         added = {(t, c) for t, c, _ in MIGRATIONS}
         return {t: tuple(r[1] for r in db.execute(f"PRAGMA table_info({t})") if (t, r[1]) not in added)
-                for t in ("clusters", "runs", "attempts")}
+                for t in ("clusters", "runs", "attempts", "points")}
     finally:
         db.close()
 
@@ -184,6 +196,24 @@ class AttemptRecord:
         if self.failed_at is None or self.detected_at is None:
             return None
         return max(0.0, self.detected_at - self.failed_at)
+
+
+@dataclass(frozen=True)
+class Point:
+    """The chief's progress at one step of one attempt, as this machine received it (``at``:
+    its clock, as the attempts' times): one point of the run's history."""
+
+    attempt: int
+    step: int
+    at: float
+    loss: float | None = None
+    steps_per_s: float | None = None
+    examples_per_s: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.attempt, self.step
 
 
 @dataclass(frozen=True)
@@ -446,6 +476,7 @@ class Store:
     def delete_run(self, run_id: str) -> None:
         """Forget a run that never got to its first attempt (``Supervisor.discard``)."""
         with self._tx() as db:
+            db.execute("DELETE FROM points WHERE run_id = ?", (run_id,))
             db.execute("DELETE FROM attempts WHERE run_id = ?", (run_id,))
             db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
 
@@ -533,6 +564,29 @@ class Store:
     def attempts(self, run_id: str) -> list[AttemptRecord]:
         rows = self._all("SELECT * FROM attempts WHERE run_id = ? ORDER BY number", (run_id,))
         return [_attempt(r) for r in rows]
+
+    # -- the history of a run --------------------------------------------------------
+    def change_points(self, run_id: str, add: Sequence[Point],
+                      drop: Sequence[tuple[int, int]] = ()) -> None:
+        """Add points to a run's history and drop others (by attempt and step), at once. A
+        point of a step the history has already is kept as it was (a log read again)."""
+        with self._tx() as db:
+            db.executemany("DELETE FROM points WHERE run_id = ? AND attempt = ? AND step = ?",
+                           [(run_id, attempt, step) for attempt, step in drop])
+            db.executemany(
+                "INSERT OR IGNORE INTO points (run_id, attempt, step, at, loss, steps_per_s,"
+                " examples_per_s, metrics_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(run_id, p.attempt, p.step, p.at, _finite(p.loss), p.steps_per_s,
+                  p.examples_per_s, json.dumps(p.metrics)) for p in add])
+
+    def points(self, run_id: str) -> list[Point]:
+        """The run's history, in the order it was made (by attempt, then step); a point whose
+        metrics do not decode keeps its other figures."""
+        rows = self._all("SELECT * FROM points WHERE run_id = ? ORDER BY attempt, step",
+                         (run_id,))
+        return [Point(r["attempt"], r["step"], r["at"], r["loss"], r["steps_per_s"],
+                      r["examples_per_s"], _decoded(r, "metrics_json", _numbers, {}, []))
+                for r in rows]
 
     def _one(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Row | None:
         with self._lock, self._translated():
@@ -627,6 +681,12 @@ def _host_list(value: Any) -> list[dict[str, Any]]:
             and isinstance(h.get("address"), str) for h in value):
         raise TypeError("expected a list of hosts, each with a name and an address")
     return value
+
+
+def _finite(value: float | None) -> float | None:
+    """A loss for the store: NaN (a diverged step, or none reported) and infinities as NULL,
+    which SQLite would store as NULL or refuse anyway."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _tasks_json(tasks: list[TaskRecord]) -> str:

@@ -38,6 +38,7 @@ from orchestrator.checkpoints import (
 )
 from orchestrator.errors import OrchestratorError, RunFailed, StateError
 from orchestrator.events import Event
+from orchestrator.history import History
 from orchestrator.hosts import Host
 from orchestrator.launchers import launcher_for, launcher_named
 from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
@@ -135,6 +136,7 @@ class Supervisor:
         self._warm: WarmTasks | None = None  # the next attempt's tasks, waiting (retry.warm_tasks)
         self._current: dict[str, TaskHandle] = {}  # the running attempt's tasks, by key
         self._prestarted: ClusterPlan | None = None  # the first attempt, as prestart started it
+        self._history: History | None = None  # the chief's progress, for the run's charts
 
     # -- the first attempt, started while the doctor checks -------------------------------
     def prestart(self) -> str | None:
@@ -212,6 +214,7 @@ class Supervisor:
         self.view.run_id = run_id
         try:
             try:
+                self._history = History(self.store, run_id)
                 finished = self._attempts(run_id, attach, resume)
             finally:
                 self._close()  # before the counts and the model download: the mirror is done
@@ -802,6 +805,8 @@ class Supervisor:
             self._marks.setdefault(number, {}).setdefault("connected", event.time)
         if event.kind == "progress" and w.key == plan.chief_key:
             self._maybe_warm(run_id, number, w)
+            if self._history is not None:
+                self._history.add(number, event)
         if event.kind == "warm_unusable" and self._warm is not None:
             self._warm.unusable(str(event.get("reason", ""))[:300])
         # (An attempt resumed at the last step has no step to train: it saves and finishes.)
@@ -1119,6 +1124,8 @@ class Supervisor:
         # from there (_restore_checkpoint).
         self._snapshot_source = saver.plan.host.name \
             if saver is not None and saver.key != self._chief_key else None
+        if self._history is not None:
+            self._history.flush()
         self.store.update_attempt(
             run_id, number, status=status, ended_at=time.time(),
             cause=failure.cause.value if failure else "",

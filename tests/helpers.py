@@ -206,3 +206,10 @@ def tensorboard_logs(directory: str | Path) -> Any:
 def scalar_steps(logs: Any, tag: str) -> list[tuple[int, float]]:
     """(step, value) of one scalar, in order."""
     return [(e.step, e.value) for e in logs.Scalars(tag)]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """The width and height of a PNG image, read from its header (which must be a PNG's)."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", f"{path} is not a PNG"
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")

@@ -47,13 +47,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("api",),
     ("console",),
     ("supervisor", "doctor", "kept_pass"),
-    ("watch", "checkpoints", "warm", "boards"),
+    ("watch", "checkpoints", "warm", "boards", "history"),
     ("launchers",),
     ("containers",),
     ("providers",),
     ("remote", "plan"),
     ("runtimes", "secrets"),
-    ("view",),
+    ("view", "charts"),
     ("spec", "state", "events"),
     ("errors", "paths", "causes", "hosts", "files", "problems"),
 )
@@ -61,7 +61,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # displays see nothing of a run but its view model.
 ONLY: dict[str, set[str]] = {
     "cli": {"api", "console", "errors", "spec"},
-    "console": {"view"},
+    "console": {"view", "charts"},
 }
 
 
@@ -187,6 +187,8 @@ def test_static_checks_pass(command: list[str]) -> None:
 # ``google`` namespace is shared by many distributions, so those go by their second name.
 NAMESPACE_DISTRIBUTIONS = {"google.cloud": "google-cloud-compute", "google.auth": "google-auth",
                            "google.api_core": "google-api-core"}
+# The orchestrator's optional extras (plot: matplotlib) are imported lazily, where used, with an
+# error that names the extra when missing (tests/test_history.py).
 # Imported only where the user already has them: the live view in a Jupyter kernel.
 PROVIDED_BY_THE_USER = {"ipython"}
 
@@ -222,7 +224,7 @@ def distribution(name: str) -> str:
 
 
 @pytest.mark.parametrize(("package", "groups"),
-                         [("orchestrator", ()), ("worker", ("worker", "jax"))])
+                         [("orchestrator", ("plot",)), ("worker", ("worker", "jax"))])
 def test_every_package_the_code_imports_is_declared(package: str, groups: tuple[str, ...]) -> None:
     wanted = {distribution(name): path for name, path in third_party_imports(package).items()}
     missing = {dist: path for dist, path in wanted.items()

@@ -23,6 +23,7 @@ from helpers import (
     events_in,
     only_tf_aborts_before_the_last,
     orchestrate_home_at,
+    png_size,
     release_run,
     scalar_steps,
     tensorboard_logs,
@@ -297,16 +298,35 @@ def test_keras3_on_three_ssh_hosts_as_a_plain_user_recovers_a_killed_chief(
     assert losses[-1] < 1.0
     assert len(set(result.digests.values())) == 1
     assert Path(result.model_path).is_file()  # fetched from the chief host
+    # The run's history, as 'status' draws it: every step of each attempt the chief reported,
+    # from the step it resumed from (progress_every_steps: 1). (The step a survivor's snapshot
+    # saved after the chief died may be one the chief never reported.)
+    points = cluster.history()
+    for attempt in result.attempts:
+        steps = [p.step for p in points if p.attempt == attempt.number]
+        assert steps == list(range((attempt.resumed_from_step or 0) + 1, (steps or [0])[-1] + 1))
+    assert max(p.step for p in points if p.attempt == 1) >= 15 and points[-1].step == 60
+    assert all(p.loss is not None and p.steps_per_s is not None for p in points)
     # The chief's TensorBoard logs, copied from its host: a file an attempt, every step's loss
-    # once (the steps redone after the crash are drawn from the attempt that redid them).
+    # it reported once (the steps redone after the crash are drawn from the attempt that redid
+    # them).
     logs = cluster.tensorboard()
     assert logs.copied == len(result.attempts) and not logs.notes
     assert logs.directory == paths.run_home("k3-static", first.run_id) / "tensorboard"
     board = tensorboard_logs(logs.directory)
-    assert [s for s, _ in scalar_steps(board, "train/loss")] == list(range(1, 61))
+    assert [s for s, _ in scalar_steps(board, "train/loss")] == sorted({p.step for p in points})
     assert [v for _, v in scalar_steps(board, "run/attempt")] == \
         [float(a.number) for a in result.attempts]
     assert cluster.tensorboard().copied == 0  # nothing grew: nothing is copied again
+    # 'status' draws the run, the restarts marked, and 'status --plot' as an image.
+    shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "k3-static"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "120"})
+    assert shown.returncode == 0 and "┤" in shown.stdout, shown.stderr
+    assert "attempt 2 at " in shown.stdout and ", after crashed in worker:0" in shown.stdout
+    plotted = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "k3-static",
+                              "--plot", str(tmp_path / "k3.png")], cwd=REPO, timeout=120)
+    assert plotted.returncode == 0 and png_size(tmp_path / "k3.png") == (1000, 600)
     cluster.down()
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.errors import StateError
 from orchestrator.paths import home
-from orchestrator.state import Store, TaskRecord
+from orchestrator.state import Point, Store, TaskRecord
 
 
 def test_home_follows_orchestrate_home(orchestrate_home: Path) -> None:
@@ -88,6 +88,8 @@ def test_a_store_from_before_the_recovery_columns_is_migrated(orchestrate_home: 
     assert record.heartbeat_at is None and record.attempts[0].recovery_s is None
     store.update_attempt("r0", 1, recovery_s=2.5, steps_lost=3)
     assert store.attempts("r0")[0].recovery_s == 2.5
+    store.change_points("r0", [Point(1, 10, 2.0, loss=0.5)])  # the history's table is added
+    assert store.points("r0") == [Point(1, 10, 2.0, loss=0.5)]
 
 
 def test_a_task_record_ignores_keys_it_does_not_know() -> None:
