@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import boards, charts, containers, kept_pass, secrets
+from orchestrator import boards, charts, containers, cost, kept_pass, secrets
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.errors import OrchestratorError, RunFailed, StateError
@@ -140,7 +140,20 @@ def _run_dict(run: RunRecord, history: list[Point]) -> dict[str, Any]:
         "restarts": max(0, len(run.attempts) - 1),
         "attempts": [_attempt_dict(a) for a in run.attempts],
         "history": [asdict(p) for p in history],
+        **_cost_entries(run),
     }
+
+
+def _cost_entries(run: RunRecord) -> dict[str, Any]:
+    """The run's ``price`` an hour (as it began) and its ``cost`` so far, each with a
+    ``summary`` line; null when unknown (a local run, an older or damaged record)."""
+    try:
+        price = cost.Price.from_json(run.price)
+    except ValueError:
+        return {"price": None, "cost": None}
+    spent = cost.cost_of(price, run, time.time())
+    return {"price": {**price.to_json(), "summary": cost.describe_price(price)},
+            "cost": {**asdict(spent), "summary": cost.describe_cost(spent, price)}}
 
 
 def _attempt_dict(a: AttemptRecord) -> dict[str, Any]:
@@ -368,6 +381,7 @@ class Cluster:
             "spec": str(self.spec_path),
             "hosts": [_host_entry(t.host) for t in plan.tasks],
             "creates": self.provider.describe(),
+            "price": cost.plan_entry(self.spec),
             "runtime": job.runtime,
             "job": dict(job.settings),
             "job_summary": job.summary,

@@ -238,7 +238,7 @@ def figure(run: dict[str, Any], title: str = "") -> Figure:
                          xycoords=("data", "axes fraction"), xytext=(4, -4),
                          textcoords="offset points", va="top", fontsize=8)
     if len(run.get("attempts") or ()) > 1:
-        axes[0].legend(loc="upper right", fontsize=8)
+        axes[0].legend(loc="best", fontsize=8)
     axes[-1].set_xlabel("minutes since the run began" if minutes else
                         "seconds since the run began")
     axes[-1].set_xlim(0, end / unit)

@@ -275,6 +275,8 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
     say_parts(console, (f"plan for {document['cluster']}", "bold"),
               f": {len(tasks)} task(s), {document['provider']} provider; nothing was touched")
     say("  hosts      " + _hosts_text(document))
+    if document.get("price") is not None:
+        say("  price      " + document["price"]["summary"])
     say("  job        " + document["job_summary"])
     if scaling["per_replica_batch_size"] is not None:
         say("  batch      " + _batch_text(scaling))
@@ -526,6 +528,9 @@ def _render_run(console: Console, r: dict[str, Any]) -> None:
                       f"{attempt_figures(a)}", markup=False, highlight=False, soft_wrap=True)
     if r["model_path"]:
         console.print(f"    model: {r['model_path']}", markup=False, highlight=False,
+                      soft_wrap=True)
+    if r.get("cost"):
+        console.print(f"    {r['cost']['summary']}", markup=False, highlight=False,
                       soft_wrap=True)
 
 

@@ -11,6 +11,7 @@ from orchestrator.state import Point, Store
 
 MAX_POINTS = 1000  # a run's points at most: a chart is a few hundred columns wide
 FLUSH_S = 5.0  # how often new points are written (one transaction), besides at an attempt's end
+CLOCK_SKEW_S = 30.0  # a host's clock further from this machine's is not used for the time axis
 
 
 class History:
@@ -46,7 +47,7 @@ class History:
     def add(self, attempt: int, event: Event) -> None:
         """The chief's ``progress`` event of ``attempt``."""
         metrics = event.get("metrics") or {}
-        point = Point(attempt, int(event.get("step", 0)), self.clock(), event.get("loss"),
+        point = Point(attempt, int(event.get("step", 0)), self._when(event), event.get("loss"),
                       event.get("steps_per_s"), event.get("examples_per_s"), dict(metrics))
         if self._kept and point.key <= self._kept[-1][1].key:
             return  # a step it has (a log read again after a take-over)
@@ -60,6 +61,16 @@ class History:
             self._thin()
         if self.clock() - self._flushed_at >= FLUSH_S:
             self.flush()
+
+    def _when(self, event: Event) -> float:
+        """When the chief reported the step: its own clock (this machine reads the logs in
+        batches, a poll apart), unless that clock is not within ``CLOCK_SKEW_S`` of this
+        machine's and after the previous point: then the time it was read here."""
+        now = self.clock()
+        after = self._kept[-1][1].at if self._kept else 0.0
+        if after <= event.time and abs(event.time - now) <= CLOCK_SKEW_S:
+            return event.time
+        return max(now, after)
 
     def flush(self) -> None:
         """Write what changed since the last flush."""

@@ -38,6 +38,12 @@ def state_db() -> Path:
     return home() / "state.db"
 
 
+def price_cache(source: str) -> Path:
+    """Prices read from a cloud's catalog (``source``: e.g. gcp-billing-catalog), shared by
+    every cluster of this machine (orchestrator/cost.py)."""
+    return home() / "prices" / f"{source}.json"
+
+
 def cluster_home(cluster: str) -> Path:
     """This machine's directory of one cluster (local tasks' root, provider files, runs)."""
     return home() / CLUSTERS / cluster

@@ -1002,6 +1002,31 @@ class TensorBoard(Model):
         return check_storage_path(value, relative_ok=False)
 
 
+class CostSettings(Model):
+    """What a GPU hour costs you, for the price of a cluster and the cost of its runs (see
+    orchestrator/cost.py). On gcp the cluster is priced from Google's list prices."""
+
+    gpu_hour_price: float | None = Field(
+        default=None, ge=0, le=100_000.0,
+        description="The price of one GPU for an hour, in cost.currency: slurm, static and "
+        "kubernetes runs are then costed in money too (without it, in GPU hours only); on gcp "
+        "it replaces the list price of the GPUs (a negotiated rate). Default: none.",
+    )
+    currency: str = Field(
+        default="USD", pattern=r"^[A-Z]{3}$",
+        description="ISO 4217 code of gpu_hour_price, and of the gcp prices read from the Cloud "
+        "Billing Catalog (the shipped price table is in USD).",
+    )
+
+    @field_validator("currency", mode="before")
+    @classmethod
+    def _currency(cls, value: Any) -> Any:
+        if isinstance(value, str) and not re.fullmatch(r"[A-Z]{3}", value):
+            raise Invalid("not an ISO 4217 currency code",
+                          fix="write its three-letter ISO 4217 code in capitals: USD, EUR, JPY")
+        return value
+
+
 WARM_AFTER_S = 30.0  # retry.warm_tasks: auto starts them after this much training
 
 
@@ -1109,6 +1134,7 @@ class ClusterSpec(Model):
     container: Container | None = Field(
         default=None, description="Run every task in a container image (see docker/README.md).")
     tensorboard: TensorBoard = Field(default_factory=TensorBoard)
+    cost: CostSettings = Field(default_factory=CostSettings)
 
     @model_validator(mode="before")
     @classmethod

@@ -49,7 +49,8 @@ CREATE TABLE IF NOT EXISTS runs (
     message TEXT NOT NULL DEFAULT '',
     controller_pid INTEGER,
     heartbeat_at REAL,
-    warm_json TEXT NOT NULL DEFAULT '[]'
+    warm_json TEXT NOT NULL DEFAULT '[]',
+    price_json TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS runs_by_cluster ON runs (cluster, started_at);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -101,6 +102,7 @@ MIGRATIONS = (
     ("attempts", "phases_json", "TEXT NOT NULL DEFAULT '{}'"),
     ("attempts", "snapshot_step", "INTEGER"),
     ("attempts", "snapshot", "TEXT NOT NULL DEFAULT ''"),
+    ("runs", "price_json", "TEXT NOT NULL DEFAULT '{}'"),
 )
 
 
@@ -200,8 +202,9 @@ class AttemptRecord:
 
 @dataclass(frozen=True)
 class Point:
-    """The chief's progress at one step of one attempt, as this machine received it (``at``:
-    its clock, as the attempts' times): one point of the run's history."""
+    """The chief's progress at one step of one attempt: one point of the run's history. ``at``
+    is when the chief reported it, on the attempts' time axis (``history.History`` says
+    whose clock)."""
 
     attempt: int
     step: int
@@ -231,6 +234,8 @@ class RunRecord:
     heartbeat_at: float | None = None
     # The next attempt's warm tasks (started, waiting for a go), for 'down' and '--attach'.
     warm: list[TaskRecord] = field(default_factory=list)
+    # The cluster's price an hour as the run began (``cost.Price.to_json``; {} when unknown).
+    price: dict[str, Any] = field(default_factory=dict)
 
 
 class Store:
@@ -516,6 +521,11 @@ class Store:
         with self._tx() as db:
             db.execute("UPDATE runs SET warm_json = ? WHERE id = ?", (_tasks_json(tasks), run_id))
 
+    def set_price(self, run_id: str, price: dict[str, Any]) -> None:
+        """The cluster's price an hour for this run (``cost.Price.to_json``)."""
+        with self._tx() as db:
+            db.execute("UPDATE runs SET price_json = ? WHERE id = ?", (json.dumps(price), run_id))
+
     def run_status(self, run_id: str) -> str:
         row = self._one("SELECT status FROM runs WHERE id = ?", (run_id,))
         return str(row["status"]) if row else "unknown"
@@ -612,6 +622,7 @@ def _run(row: sqlite3.Row, attempts: list[AttemptRecord]) -> RunRecord:
     problems: list[str] = []
     metrics = _decoded(row, "metrics_json", _numbers, {}, problems)
     warm = _decoded(row, "warm_json", _task_list, [], problems)
+    price = _decoded(row, "price_json", _mapping, {}, [])  # a damaged one: no cost shown
     return RunRecord(
         id=row["id"], cluster=row["cluster"],
         status=UNREADABLE if problems else row["status"],
@@ -619,7 +630,7 @@ def _run(row: sqlite3.Row, attempts: list[AttemptRecord]) -> RunRecord:
         metrics=metrics, model_path=row["model_path"],
         message=_unreadable(problems) if problems else row["message"],
         controller_pid=row["controller_pid"], attempts=attempts,
-        heartbeat_at=row["heartbeat_at"], warm=warm,
+        heartbeat_at=row["heartbeat_at"], warm=warm, price=price,
     )
 
 
@@ -672,6 +683,12 @@ def _numbers(value: Any) -> dict[str, float]:
     if not isinstance(value, dict) or not all(
             isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
         raise TypeError("expected a map of names to numbers")
+    return value
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError("expected a mapping")
     return value
 
 

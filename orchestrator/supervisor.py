@@ -25,7 +25,7 @@ from tenacity import (
     retry_if_exception,
 )
 
-from orchestrator import paths, secrets, warm
+from orchestrator import cost, paths, secrets, warm
 from orchestrator import plan as planning
 from orchestrator.causes import IMMEDIATE, PLANNED, RETRYABLE, Cause
 from orchestrator.checkpoints import (
@@ -215,6 +215,7 @@ class Supervisor:
         try:
             try:
                 self._history = History(self.store, run_id)
+                self._price_in_background(run_id)
                 finished = self._attempts(run_id, attach, resume)
             finally:
                 self._close()  # before the counts and the model download: the mirror is done
@@ -241,6 +242,21 @@ class Supervisor:
         except BaseException as exc:  # SystemExit, GeneratorExit: the program is ending
             self._end_run(run_id, "cancelled", f"the controller ended ({type(exc).__name__})")
             raise
+
+    def _price_in_background(self, run_id: str) -> None:
+        """Record the cluster's price an hour for the run's cost (``status``). Reading the
+        Billing Catalog may take seconds (and is read at most once a day): never on the way
+        to the first step. A failure leaves the run without a cost; it never ends the run."""
+        def price() -> None:
+            try:
+                found = cost.lookup_price(self.spec, online=True)
+                if found is not None:
+                    self.store.set_price(run_id, found.to_json())
+            except Exception as exc:
+                self._say(f"the run's cost is not counted: {type(exc).__name__}: "
+                          f"{str(exc)[:300]}")
+
+        threading.Thread(target=price, name="orchestrate-price", daemon=True).start()
 
     def _attempts(self, run_id: str, attach: bool, resume: bool) -> dict[str, Event]:
         """Every attempt, restarting the group on a retryable failure, until one succeeds."""

@@ -50,6 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("watch", "checkpoints", "warm", "boards", "history"),
     ("launchers",),
     ("containers",),
+    ("cost",),
     ("providers",),
     ("remote", "plan"),
     ("runtimes", "secrets"),

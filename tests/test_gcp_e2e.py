@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_billing import FakeBilling
 from fake_compute import FakeCompute, LabBacking
 from hostlab import HostLab, LabHost
 
 from orchestrator.api import Cluster
 from orchestrator.events import Event
 from orchestrator.providers.base import HostHealth
+from orchestrator.providers.gcp.billing import ENDPOINT_ENV as BILLING_ENDPOINT_ENV
 from orchestrator.providers.gcp.compute import ENDPOINT_ENV
 from orchestrator.providers.gcp.provider import GcpProvider
 from orchestrator.view import RunView
@@ -38,6 +40,13 @@ def fake(lab_hosts: list[LabHost], monkeypatch: pytest.MonkeyPatch) -> Iterator[
     with FakeCompute(latency_s=0.1, boot_s=0.1, host_key_delay_s=0.5,
                      backing=[LabBacking(h) for h in lab_hosts]) as server:
         monkeypatch.setenv(ENDPOINT_ENV, server.url)
+        yield server
+
+
+@pytest.fixture
+def billing(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeBilling]:
+    with FakeBilling() as server:
+        monkeypatch.setenv(BILLING_ENDPOINT_ENV, server.url)
         yield server
 
 
@@ -98,11 +107,13 @@ def test_up_reaches_each_vm_with_its_published_host_key_and_a_second_up_attaches
                          ids=["tf_keras", "jax"])
 def test_up_train_preempt_recover_down(hostlab: HostLab, lab_hosts: list[LabHost],
                                        fake: FakeCompute, tmp_path: Path,
-                                       orchestrate_home: Path, job: dict[str, str]) -> None:
+                                       orchestrate_home: Path, job: dict[str, str],
+                                       billing: FakeBilling) -> None:
     """A spot VM preempted mid-training: its guest shuts down (SIGTERM to the task, as the ACPI
     soft off makes systemd do), every task saves at the step they agree on and stops, the VM is
     started again and the next attempt resumes at exactly that step: no step is redone. On
-    TensorFlow (tf_keras) and on JAX (the Keras 3 module, JAX's preemption service)."""
+    TensorFlow (tf_keras) and on JAX (the Keras 3 module, JAX's preemption service). The run's
+    cost is counted at the Billing Catalog's spot prices."""
     path = write_spec(tmp_path, hostlab,
                       job={**job, "epochs": 2, "steps_per_epoch": 40, "progress_every_steps": 1},
                       checkpoint={"every_steps": 10},
@@ -143,6 +154,16 @@ def test_up_train_preempt_recover_down(hostlab: HostLab, lab_hosts: list[LabHost
     assert len(set(result.digests.values())) == 1
     assert fake.calls["instances.start"] == 1 and fake.calls["instances.bulkInsert"] == 1
     assert len(fake.operations("compute.instances.preempted")) == 1
+    # What it cost: 3 spot n1-standard-8 VMs and their disks, at the catalog's prices, for the
+    # run's time; the restarts' share is the recovery (no step was redone).
+    (run,) = cluster.status().to_dict()["runs"]
+    price, spent = run["price"], run["cost"]
+    assert price["spot"] and price["machines"] == 3 and price["per_hour"] > 0, price
+    assert price["source"].startswith("Cloud Billing Catalog, read "), price
+    assert spent["money"] == pytest.approx(price["per_hour"] * run["seconds"] / 3600, rel=0.05)
+    assert spent["recovery_s"] == pytest.approx(first.recovery_s) and spent["steps_redone"] == 0
+    assert spent["lost_money"] == pytest.approx(price["per_hour"] * first.recovery_s / 3600)
+    assert spent["summary"].startswith("cost $") and "; restarts $" in spent["summary"]
 
     down = cli("down", str(path), home=orchestrate_home, endpoint=fake.url)
     assert down.returncode == 0, down.stdout + down.stderr

@@ -33,8 +33,8 @@ class Clock:
         return self.now
 
 
-def progress(step: int, loss: float = 1.0, rate: float = 10.0) -> Event:
-    return Event("progress", "worker:0", 1, 0.0, {"step": step, "loss": loss,
+def progress(step: int, loss: float = 1.0, rate: float = 10.0, at: float = 0.0) -> Event:
+    return Event("progress", "worker:0", 1, at, {"step": step, "loss": loss,
                                                    "steps_per_s": rate, "examples_per_s": rate * 64,
                                                    "metrics": {"accuracy": 0.5}})
 
@@ -128,6 +128,17 @@ def test_the_history_writes_every_few_seconds_and_ignores_a_step_read_again() ->
     assert [(p.step, p.loss) for p in store.points(run)] == [(1, 1.0), (2, 1.0), (3, 1.0)]
     again = History(store, run, clock=clock)  # a controller that takes over goes on from it
     assert [p.step for p in again.points] == [1, 2, 3]
+
+
+def test_a_point_is_placed_when_the_chief_reported_it_unless_its_clock_is_off() -> None:
+    store, clock = Store(), Clock()
+    history = History(store, store.new_run("c"), clock=clock)
+    clock.now = 1010.0  # this machine reads the chief's log in batches: two lines at once
+    history.add(1, progress(1, at=1008.5))
+    history.add(1, progress(2, at=1009.5))
+    history.add(1, progress(3, at=5000.0))  # a host clock an hour off: when it was read
+    history.add(1, progress(4, at=1009.9))  # before the previous point: read time too
+    assert [p.at for p in history.points] == [1008.5, 1009.5, 1010.0, 1010.0]
 
 
 # -- the terminal ----------------------------------------------------------------------------
