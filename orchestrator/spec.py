@@ -1027,6 +1027,50 @@ class CostSettings(Model):
         return value
 
 
+class Metrics(Model):
+    """Prometheus metrics of a run, from the controller while 'train' runs (see
+    orchestrator/metrics.py): for a team's own dashboards and alerts."""
+
+    prometheus_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="Serve the run's metrics at http://BIND:PORT/metrics while 'train' runs. "
+        "Default: no endpoint.",
+    )
+    bind: str = Field(
+        default="127.0.0.1",
+        description="The address the endpoint listens on: 127.0.0.1 (this machine only), or "
+        "0.0.0.0 for a Prometheus elsewhere to scrape it.",
+    )
+    textfile: str | None = Field(
+        default=None,
+        description="Also write them to this file (NAME.prom, for node_exporter's textfile "
+        "collector), every few seconds and at the run's end, whole or not at all.",
+    )
+
+    @field_validator("bind")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            raise Invalid(f"{value!r} is not an IP address",
+                          fix="give 127.0.0.1 (this machine only) or 0.0.0.0 (every "
+                          "interface)") from None
+
+    @field_validator("textfile")
+    @classmethod
+    def _prom(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.endswith(".prom"):
+            raise Invalid(f"{value!r} does not end in .prom",
+                          fix="name it NAME.prom: node_exporter's textfile collector reads "
+                          "only those")
+        if "://" in value:
+            raise Invalid(f"{value!r} is a URL", fix="give a path on this machine")
+        return check_storage_path(value, relative_ok=False)
+
+
 WARM_AFTER_S = 30.0  # retry.warm_tasks: auto starts them after this much training
 
 
@@ -1135,6 +1179,7 @@ class ClusterSpec(Model):
         default=None, description="Run every task in a container image (see docker/README.md).")
     tensorboard: TensorBoard = Field(default_factory=TensorBoard)
     cost: CostSettings = Field(default_factory=CostSettings)
+    metrics: Metrics = Field(default_factory=Metrics)
 
     @model_validator(mode="before")
     @classmethod

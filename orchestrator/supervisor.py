@@ -41,6 +41,7 @@ from orchestrator.events import Event
 from orchestrator.history import History
 from orchestrator.hosts import Host
 from orchestrator.launchers import launcher_for, launcher_named
+from orchestrator.metrics import Exporter, RunFigures, exposition
 from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
 from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
@@ -137,6 +138,8 @@ class Supervisor:
         self._current: dict[str, TaskHandle] = {}  # the running attempt's tasks, by key
         self._prestarted: ClusterPlan | None = None  # the first attempt, as prestart started it
         self._history: History | None = None  # the chief's progress, for the run's charts
+        self._exporter: Exporter | None = None  # the run's Prometheus metrics (metrics:)
+        self._running = False  # what the metrics say: the run is being trained
 
     # -- the first attempt, started while the doctor checks -------------------------------
     def prestart(self) -> str | None:
@@ -210,8 +213,18 @@ class Supervisor:
         cancelled (Ctrl-C); an unexpected error (a bug, the state store failing) ends it as
         failed too, and its tasks are stopped first.
         """
-        started = self.clock()
         self.view.run_id = run_id
+        exporter = Exporter(self.spec.metrics, lambda: self._metrics_text(run_id), self._say)
+        exporter.start()
+        self._exporter, self._running = exporter, True
+        try:
+            return self._run(run_id, attach, resume)
+        finally:
+            self._running = False
+            exporter.close()  # the last textfile says the run ended
+
+    def _run(self, run_id: str, attach: bool, resume: bool) -> RunResult:
+        started = self.clock()
         try:
             try:
                 self._history = History(self.store, run_id)
@@ -242,6 +255,12 @@ class Supervisor:
         except BaseException as exc:  # SystemExit, GeneratorExit: the program is ending
             self._end_run(run_id, "cancelled", f"the controller ended ({type(exc).__name__})")
             raise
+
+    def _metrics_text(self, run_id: str) -> str:
+        points = self._history.points if self._history is not None else []
+        return exposition(RunFigures(
+            self.spec.name, run_id, self._running, self.view.attempt, self.view.total_steps,
+            points[-1] if points else None, self.store.attempts(run_id)))
 
     def _price_in_background(self, run_id: str) -> None:
         """Record the cluster's price an hour for the run's cost (``status``). Reading the
@@ -803,6 +822,8 @@ class Supervisor:
         if time.monotonic() - self._beat >= HEARTBEAT_S:
             self._beat = time.monotonic()
             self.store.heartbeat(run_id)
+        if self._exporter is not None:
+            self._exporter.tick()
 
     def _check_stopped(self, run_id: str) -> None:
         if self.store.run_status(run_id) == "stopped":

@@ -213,3 +213,26 @@ def png_size(path: Path) -> tuple[int, int]:
     head = path.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", f"{path} is not a PNG"
     return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def prometheus_samples(text: str) -> dict[str, float]:
+    """Every sample of a run's metrics as Prometheus' own parser reads them, keyed by name and
+    labels, e.g. ``orchestrate_restarts_total{cause="crashed"}``; each must carry the cluster
+    and run labels, which the key leaves out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("cluster") and labels.pop("run"), sample
+            key = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            found[sample.name + ("{" + key + "}" if key else "")] = sample.value
+    return found

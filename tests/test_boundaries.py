@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("api",),
     ("console",),
     ("supervisor", "doctor", "kept_pass"),
-    ("watch", "checkpoints", "warm", "boards", "history"),
+    ("watch", "checkpoints", "warm", "boards", "history", "metrics"),
     ("launchers",),
     ("containers",),
     ("cost",),

@@ -21,7 +21,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import REPO, release_run, scalar_steps, tensorboard_logs
+from helpers import (
+    REPO,
+    free_port,
+    prometheus_samples,
+    release_run,
+    scalar_steps,
+    tensorboard_logs,
+)
 
 from orchestrator import paths
 from orchestrator.api import Cluster
@@ -68,6 +75,7 @@ def test_a_task_killed_after_the_last_step_costs_no_step(
         tmp_path: Path, orchestrate_home: Path, runtime: str) -> None:
     name = f"end-{runtime.replace('_', '')}"
     path = tmp_path / f"{name}.yaml"
+    port, textfile = free_port(), tmp_path / "run.prom"
     path.write_text(textwrap.dedent(f"""\
         name: {name}
         workdir: {REPO}
@@ -77,11 +85,22 @@ def test_a_task_killed_after_the_last_step_costs_no_step(
         retry: {{max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}}
         timeouts: {{startup_s: 180, stop_grace_s: 30}}
         env: {{HELD_SAVE_OF: {BASES[runtime]}, DIGITS_PACE_S: "0.05"}}
+        metrics: {{prometheus_port: {port}, textfile: {textfile}}}
         """))
     stop = threading.Event()
     killed = kill_when_held(name, stop)
+    scraped: list[dict[str, float]] = []
+
+    def scrape(view: RunView, event: Event | None) -> None:
+        """Prometheus' view of the run while it trains: once, at a step of attempt 1."""
+        if event is not None and event.kind == "progress" and event.get("step") >= 10 \
+                and not scraped:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as got:
+                scraped.append({**prometheus_samples(got.read().decode()),
+                                "seen": event.get("step")})
+
     try:
-        result = Cluster.from_spec(path).train(doctor=False).wait()
+        result = Cluster.from_spec(path).train(listener=scrape, doctor=False).wait()
     finally:
         stop.set()
     assert killed, "worker:1 never reached its final save"
@@ -106,6 +125,15 @@ def test_a_task_killed_after_the_last_step_costs_no_step(
     assert marks[1][0] == 25 and marks[1][1].startswith(
         "attempt 2 began at step 25, after:\n\n    worker:1 crashed: "), marks
     assert Cluster.from_spec(path).tensorboard().directory == board  # written here: no copy
+    # Prometheus saw it train, and the textfile says how it ended: one crash, no step redone.
+    assert scraped and scraped[0]["orchestrate_run_running"] == 1.0, scraped
+    assert scraped[0]["orchestrate_attempt"] == 1.0
+    assert 1 <= scraped[0]["orchestrate_step"] <= scraped[0]["seen"]  # (a step or two behind)
+    ended = prometheus_samples(textfile.read_text())
+    assert ended["orchestrate_run_running"] == 0.0 and ended["orchestrate_attempt"] == 2.0
+    assert ended['orchestrate_restarts_total{cause="crashed"}'] == 1.0
+    assert ended["orchestrate_step"] == 25.0 and ended["orchestrate_steps_redone_total"] == 0.0
+    assert ended["orchestrate_recovery_seconds_total"] == pytest.approx(first.recovery_s or 0.0)
     if runtime == "tf_keras":
         served_loss_is_the_logs(path, scalar_steps(logs, "train/loss"))
 
