@@ -18,6 +18,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,8 @@ from orchestrator.state import RunRecord
 # command job's script may too): anything else a host lists is left there.
 EVENT_PATH = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}/){0,3}"
                         r"events\.out\.tfevents\.[A-Za-z0-9._-]{1,200}")
+COPY_EVERY_S = 30.0  # while a run trains, how often its logs are copied here
+COPY_BUSY_MAX = 0.05  # the most of the time copying may take (as the checkpoint mirror's)
 # Lists "SIZE PATH" for each event file under $1 (nothing where the directory is not there).
 LIST_SCRIPT = ('cd -- "$1" 2>/dev/null || exit 0; find . -maxdepth 4 -type f '
                "-name 'events.out.tfevents.*' | while IFS= read -r f; do "
@@ -94,6 +98,64 @@ def local_logs(spec: ClusterSpec, run: RunRecord, hosts: Mapping[str, Host],
         raise StateError(f"run {run.id} has no TensorBoard logs yet ({said})",
                          fix="look again once its chief has trained a few steps")
     return logs
+
+
+class BoardCopy:
+    """This machine's copy of a run's logs kept current while it trains, the way the
+    checkpoint mirror keeps its copy: a thread of its own that copies what the chiefs wrote
+    (``local_logs``) every ``COPY_EVERY_S``, and less often when copying is slow, so that it
+    takes at most ``COPY_BUSY_MAX`` of the time; over each host's bulk connection, never the
+    control path. ``close`` makes one last copy (the run's end) and stops it.
+
+    A copy that finds nothing yet, or a host it cannot read, is tried again at the next turn
+    (``orchestrate tensorboard`` says why when asked); anything else is said once, and the
+    copying ends: the logs stay on the hosts, where ``orchestrate tensorboard`` gets them.
+    """
+
+    def __init__(self, spec: ClusterSpec, run: Callable[[], RunRecord],
+                 hosts: Callable[[], Mapping[str, Host]], runner_for: Callable[[Host], Runner],
+                 say: Callable[[str], None], *, every_s: float = COPY_EVERY_S) -> None:
+        self.spec, self.run, self.hosts, self.runner_for = spec, run, hosts, runner_for
+        self.say = say
+        self.every_s = every_s
+        self.copied = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="orchestrate-tensorboard",
+                                        daemon=True)
+
+    @staticmethod
+    def wanted(spec: ClusterSpec) -> bool:
+        """Logs a chief writes on its own host's disk (not on storage this machine mounts)."""
+        return spec.tensorboard.enabled and not spec.tensorboard.dir
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        wait = self.every_s
+        while not self._stop.wait(wait):
+            began = time.monotonic()
+            if not self._copy():
+                return
+            wait = max(self.every_s, (time.monotonic() - began) * (1 / COPY_BUSY_MAX - 1))
+        self._copy()  # what the chief wrote last
+
+    def _copy(self) -> bool:
+        try:
+            self.copied += local_logs(self.spec, self.run(), self.hosts(), self.runner_for).copied
+        except StateError:
+            pass  # nothing written yet: the next turn
+        except Exception as exc:
+            self.say(f"TensorBoard logs are no longer copied here during the run: "
+                     f"{type(exc).__name__}: {str(exc)[:300]} ('orchestrate tensorboard' "
+                     "copies them when asked)")
+            return False
+        return True
 
 
 def _pull(runner: Runner, remote_dir: str, here: Path) -> int:

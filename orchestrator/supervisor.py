@@ -27,6 +27,7 @@ from tenacity import (
 
 from orchestrator import cost, paths, secrets, warm
 from orchestrator import plan as planning
+from orchestrator.boards import BoardCopy
 from orchestrator.causes import IMMEDIATE, PLANNED, RETRYABLE, Cause
 from orchestrator.checkpoints import (
     CheckpointMirror,
@@ -139,6 +140,8 @@ class Supervisor:
         self._prestarted: ClusterPlan | None = None  # the first attempt, as prestart started it
         self._history: History | None = None  # the chief's progress, for the run's charts
         self._exporter: Exporter | None = None  # the run's Prometheus metrics (metrics:)
+        self._boards: BoardCopy | None = None  # the chiefs' TensorBoard logs, copied here
+        self._hosts_seen: dict[str, Host] = {}  # every attempt's hosts (the chiefs' logs)
         self._running = False  # what the metrics say: the run is being trained
 
     # -- the first attempt, started while the doctor checks -------------------------------
@@ -229,6 +232,11 @@ class Supervisor:
             try:
                 self._history = History(self.store, run_id)
                 self._price_in_background(run_id)
+                if BoardCopy.wanted(self.spec):
+                    self._boards = BoardCopy(self.spec, lambda: self.store.get_run(run_id),
+                                             lambda: dict(self._hosts_seen), self.provider.runner,
+                                             self._say)
+                    self._boards.start()
                 finished = self._attempts(run_id, attach, resume)
             finally:
                 self._close()  # before the counts and the model download: the mirror is done
@@ -376,6 +384,8 @@ class Supervisor:
         finally:
             if self._mirror is not None:
                 self._mirror.close()
+            if self._boards is not None:
+                self._boards.close()
 
     def _succeed(self, run_id: str, finished: dict[str, Event], started: float) -> RunResult:
         self._count_mirror()
@@ -479,6 +489,7 @@ class Supervisor:
         plan = self._with_after(run_id, number, plan)
         plan = self._with_secrets(plan)
         self._chief_host = plan.chief.host
+        self._hosts_seen.update({t.host.name: t.host for t in plan.tasks})
         self._chief_key = plan.chief_key
         self._layout = plan.checkpoints
         self.view.attempt = number

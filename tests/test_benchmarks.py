@@ -37,13 +37,14 @@ def check_steady(record: dict[str, Any]) -> None:
     assert first["ratio"] > 0
 
 
-def check_tensorboard(record: dict[str, Any]) -> None:
+def check_watching(record: dict[str, Any]) -> None:
     assert [r["tensorboard"] for r in record["results"]] == ["none", "every 100 steps",
                                                              "every step"]
     for result in record["results"]:
         assert measured(result["steps_per_s"]) and result["ratio_to_none"] > 0
         assert measured(result["controller_cpu_share"])
     assert isinstance(record["goal_met"], bool)
+    assert record["write_us"] > 0 and 0 < record["write_share_of_steps"]["every step"] < 1
 
 
 def check_recovery(record: dict[str, Any]) -> None:
@@ -172,13 +173,13 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "peer": check_peer, "provision": check_provision, "controller": check_controller,
     "control_path": check_control_path, "checkpoints": check_checkpoints,
     "keras3": check_keras3, "warm_cost": check_warm_cost, "jax": check_jax,
-    "chaos": check_chaos, "tensorboard": check_tensorboard,
+    "chaos": check_chaos, "watching": check_watching,
 }
 
 
 MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
          "peer": [pytest.mark.tf], "keras3": [pytest.mark.tf], "warm_cost": [pytest.mark.tf],
-         "jax": [pytest.mark.tf], "chaos": [pytest.mark.tf], "tensorboard": [pytest.mark.tf],
+         "jax": [pytest.mark.tf], "chaos": [pytest.mark.tf], "watching": [pytest.mark.tf],
          "controller": [pytest.mark.ssh],
          "control_path": [pytest.mark.ssh], "checkpoints": [pytest.mark.ssh, pytest.mark.tf]}
 
