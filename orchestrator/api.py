@@ -74,7 +74,7 @@ def statuses(name: str | None = None, store: Store | None = None, *,
         StateError: ``name`` is not a cluster the store knows, or ``run_id`` not one of its runs.
     """
     store = store or Store()
-    found = [_cluster_status(store, c, run_id) for c in store.clusters()
+    found = [_cluster_status(store, c.name, c, run_id) for c in store.clusters()
              if name in (None, c.name)]
     if name and not found:
         known = ", ".join(c.name for c in store.clusters())
@@ -90,12 +90,16 @@ def statuses(name: str | None = None, store: Store | None = None, *,
     return found
 
 
-def _cluster_status(store: Store, cluster: ClusterRecord, run_id: str | None) -> ClusterStatus:
-    runs = store.runs(cluster.name)
-    if run_id is not None:
-        runs = [r for r in runs if r.id == run_id] or [
-            r for r in [_run_or_none(store, run_id)] if r is not None and r.cluster == cluster.name]
-    return ClusterStatus(cluster.name, cluster, runs, {r.id: store.points(r.id) for r in runs})
+def _cluster_status(store: Store, name: str, record: ClusterRecord | None,
+                    run_id: str | None = None) -> ClusterStatus:
+    """Cluster ``name`` with its newest runs and their histories; with ``run_id``, with that
+    run alone (none when it is another cluster's, or no run's)."""
+    if run_id is None:
+        runs = store.runs(name)
+    else:
+        run = _run_or_none(store, run_id)
+        runs = [run] if run is not None and run.cluster == name else []
+    return ClusterStatus(name, record, runs, {r.id: store.points(r.id) for r in runs})
 
 
 def _run_or_none(store: Store, run_id: str) -> RunRecord | None:
@@ -127,7 +131,8 @@ def plot_run(name: str | None, run_id: str | None, path: Path,
         raise OrchestratorError(f"run {run['id']} has no progress recorded to draw",
                                 fix="wait for its first steps (the chief reports every "
                                 "job.progress_every_steps), then run this again")
-    return charts.save_plot(run, path, f"{cluster.name}: run {run['id']}")
+    charts.save_plot(run, path, f"{cluster.name}: run {run['id']}")
+    return path
 
 
 def _run_dict(run: RunRecord, history: list[Point]) -> dict[str, Any]:
@@ -615,9 +620,7 @@ class Cluster:
 
     # -- inspection ----------------------------------------------------------------------
     def status(self) -> ClusterStatus:
-        runs = self.store.runs(self.name)
-        return ClusterStatus(self.name, self.store.get_cluster(self.name), runs,
-                             {r.id: self.store.points(r.id) for r in runs})
+        return _cluster_status(self.store, self.name, self.store.get_cluster(self.name))
 
     def history(self, run_id: str | None = None) -> list[Point]:
         """A run's recorded progress (the newest run by default): the chief's loss, metrics
@@ -635,7 +638,7 @@ class Cluster:
         document = _run_dict(run, self.store.points(run.id))
         title = f"{self.name}: run {run.id}"
         if path is not None:
-            charts.save_plot(document, Path(path), title)
+            return charts.save_plot(document, Path(path), title)
         return charts.figure(document, title)
 
     def run(self, run_id: str | None = None) -> RunRecord:

@@ -131,7 +131,8 @@ def terminal_chart(run: dict[str, Any], width: int = 100, height: int = 6) -> Gr
     columns = max(20, width - LABEL - 1)
     end = _end_of(run)
     x_of = _scale(0.0, end, 0, columns * 2 - 1)
-    marks = {x_of(r.at) // 2: f"bold {_colour(r.attempt)}" for r in restarts(run)}
+    begun = restarts(run)
+    marks = {x_of(r.at) // 2: f"bold {_colour(r.attempt)}" for r in begun}
     rendered: list[Text] = []
     for series, title in SERIES:
         found = lines(run, series)
@@ -155,7 +156,7 @@ def terminal_chart(run: dict[str, Any], width: int = 100, height: int = 6) -> Gr
         return Group(Text("no progress recorded yet", style="dim"))
     rendered.append(Text(" " * LABEL + "└" + "─" * columns, style="dim"))
     rendered.append(_time_axis(end, columns))
-    for r in restarts(run):
+    for r in begun:
         rendered.append(Text(" " * LABEL + " ") + Text("┊", style=f"bold {_colour(r.attempt)}")
                         + Text(f" attempt {r.attempt} at {_duration(r.at)}, after {r.why}",
                                overflow="fold"))
@@ -220,6 +221,7 @@ def figure(run: dict[str, Any], title: str = "") -> Figure:
     end = _end_of(run)
     minutes = end > 180
     unit = 60.0 if minutes else 1.0
+    begun = restarts(run)
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI, layout="constrained")
     axes = fig.subplots(len(SERIES), 1, sharex=True)
     for ax, (series, name) in zip(axes, SERIES, strict=True):
@@ -227,13 +229,13 @@ def figure(run: dict[str, Any], title: str = "") -> Figure:
             ax.plot([t / unit for t, _ in line.points], [v for _, v in line.points],
                     color=_plot_colour(line.attempt), linewidth=1.4,
                     label=f"attempt {line.attempt}")
-        for r in restarts(run):
+        for r in begun:
             ax.axvline(r.at / unit, color=_plot_colour(r.attempt), linestyle="--", linewidth=1)
             if r.gap is not None:
                 ax.axvspan(r.gap[0] / unit, r.gap[1] / unit, color="#d62728", alpha=0.12)
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
-    for r in restarts(run):
+    for r in begun:
         axes[0].annotate(f"attempt {r.attempt}\nafter {r.why}", (r.at / unit, 1.0),
                          xycoords=("data", "axes fraction"), xytext=(4, -4),
                          textcoords="offset points", va="top", fontsize=8)
@@ -246,9 +248,9 @@ def figure(run: dict[str, Any], title: str = "") -> Figure:
     return fig
 
 
-def save_plot(run: dict[str, Any], path: Path, title: str = "") -> Path:
+def save_plot(run: dict[str, Any], path: Path, title: str = "") -> Figure:
     """Write the run's figure to ``path`` (.png or .svg), through a temporary file so a failed
-    write leaves no half image.
+    write leaves no half image; the figure.
 
     Raises:
         OrchestratorError: another suffix, or matplotlib missing, or the file not writable.
@@ -266,7 +268,7 @@ def save_plot(run: dict[str, Any], path: Path, title: str = "") -> Path:
         partial.unlink(missing_ok=True)
         raise OrchestratorError(f"cannot write the plot {path}: {exc.strerror or exc}",
                                 fix="choose a path in a directory you can write") from None
-    return path
+    return fig
 
 
 def _plot_colour(attempt: int) -> str:

@@ -192,9 +192,10 @@ def test_the_plot_is_a_png_of_the_expected_size_and_an_svg(tmp_path: Path) -> No
     document = run_document(store, run)
     out = tmp_path / "plots"
     out.mkdir()
-    png = charts.save_plot(document, out / "run.png")
+    png, svg = out / "run.png", out / "run.svg"
+    charts.save_plot(document, png)
     assert png_size(png) == (1000, 600)
-    svg = charts.save_plot(document, out / "run.svg")
+    charts.save_plot(document, svg)
     root = ET.parse(svg).getroot()
     assert root.tag.endswith("svg") and root.get("width") == "720pt"
     assert "attempt 2" in svg.read_text()
