@@ -37,11 +37,14 @@ JAX_JOB = ("{module: examples.keras3_digits, backend: jax, epochs: 1, steps_per_
 
 
 
-def containers_of(cluster: str, *, every: bool = True, host: LabHost | None = None) -> list[str]:
+def containers_of(cluster: str, *, every: bool = True, host: LabHost | None = None,
+                  run: str | None = None) -> list[str]:
     """Names of the cluster's containers (``every``: stopped ones too), on this machine's
-    podman or, with ``host``, on that host's podman service."""
+    podman or, with ``host``, on that host's podman service; with ``run``, that run's only
+    (another session's test killed before its cleanup leaves containers of the same name)."""
     words = ["ps", *(["-a"] if every else []), "--format", "{{.Names}}",
-             "--filter", f"label=orchestrate.cluster={cluster}"]
+             "--filter", f"label=orchestrate.cluster={cluster}",
+             *(["--filter", f"label=orchestrate.run={run}"] if run else [])]
     out = podman_on(host, *words).stdout
     return sorted(out.split())
 
@@ -113,7 +116,7 @@ def test_two_local_tasks_train_in_containers_and_a_killed_container_resumes(
         assert any(e["event"] == "resumed" and e["step"] == second.resumed_from_step
                    for e in events)
     assert len(set(result.digests.values())) == 1  # both replicas hold one model
-    assert containers_of("ct-local") == []  # --rm, and the killed one was removed
+    assert containers_of("ct-local", run=result.run_id) == []  # --rm, and the killed one was removed
     cluster.down()
 
 
@@ -134,7 +137,7 @@ def test_a_keras3_module_trains_on_jax_in_two_local_containers_to_one_model(
         assert (connected["replicas"], connected["collectives"]) == (2, "gloo"), connected
         assert connected["jax_version"].startswith("0.10."), connected
         assert [e["step"] for e in events if e["event"] == "finished"] == [20]
-    assert containers_of("ct-jax") == []
+    assert containers_of("ct-jax", run=result.run_id) == []
     cluster.down()
 
 
@@ -162,12 +165,16 @@ def test_attach_after_a_controller_kill_finds_the_containers_and_down_leaves_non
         def training() -> bool:
             logs = list(orchestrate_home.glob("clusters/ct-attach/runs/*/logs/attempt-1/worker-0.log"))
             return bool(logs) and '"event": "progress"' in logs[0].read_text()
-        wait_for(lambda: len(containers_of("ct-attach", every=False)) == 2, 240, "2 containers")
+        wait_for(lambda: bool(cluster.status().runs), 120, "the run recorded")
+        run_id = cluster.status().runs[0].id
+        wait_for(lambda: len(containers_of("ct-attach", every=False, run=run_id)) == 2, 240,
+                 "2 containers")
         wait_for(training, 240, "a step recorded")
         train.kill()  # the controller dies; its tasks go on in their containers
         train.wait(30)
-        running = containers_of("ct-attach", every=False)
-        assert len(running) == 2 and all(n.startswith("orch-ct-attach-") for n in running)
+        running = containers_of("ct-attach", every=False, run=run_id)
+        assert len(running) == 2 and all(n.startswith(f"orch-ct-attach-{run_id}-")
+                                         for n in running), running
         attach = cli("train", str(spec), "--attach")
         try:
             wait_for(lambda: cluster.status().runs[0].controller_pid == attach.pid, 120,
@@ -460,5 +467,5 @@ def test_the_containers_stop_with_a_planned_stop_saving_at_one_step(
     assert first.cause == "preempted"
     assert {t.exit_code for t in first.tasks} == {75}
     assert result.attempts[1].resumed_from_step == first.last_step
-    assert containers_of("ct-term") == []
+    assert containers_of("ct-term", run=result.run_id) == []
     cluster.down()
