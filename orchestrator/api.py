@@ -657,7 +657,8 @@ class Cluster:
         them on another machine, every attempt's files are copied here first, the new and
         grown ones only; ``.notes`` says which hosts could not be read (``orchestrator.boards``)."""
         return boards.local_logs(self.spec, self.run(run_id),
-                                 {h.name: h for h in self.provider.hosts()}, self.provider.runner)
+                                 lambda: {h.name: h for h in self.provider.hosts()},
+                                 self.provider.runner)
 
     def serve_tensorboard(self, run_id: str | None, say: Callable[[str], None], *,
                           port: int = 0) -> None:
@@ -743,8 +744,13 @@ def _tensorboard_entry(plan: ClusterPlan) -> dict[str, Any]:
     where, every = env["ORCHESTRATE_TENSORBOARD_DIR"], env.get("ORCHESTRATE_TENSORBOARD_EVERY")
     writes = (f"the chief writes every {every} step(s)" if every else
               "ORCHESTRATE_TENSORBOARD_DIR is set for the script")
-    host = "" if plan.chief.host.is_local else f" on {plan.chief.host.name}"
+    profiled = env.get("ORCHESTRATE_TENSORBOARD_PROFILE")
+    if profiled:
+        first, _, last = profiled.partition("-")
+        writes += f", traces step{f's {first}-{last}' if last != first else f' {first}'}"
+    host = "" if plan.chief.host.is_local or "://" in where else f" on {plan.chief.host.name}"
     return {"dir": where, "every_steps": None if every is None else int(every),
+            "profile_steps": [int(n) for n in profiled.split("-")] if profiled else None,
             "summary": f"{where}{host} ({writes}; 'orchestrate tensorboard' shows it)"}
 
 

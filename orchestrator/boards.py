@@ -1,12 +1,13 @@
 """Where a run's TensorBoard logs are, and their copy on this machine.
 
-The chief of each attempt writes an event file of its own (``worker/tensorboard.py``) in
-``tensorboard.dir``/CLUSTER/RUN_ID (storage every host mounts, this machine too) or else in the
-run's directory on its host. An attempt's chief may run on another host than the one before
-(a lost host replaced), so a run's files may lie on several hosts: ``local_logs`` copies every
-attempt's chief's files here, into the run's directory on this machine, over each host's bulk
-connection (never the control path a watch loop polls on). Event files only grow: a file
-already here at its size on the host is not copied again.
+The chief of each attempt writes an event file of its own (``worker/tensorboard.py``), and the
+trace of ``tensorboard.profile_steps`` under ``plugins/profile/``, in ``tensorboard.dir``/
+CLUSTER/RUN_ID (a bucket TensorBoard reads itself, or storage every host mounts, this machine
+too) or else in the run's directory on its host. An attempt's chief may run on another host
+than the one before (a lost host replaced), so a run's files may lie on several hosts:
+``local_logs`` copies every attempt's chief's files here, into the run's directory on this
+machine, over each host's bulk connection (never the control path a watch loop polls on). Event
+files only grow: a file already here at its size on the host is not copied again.
 """
 
 from __future__ import annotations
@@ -34,22 +35,29 @@ from orchestrator.state import RunRecord
 
 # Event files, as TensorBoard names them (worker/tensorboard.py, tf.summary), in the directory
 # or in directories under it (Keras's TensorBoard callback writes train/ and validation/, a
-# command job's script may too): anything else a host lists is left there.
+# command job's script may too), and the profilers' traces (TensorFlow's and JAX's, as the
+# Profile tab reads them: plugins/profile/<time>/<host>.xplane.pb): anything else a host lists
+# is left there.
 EVENT_PATH = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}/){0,3}"
-                        r"events\.out\.tfevents\.[A-Za-z0-9._-]{1,200}")
+                        r"events\.out\.tfevents\.[A-Za-z0-9._-]{1,200}"
+                        r"|(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}/)?plugins/profile/"
+                        r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}/[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}"
+                        r"\.xplane\.pb")
 COPY_EVERY_S = 30.0  # while a run trains, how often its logs are copied here
 COPY_BUSY_MAX = 0.05  # the most of the time copying may take (as the checkpoint mirror's)
 # Lists "SIZE PATH" for each event file under $1 (nothing where the directory is not there).
-LIST_SCRIPT = ('cd -- "$1" 2>/dev/null || exit 0; find . -maxdepth 4 -type f '
-               "-name 'events.out.tfevents.*' | while IFS= read -r f; do "
+LIST_SCRIPT = ('cd -- "$1" 2>/dev/null || exit 0; find . -maxdepth 5 -type f '
+               "\\( -name 'events.out.tfevents.*' -o -name '*.xplane.pb' \\) | "
+               "while IFS= read -r f; do "
                'printf "%s %s\\n" "$(wc -c < "$f")" "${f#./}"; done; exit 0')
 
 
 @dataclass
 class Logs:
-    """A run's TensorBoard directory on this machine, and what getting it there said."""
+    """A run's TensorBoard directory on this machine (or its gs:// URL, which TensorBoard
+    reads itself), and what getting it there said."""
 
-    directory: Path
+    directory: Path | str  # a str for a URL only
     copied: int = 0  # files copied (new, or grown) this time
     notes: list[str] = field(default_factory=list)  # hosts that could not be read, and why
 
@@ -58,14 +66,17 @@ def chief_key(spec: ClusterSpec) -> str:
     return "chief:0" if spec.separate_chief else "worker:0"
 
 
-def local_logs(spec: ClusterSpec, run: RunRecord, hosts: Mapping[str, Host],
+def local_logs(spec: ClusterSpec, run: RunRecord, hosts: Callable[[], Mapping[str, Host]],
                runner_for: Callable[[Host], Runner]) -> Logs:
     """The run's logs as a directory on this machine: storage this machine mounts, the chief's
-    own directory where it ran here, or a copy of every attempt's chief's files."""
+    own directory where it ran here, or a copy of every attempt's chief's files (``hosts()``:
+    the cluster's, asked for only then); or the bucket's URL."""
     if not spec.tensorboard.enabled:
         raise StateError(f"cluster {spec.name!r} writes no TensorBoard logs "
                          "(tensorboard.enabled is false in its spec)",
                          fix="set tensorboard: {enabled: true} for the runs to come")
+    if spec.tensorboard.dir and "://" in spec.tensorboard.dir:
+        return Logs(posixpath.join(spec.tensorboard.dir, spec.name, run.id))
     if spec.tensorboard.dir:
         shared = Path(posixpath.join(spec.tensorboard.dir, spec.name, run.id))
         if not shared.is_dir():
@@ -77,9 +88,10 @@ def local_logs(spec: ClusterSpec, run: RunRecord, hosts: Mapping[str, Host],
     logs = Logs(here)
     sources: dict[str, tuple[Host, str]] = {}
     chief = chief_key(spec)
+    by_name = hosts()
     for attempt in run.attempts:
         for task in (t for t in attempt.tasks if t.task == chief):
-            host = hosts.get(task.host)
+            host = by_name.get(task.host)
             if host is None:
                 logs.notes.append(f"{task.host} (attempt {attempt.number}'s chief) is no longer "
                                   "one of the cluster's hosts: its logs are not here")
@@ -147,7 +159,7 @@ class BoardCopy:
 
     def _copy(self) -> bool:
         try:
-            self.copied += local_logs(self.spec, self.run(), self.hosts(), self.runner_for).copied
+            self.copied += local_logs(self.spec, self.run(), self.hosts, self.runner_for).copied
         except StateError:
             pass  # nothing written yet: the next turn
         except Exception as exc:
@@ -187,6 +199,13 @@ def serve(refresh: Callable[[], Logs], say: Callable[[str], None], *, port: int 
         raise StateError(f"TensorBoard is not installed here (the logs are in {logs.directory})",
                          fix='pip install -e ".[tensorboard]", or point any TensorBoard at '
                              "that directory")
+    if isinstance(logs.directory, str) and not any(
+            importlib.util.find_spec(reader) for reader in ("tensorflow", "gcsfs")):
+        raise StateError(f"the logs are in {logs.directory}, and TensorBoard reads gs:// "
+                         "through TensorFlow's file systems or gcsfs, neither installed here",
+                         fix="pip install gcsfs (with credentials for the bucket: gcloud auth "
+                             "application-default login), or run TensorBoard where TensorFlow "
+                             "is installed")
     port = port or _free_port()
     for note in logs.notes:
         say(f"note: {note}")

@@ -162,6 +162,7 @@ FIELDS: dict[str, dict[str, Check]] = {
     "error": {"phase": _text, "type": _text, "message": _text, "traceback": _text,
               "fix": _text, "exit_code": _integer(-(2**31), 2**31)},
     "stopped": {"step": STEP, "signal": _text},
+    "board": {"message": _text},
     "snapshot_started": {},
     "snapshot_failed": {"reason": _text},
     "warming": {"pid": PID},

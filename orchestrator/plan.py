@@ -187,6 +187,8 @@ def tensorboard_env(spec: ClusterSpec, paths: RunPaths, run_id: str) -> dict[str
     if isinstance(spec.job, ManagedJob):
         env["ORCHESTRATE_TENSORBOARD_EVERY"] = str(board.every_steps or
                                                     spec.job.progress_every_steps)
+        if board.profile_steps is not None:
+            env["ORCHESTRATE_TENSORBOARD_PROFILE"] = "{}-{}".format(*board.profile_steps)
     return env
 
 

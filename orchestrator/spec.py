@@ -766,6 +766,9 @@ class Container(Model):
         return options
 
 
+MAX_PROFILED_STEPS = 100  # tensorboard.profile_steps: the widest window traced
+
+
 def check_storage_path(value: str, *, relative_ok: bool) -> str:
     """A checkpoint location: a ``gs://bucket/...`` URL or a path (absolute unless ``relative_ok``)."""
     if any(c in value for c in "\0\n\r"):
@@ -980,26 +983,54 @@ class TensorBoard(Model):
     )
     dir: str | None = Field(
         default=None,
-        description="An absolute path on storage every host mounts; each run writes "
-        "DIR/CLUSTER/RUN_ID there. Default: tensorboard/ in the run's directory on the "
-        "chief's host.",
+        description="A gs://BUCKET/PATH URL, or an absolute path on storage every host "
+        "mounts; each run writes DIR/CLUSTER/RUN_ID there. Default: tensorboard/ in the run's "
+        "directory on the chief's host.",
     )
     every_steps: int | None = Field(
         default=None, ge=1, le=MAX_STEPS,
         description="Steps between writes; default: job.progress_every_steps.",
     )
+    profile_steps: tuple[int, int] | None = Field(
+        default=None,
+        description="Managed jobs: trace these steps (FIRST and LAST, counted from 1) with the "
+        "framework's profiler on the chief, for TensorBoard's Profile tab; a number traces "
+        "that one step.",
+    )
 
     @field_validator("dir")
     @classmethod
     def _location(cls, value: str | None) -> str | None:
+        return None if value is None else check_storage_path(value, relative_ok=False)
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _one_step(cls, value: Any) -> Any:
+        return (value, value) if isinstance(value, int) and not isinstance(value, bool) \
+            else value
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _window(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
         if value is None:
             return None
-        if "://" in value:
-            raise Invalid(
-                f"{value!r} is a URL: TensorBoard logs go to a path for now",
-                fix="give an absolute path every host mounts (gcsfuse for a bucket), or leave "
-                    "tensorboard.dir unset to write them in the run's directory")
-        return check_storage_path(value, relative_ok=False)
+        first, last = value
+        if first < 1 or last < first:
+            raise Invalid(f"[{first}, {last}] is not a window of steps",
+                          fix="give [FIRST, LAST] with 1 <= FIRST <= LAST, e.g. [10, 15]")
+        if last - first + 1 > MAX_PROFILED_STEPS:
+            raise Invalid(f"[{first}, {last}] traces {last - first + 1} steps: a trace keeps "
+                          "every op of every step, hundreds of MB for a few dozen",
+                          fix=f"trace at most {MAX_PROFILED_STEPS} steps, e.g. "
+                              f"[{first}, {first + 4}]")
+        return value
+
+    @model_validator(mode="after")
+    def _profiled_when_written(self) -> TensorBoard:
+        if self.profile_steps is not None and not self.enabled:
+            raise Invalid("profile_steps is set and enabled is false: the trace goes into the "
+                          "TensorBoard logs", fix="remove profile_steps, or enabled: false")
+        return self
 
 
 class CostSettings(Model):
@@ -1188,6 +1219,26 @@ class ClusterSpec(Model):
         if isinstance(job, dict) and "mode" not in job:
             data = {**data, "job": {**job, "mode": "command" if "command" in job else "managed"}}
         return data
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _profiled_steps(cls, board: TensorBoard, info: ValidationInfo) -> TensorBoard:
+        job = info.data.get("job")
+        if board.profile_steps is None or job is None:
+            return board
+        first, last = board.profile_steps
+        if not isinstance(job, ManagedJob):
+            raise Invalid(
+                "profile_steps traces a managed job's steps; a command job's script profiles "
+                "itself", fix="remove profile_steps, and profile in the script into "
+                "$ORCHESTRATE_TENSORBOARD_DIR (Keras: TensorBoard(log_dir=..., "
+                f"profile_batch=({first}, {last})))")
+        total = job.epochs * job.steps_per_epoch
+        if first > total:
+            raise Invalid(f"profile_steps begins at step {first}, and the job trains {total} "
+                          "steps (job.epochs x job.steps_per_epoch)",
+                          fix=f"trace steps within 1..{total}")
+        return board
 
     @field_validator("name")
     @classmethod

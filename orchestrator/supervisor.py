@@ -855,6 +855,8 @@ class Supervisor:
             self._maybe_warm(run_id, number, w)
             if self._history is not None:
                 self._history.add(number, event)
+        if event.kind == "board":  # the chief's TensorBoard log or trace: turned off, written
+            self._say(f"{w.key}: {event.get('message', '')}")
         if event.kind == "warm_unusable" and self._warm is not None:
             self._warm.unusable(str(event.get("reason", ""))[:300])
         # (An attempt resumed at the last step has no step to train: it saves and finishes.)

@@ -203,6 +203,25 @@ def tensorboard_logs(directory: str | Path) -> Any:
     return logs
 
 
+def traced_names(path: Path) -> set[str]:
+    """What a profiler's trace (an ``XSpace``, the ``.xplane.pb`` TensorFlow's and JAX's
+    profilers write) saw: the names of the events of every plane. Read with the message
+    definition TensorFlow ships, loaded alone (importing tensorflow would take seconds)."""
+    import importlib.util
+
+    found = importlib.util.find_spec("tensorflow")
+    assert found is not None and found.submodule_search_locations, "TensorFlow is not installed"
+    package = Path(next(iter(found.submodule_search_locations)))
+    source = package / "tsl" / "profiler" / "protobuf" / "xplane_pb2.py"
+    loader = importlib.util.spec_from_file_location("orchestrate_tests_xplane_pb2", source)
+    assert loader is not None and loader.loader is not None
+    xplane = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(xplane)
+    space = xplane.XSpace.FromString(path.read_bytes())
+    return {metadata.name for plane in space.planes
+            for metadata in plane.event_metadata.values() if metadata.name}
+
+
 def scalar_steps(logs: Any, tag: str) -> list[tuple[int, float]]:
     """(step, value) of one scalar, in order."""
     return [(e.step, e.value) for e in logs.Scalars(tag)]

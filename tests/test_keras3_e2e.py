@@ -27,6 +27,7 @@ from helpers import (
     release_run,
     scalar_steps,
     tensorboard_logs,
+    traced_names,
     write_spec,
 )
 from hostlab import HostLab
@@ -275,6 +276,7 @@ def test_keras3_on_three_ssh_hosts_as_a_plain_user_recovers_a_killed_chief(
         checkpoint: {every_steps: 10}
         retry: {max_restarts: 2, backoff_initial_s: 0.5, backoff_max_s: 2}
         timeouts: {stop_grace_s: 30}
+        tensorboard: {profile_steps: [3, 4]}
         """, user=hostlab.plain_user())
     cluster = Cluster.from_spec(path)
     cluster.up()
@@ -318,6 +320,9 @@ def test_keras3_on_three_ssh_hosts_as_a_plain_user_recovers_a_killed_chief(
     assert [s for s, _ in scalar_steps(board, "train/loss")] == sorted({p.step for p in points})
     assert [v for _, v in scalar_steps(board, "run/attempt")] == \
         [float(a.number) for a in result.attempts]
+    # and the trace of steps 3-4 by attempt 1's chief, the killed one, copied with them
+    (trace,) = logs.directory.glob("plugins/profile/*/*.xplane.pb")
+    assert "__inference__train" in " ".join(traced_names(trace))
     # 'status' draws the run, the restarts marked, and 'status --plot' as an image.
     shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "k3-static"],
                            cwd=REPO, capture_output=True, text=True, timeout=120,

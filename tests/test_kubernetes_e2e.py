@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from fake_gcs import FakeGCS
-from helpers import REPO
+from helpers import REPO, scalar_steps, tensorboard_logs, traced_names
 from kubecluster import FakeCluster, ksa_principal, wait_for
 from podlab import PodLab
 from rich.console import Console
@@ -478,6 +478,7 @@ job: {module: keras3_digits, backend: jax, epochs: 1, steps_per_epoch: 40,
       progress_every_steps: 1, deterministic: true}
 checkpoint: {dir: 'gs://ckpt-bucket/runs', every_steps: 10}
 retry: {max_restarts: 2, backoff_initial_s: 0}
+tensorboard: {dir: 'gs://ckpt-bucket/tb', every_steps: 5, profile_steps: [3, 4]}
 """, workers=2, provider=NO_VOLUME)
         shutil.copy(REPO / "examples" / "keras3_digits.py", path.parent / "keras3_digits.py")
         cluster.store.create("serviceaccounts", {"metadata": {"name": "trainer"}}, namespace="ml")
@@ -502,6 +503,23 @@ retry: {max_restarts: 2, backoff_initial_s: 0}
     assert objects[f"{run}/model/model.keras"][:2] == b"PK"
     assert result.model_path == f"gs://ckpt-bucket/{run}/model/model.keras"
     assert principals == {TRAINER}
+    # The chief's TensorBoard log in the bucket, one file an attempt, as TensorBoard loads it
+    # (attempt 1's chief was stopped mid-run: what it had uploaded, at most 10 s behind).
+    board = f"tb/k8s-e2e/{result.run_id}/"
+    assert Cluster.from_spec(path).tensorboard().directory == f"gs://ckpt-bucket/{board}"[:-1]
+    here = tmp_path / "tb"
+    for key, data in objects.items():
+        if key.startswith(board) and not key.endswith("/"):
+            (here / key[len(board):]).parent.mkdir(parents=True, exist_ok=True)
+            (here / key[len(board):]).write_bytes(data)
+    assert len(list(here.glob("events.out.tfevents.*"))) == 2
+    logs = tensorboard_logs(here)
+    loss = [step for step, _ in scalar_steps(logs, "train/loss")]
+    assert loss[-4:] == [25, 30, 35, 40] and loss == sorted(set(loss)), loss
+    assert scalar_steps(logs, "run/attempt")[-1] == (second.resumed_from_step, 2.0)
+    # steps 3 and 4 traced by JAX's profiler, in the pod, and copied into the bucket
+    (trace,) = here.glob("plugins/profile/*/*.xplane.pb")
+    assert "PjitFunction(train_step)" in traced_names(trace)
 
 
 def test_a_service_account_that_may_not_write_the_bucket_stops_the_run_at_once(

@@ -28,6 +28,7 @@ from helpers import (
     release_run,
     scalar_steps,
     tensorboard_logs,
+    traced_names,
 )
 
 from orchestrator import paths
@@ -45,6 +46,9 @@ JOBS = {
     "jax": "{module: tests.workloads.held_save, backend: jax, epochs: 1, steps_per_epoch: 25, "
            "deterministic: true}",
 }
+# What each runtime's trace shows running: its compiled training step.
+TRAINED = {"tf_keras": "__inference_train_function", "keras3": "__inference__train",
+           "jax": "PjitFunction(train_step)"}
 BASES = {"tf_keras": "tests.workloads.paced_digits",
          "keras3": "tests.workloads.paced_keras3_digits",
          "jax": "tests.workloads.paced_jax_digits"}
@@ -86,13 +90,17 @@ def test_a_task_killed_after_the_last_step_costs_no_step(
         timeouts: {{startup_s: 180, stop_grace_s: 30}}
         env: {{HELD_SAVE_OF: {BASES[runtime]}, DIGITS_PACE_S: "0.05"}}
         metrics: {{prometheus_port: {port}, textfile: {textfile}}}
+        tensorboard: {{profile_steps: [4, 6]}}
         """))
     stop = threading.Event()
     killed = kill_when_held(name, stop)
     scraped: list[dict[str, float]] = []
 
+    said: list[str] = []
+
     def scrape(view: RunView, event: Event | None) -> None:
         """Prometheus' view of the run while it trains: once, at a step of attempt 1."""
+        said[:] = view.messages
         if event is not None and event.kind == "progress" and event.get("step") >= 10 \
                 and not scraped:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as got:
@@ -125,6 +133,15 @@ def test_a_task_killed_after_the_last_step_costs_no_step(
     assert marks[1][0] == 25 and marks[1][1].startswith(
         "attempt 2 began at step 25, after:\n\n    worker:1 crashed: "), marks
     assert Cluster.from_spec(path).tensorboard().directory == board  # written here: no copy
+    # Steps 4-6 traced by the framework's own profiler, once (attempt 2 began after them).
+    traces = list(board.glob("plugins/profile/*/*.xplane.pb"))
+    assert len(traces) == 1, traces
+    names = traced_names(traces[0])
+    assert any(TRAINED[runtime] in name for name in names), sorted(names)[:50]
+    chief_log = Path(next(t.log for t in first.tasks if t.task == "worker:0")).read_text()
+    assert f"steps 4-6 profiled into {board}/plugins/profile" in chief_log
+    assert f"worker:0: steps 4-6 profiled into {board}/plugins/profile " \
+           "(TensorBoard's Profile tab)" in said, said
     # Prometheus saw it train, and the textfile says how it ended: one crash, no step redone.
     assert scraped and scraped[0]["orchestrate_run_running"] == 1.0, scraped
     assert scraped[0]["orchestrate_attempt"] == 1.0

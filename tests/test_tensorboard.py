@@ -4,12 +4,15 @@ every managed runtime: tests/test_no_step_lost.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import scalar_steps, tensorboard_logs
+from helpers import REPO, scalar_steps, tensorboard_logs
 
 from orchestrator import boards, plan, spec
 from orchestrator.errors import SpecError
@@ -70,8 +73,53 @@ def test_a_board_that_cannot_write_turns_itself_off_with_one_warning(
     board.begin(0)
     board.scalars(1, {"loss": 1.0}, 8)  # nothing raised: training goes on without its plots
     assert not board.due(1, 10)
-    err = capsys.readouterr().err
-    assert err.count("TensorBoard log turned off") == 1 and str(taken) in err
+    said = capsys.readouterr()
+    assert said.err.count("TensorBoard log turned off") == 1 and str(taken) in said.err
+    # and once as an event, which the controller shows
+    (line,) = [line for line in said.out.splitlines() if '"event": "board"' in line]
+    assert "TensorBoard log turned off: NotADirectoryError: " in line and str(taken) in line
+
+
+# Steps 1..6 of a training under a Profile of steps 3-4 (JAX's profiler, in a process of its
+# own: JAX's threads stay out of the test's), then one resumed inside the window, then one
+# refused because a trace is already under way; what each said.
+PROFILED = """
+import sys, time
+import jax, jax.numpy as jnp
+from worker.tensorboard import Profile
+
+def train(profile, first, last):
+    for done in range(first, last):
+        profile.before(done)
+        (jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready()
+        profile.after(done + 1)
+    profile.close()
+
+assert Profile.from_env(chief=False, backend="jax") is None
+train(Profile.from_env(chief=True, backend="jax"), 0, 6)
+time.sleep(1.1)  # (a trace's directory is named by the second it began)
+train(Profile.from_env(chief=True, backend="jax"), 3, 6)  # resumed after step 3
+jax.profiler.start_trace(sys.argv[1])
+train(Profile.from_env(chief=True, backend="jax"), 0, 6)
+jax.profiler.stop_trace()
+"""
+
+
+def test_a_profile_traces_its_window_the_rest_of_it_once_resumed_and_says_when_refused(
+        tmp_path: Path) -> None:
+    board = tmp_path / "tb"
+    env = {**os.environ, tensorboard.DIR_ENV: str(board), tensorboard.PROFILE_ENV: "3-4",
+           "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", PROFILED, str(tmp_path / "other")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [json.loads(line.split(" ", 1)[1])["message"] for line in done.stdout.splitlines()
+            if line.startswith("@orchestrate ")]
+    assert said[:2] == [
+        f"steps 3-4 profiled into {board}/plugins/profile (TensorBoard's Profile tab)",
+        f"steps 4-4 profiled into {board}/plugins/profile (TensorBoard's Profile tab)"]
+    assert len(said) == 3 and said[2].startswith("steps 3-4 not profiled: "), said
+    assert len(list(board.glob("plugins/profile/*/*.xplane.pb"))) == 2
 
 
 def test_only_the_chief_writes_and_only_where_the_controller_said(
@@ -140,10 +188,34 @@ def test_the_logs_go_to_the_runs_directory_or_under_tensorboard_dir() -> None:
     assert "ORCHESTRATE_TENSORBOARD_EVERY" not in env
     env = env_of(SPEC.format(job="{module: m}") + "tensorboard: {enabled: false}\n")
     assert not any("TENSORBOARD" in k for k in env)
+    env = env_of(SPEC.format(job="{module: m}") +
+                 "tensorboard: {dir: 'gs://tb-bucket/logs/', profile_steps: [3, 5]}\n")
+    assert env["ORCHESTRATE_TENSORBOARD_DIR"] == "gs://tb-bucket/logs/demo/r1"
+    assert env["ORCHESTRATE_TENSORBOARD_PROFILE"] == "3-5"
+    assert env_of(SPEC.format(job="{module: m}") + "tensorboard: {profile_steps: 7}\n")[
+        "ORCHESTRATE_TENSORBOARD_PROFILE"] == "7-7"
+
+
+@pytest.mark.parametrize(("job", "board", "said"), [
+    ("{module: m}", "{profile_steps: [5, 3]}", "tensorboard.profile_steps: [5, 3] is not a window"),
+    ("{module: m}", "{profile_steps: [0, 3]}", "tensorboard.profile_steps: [0, 3] is not a window"),
+    ("{module: m}", "{profile_steps: [1, 101]}", "traces 101 steps"),
+    ("{module: m}", "{profile_steps: 3, enabled: false}", "enabled is false"),
+    ("{module: m, epochs: 1, steps_per_epoch: 20}", "{profile_steps: [21, 22]}",
+     "profile_steps begins at step 21, and the job trains 20 steps"),
+    ("{command: python train.py}", "{profile_steps: [2, 3]}",
+     "a command job's script profiles itself"),
+])
+def test_a_profile_window_that_cannot_be_traced_is_refused_with_its_fix(
+        job: str, board: str, said: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        spec.parse(SPEC.format(job=job) + f"tensorboard: {board}\n")
+    assert said in str(caught.value) and "fix: " in str(caught.value), str(caught.value)
 
 
 @pytest.mark.parametrize(("value", "said"), [
-    ("gs://bucket/tb", "is a URL"), ("logs/tb", "is relative"), (0, "valid string")])
+    ("s3://bucket/tb", "is not a gs://BUCKET/PATH URL"), ("logs/tb", "is relative"),
+    (0, "valid string")])
 def test_a_tensorboard_dir_that_cannot_work_is_refused_naming_the_field(
         value: object, said: str) -> None:
     with pytest.raises(SpecError) as caught:
@@ -160,14 +232,18 @@ def test_the_copy_takes_event_files_at_any_depth_new_or_grown_and_nothing_else(
     keras = host_dir / "train" / "events.out.tfevents.1795.host.12.0.v2"
     ours.write_bytes(b"a" * 10)
     keras.write_bytes(b"b" * 20)
+    trace = host_dir / "plugins" / "profile" / "2026_11_29_06_22_16" / "vm.xplane.pb"
+    trace.parent.mkdir(parents=True)
+    trace.write_bytes(b"c" * 30)
+    (trace.parent / "vm.trace.json.gz").write_bytes(b"d")  # JAX's second copy: not needed
     for other in ("notes.txt", "events.out.tfevents.$(touch pwned)", ".hidden-events"):
         (host_dir / other).write_text("x")
     (host_dir / ".sneaky").mkdir()
     (host_dir / ".sneaky" / "events.out.tfevents.1.x").write_text("x")
     runner = LocalRunner("chief-host")
-    assert boards._pull(runner, str(host_dir), here) == 2
+    assert boards._pull(runner, str(host_dir), here) == 3
     assert sorted(str(p.relative_to(here)) for p in here.rglob("*") if p.is_file()) == [
-        ours.name, f"train/{keras.name}"]
+        ours.name, "plugins/profile/2026_11_29_06_22_16/vm.xplane.pb", f"train/{keras.name}"]
     assert boards._pull(runner, str(host_dir), here) == 0  # nothing new, nothing copied
     with ours.open("ab") as grown:
         grown.write(b"a")

@@ -17,8 +17,17 @@ What is written (``Board``):
   ``speed/examples_per_s``.
 
 Each attempt writes a file of its own, flushed at every write, so TensorBoard and the
-controller's mirror see the curve as it grows. A write that fails (the disk full) turns the
-board off with one warning on stderr: training never stops for its plots.
+controller's mirror see the curve as it grows. A ``gs://`` directory is written through
+TensorFlow's file systems (``tf.io.gfile``; a JAX task needs TensorFlow beside it, as for a
+``gs://`` checkpoint), which upload the whole file at every flush: there the file is flushed at
+most every ``URL_FLUSH_S`` (Cloud Storage takes about one write a second to an object) and at
+the end. A write that fails (the disk full, the bucket refused) turns the board off with one
+``board`` event the controller shows: training never stops for its plots.
+
+``Profile`` traces the steps ``tensorboard.profile_steps`` names with the framework's own
+profiler (``tf.profiler.experimental``, ``jax.profiler``), on the chief, into the same
+directory's ``plugins/profile/<time>/``, where TensorBoard's Profile tab
+(tensorboard-plugin-profile) shows it.
 """
 
 from __future__ import annotations
@@ -30,12 +39,16 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Mapping
-from typing import Any, BinaryIO
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from worker.events import emit
 
 DIR_ENV = "ORCHESTRATE_TENSORBOARD_DIR"
 EVERY_ENV = "ORCHESTRATE_TENSORBOARD_EVERY"  # steps between scalar writes (managed jobs)
 AFTER_ENV = "ORCHESTRATE_RESTARTED_AFTER"  # why the attempt before this one ended
+PROFILE_ENV = "ORCHESTRATE_TENSORBOARD_PROFILE"  # "FIRST-LAST": the steps the chief traces
+URL_FLUSH_S = 10.0  # the most often a board in a bucket is uploaded again
 
 _CRC_TABLE: list[int] = []
 
@@ -141,8 +154,7 @@ def boards_every() -> int | None:
     """Every how many steps the chief writes (None: it writes none), as every task reads it
     from the same environment: a runtime whose metrics are read collectively reads them on
     every task at those steps."""
-    directory = os.environ.get(DIR_ENV)
-    if not directory or "://" in directory:
+    if not os.environ.get(DIR_ENV):
         return None
     return max(1, int(os.environ.get(EVERY_ENV) or 1))
 
@@ -152,15 +164,22 @@ class Board:
 
     def __init__(self, directory: str, every_steps: int, attempt: int) -> None:
         self.every_steps, self.attempt = max(1, every_steps), attempt
-        self._file: BinaryIO | None = None
+        self._url = "://" in directory
+        self._file: Any = None  # a file, or a tf.io.gfile.GFile for a URL
         self._since: tuple[float, int] | None = None
+        self._flushed = 0.0
+        name = (f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}."
+                f"{os.getpid()}.a{attempt}")
         try:
-            os.makedirs(directory, exist_ok=True)
-            name = (f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}."
-                    f"{os.getpid()}.a{attempt}")
-            self._file = open(os.path.join(directory, name), "ab")  # noqa: SIM115
+            if self._url:
+                gfile = _gfile(directory)
+                gfile.makedirs(directory)
+                self._file = gfile.GFile(f"{directory.rstrip('/')}/{name}", "wb")
+            else:
+                os.makedirs(directory, exist_ok=True)
+                self._file = open(os.path.join(directory, name), "ab")  # noqa: SIM115
             self._write(event(0, file_version="brain.Event:2"))
-        except OSError as exc:
+        except Exception as exc:  # OSError; for a URL, whatever TensorFlow raises
             self._off(exc)
 
     @classmethod
@@ -210,8 +229,11 @@ class Board:
 
     def close(self) -> None:
         if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
+            try:
+                self._file.close()  # (a URL's file is uploaded as it closes)
+            except Exception as exc:
+                self._file = None
+                self._off(exc)
             self._file = None
 
     def _write(self, data: bytes) -> None:
@@ -219,13 +241,153 @@ class Board:
             return
         try:
             self._file.write(record(data))
-            self._file.flush()
-        except OSError as exc:
+            now = time.monotonic()
+            if not self._url or now - self._flushed >= URL_FLUSH_S:
+                self._file.flush()
+                self._flushed = now
+        except Exception as exc:  # OSError; for a URL, whatever TensorFlow raises
             self._off(exc)
 
-    def _off(self, exc: OSError) -> None:
-        print(f"orchestrate: TensorBoard log turned off: {exc}", file=sys.stderr, flush=True)
-        self.close()
+    def _off(self, exc: BaseException) -> None:
+        said = " ".join(str(exc).split())[:400]
+        emit("board", message=f"TensorBoard log turned off: {type(exc).__name__}: {said}")
+        print(f"orchestrate: TensorBoard log turned off: {said}", file=sys.stderr, flush=True)
+        if self._file is not None:
+            with contextlib.suppress(Exception):
+                self._file.close()
+            self._file = None
+
+
+def _gfile(location: str) -> Any:
+    """TensorFlow's file systems, for a ``gs://`` location; an error that says so without it."""
+    try:
+        from worker.tfimport import tensorflow
+
+        return tensorflow().io.gfile
+    except ImportError as exc:
+        raise OSError(f"{location} is reached through TensorFlow's file systems, and "
+                      f"TensorFlow is not installed on this host ({sys.executable})") from exc
+
+
+class Profile:
+    """A trace of the steps ``first``..``last`` (counted from 1, both included) by the
+    framework's profiler, on the chief, into ``directory``/plugins/profile/. An attempt resumed
+    inside the window traces the rest of it; one resumed after it, none. A profiler that
+    refuses (another trace under way, a missing library) is said once: training goes on."""
+
+    def __init__(self, directory: str, first: int, last: int,
+                 start: Callable[[str], None], stop: Callable[[], None]) -> None:
+        self.directory, self.first, self.last = directory, first, last
+        self._start, self._stop = start, stop
+        self._state = "waiting"  # then "tracing", then "done"
+        self._began = self._done = 0
+
+    @classmethod
+    def from_env(cls, chief: bool, backend: str) -> Profile | None:
+        """The trace the controller asked for (``ORCHESTRATE_TENSORBOARD_PROFILE``, "FIRST-LAST"),
+        on the chief only, by ``backend``'s profiler ("tensorflow" or "jax")."""
+        steps, directory = os.environ.get(PROFILE_ENV), os.environ.get(DIR_ENV)
+        if not chief or not steps or not directory:
+            return None
+        first, _, last = steps.partition("-")
+        start, stop = _profiler(backend)
+        if "://" in directory:
+            start, stop = _through_a_local_directory(directory, start, stop)
+        return cls(directory, int(first), int(last or first), start, stop)
+
+    @property
+    def tracing(self) -> bool:
+        return self._state == "tracing"
+
+    def before(self, done: int) -> None:
+        """Before a step, ``done`` steps done: the trace begins where that step is its first."""
+        if self._state == "waiting" and self.first <= done + 1 <= self.last:
+            try:
+                self._start(self.directory)
+            except Exception as exc:
+                self._state = "done"
+                emit("board", message=f"steps {self.first}-{self.last} not profiled: "
+                     f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                return
+            self._state, self._began, self._done = "tracing", done + 1, done
+
+    def after(self, done: int) -> None:
+        """After a step, ``done`` steps done: the trace ends with the window's last step."""
+        if self._state == "tracing":
+            self._done = done
+            if done >= self.last:
+                self.close()
+
+    def close(self) -> None:
+        """End a trace under way (the window's end, or training's) and write it."""
+        if self._state != "tracing":
+            return
+        self._state = "done"
+        where = f"{self.directory.rstrip('/')}/plugins/profile"
+        try:
+            self._stop()
+        except Exception as exc:
+            emit("board", message=f"the profile of steps {self._began}-{self._done} was not "
+                 f"written: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+            return
+        emit("board", message=f"steps {self._began}-{self._done} profiled into {where} "
+             "(TensorBoard's Profile tab)")
+
+
+def _through_a_local_directory(
+        url: str, start: Callable[[str], None],
+        stop: Callable[[], None]) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """A profiler that traces into a temporary directory on this host, then copies the trace
+    to ``url`` through TensorFlow's file systems (which a profiler may not have: jaxlib's)."""
+    import shutil
+    import tempfile
+
+    local: list[str] = []
+
+    def start_here(_: str) -> None:
+        _gfile(url)  # (before the trace: without a file system to copy it with, none)
+        local.append(tempfile.mkdtemp(prefix="orchestrate-profile-"))
+        start(local[-1])
+
+    def stop_and_copy() -> None:
+        try:
+            stop()
+            gfile = _gfile(url)
+            for root, _, files in os.walk(local[-1]):
+                relative = os.path.relpath(root, local[-1])
+                target = url.rstrip("/") if relative == "." else f"{url.rstrip('/')}/{relative}"
+                gfile.makedirs(target)
+                for name in files:
+                    gfile.copy(os.path.join(root, name), f"{target}/{name}", overwrite=True)
+        finally:
+            shutil.rmtree(local[-1], ignore_errors=True)
+    return start_here, stop_and_copy
+
+
+def _profiler(backend: str) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """``backend``'s profiler: start (into a directory) and stop, imported when called."""
+    if backend == "jax":
+        def start(directory: str) -> None:
+            import jax
+
+            jax.profiler.start_trace(directory)
+
+        def stop() -> None:
+            import jax
+
+            jax.profiler.stop_trace()
+        return start, stop
+
+    def tf_start(directory: str) -> None:
+        from worker.tfimport import tensorflow
+
+        tensorflow().profiler.experimental.start(directory)
+
+    def tf_stop() -> None:
+        from worker.tfimport import tensorflow
+
+        tensorflow().profiler.experimental.stop()
+    return tf_start, tf_stop
 
 
 def learning_rate(optimizer: Any) -> float | None:

@@ -30,7 +30,7 @@ from worker.runtimes.common import (
     remove_dir,
 )
 from worker.runtimes.managed import BuildError, Job
-from worker.tensorboard import Board, boards_every, learning_rate, writes_at
+from worker.tensorboard import Board, Profile, boards_every, learning_rate, writes_at
 
 KEEP = 3  # checkpoints kept in the chief's directory, as for tf_keras
 
@@ -218,13 +218,18 @@ class LoopTraining:
         logs: dict[str, float] = {}
         self._mark = (time.monotonic(), self.step)
         board, board_every = Board.from_env(self.chief), boards_every()
+        profile = Profile.from_env(self.chief, "tensorflow")
         if board is not None:
             board.begin(self.step)
         for epoch in range(self.step // job.steps_per_epoch, job.epochs):
             self.steps.reset()
             while self.step < (epoch + 1) * job.steps_per_epoch:
+                if profile is not None:
+                    profile.before(self.step)
                 preemption.run(self.step, self.steps.train, self.iterator)
                 self.step += 1
+                if profile is not None:
+                    profile.after(self.step)
                 if self.step % job.checkpoint_every_steps == 0:
                     self._save()
                 last = self.step == job.total_steps
@@ -240,6 +245,8 @@ class LoopTraining:
                         self._progress(means)
             logs = self.steps.means()
             emit("epoch", epoch=epoch, logs=logs)
+        if profile is not None:
+            profile.close()
         if self.saved_step != self.step:  # the end is a checkpoint: a failure after it costs
             self._save()                  # no step (the relaunch goes straight to the save)
         return logs, self.step

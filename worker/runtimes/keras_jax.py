@@ -66,7 +66,7 @@ from worker.runtimes.common import (
     weights_digest,
 )
 from worker.runtimes.managed import BuildError, Job
-from worker.tensorboard import Board, learning_rate
+from worker.tensorboard import Board, Profile, learning_rate
 
 KEEP = 3  # checkpoints kept in the chief's directory, as for the TensorFlow runtimes
 # Long enough for a loaded machine's missed beats; short enough that a process whose peer died
@@ -357,6 +357,10 @@ def _reporter(training: JaxTraining) -> Any:
     import keras
 
     class Reporter(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if training._profile is not None:
+                training._profile.before(training.step)
+
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             training.after_step(logs or {})
 
@@ -630,6 +634,7 @@ class JaxTraining:
         self._mark = (time.monotonic(), self.step)
         self._logs: dict[str, float] = {}
         self._board = Board.from_env(self.processes.chief)
+        self._profile = Profile.from_env(self.processes.chief, "jax")
         # Read here: inside fit the optimizer's variables live in the trainer's state, not
         # readable between its syncs. The runtime compiles a constant rate (job.learning_rate).
         self._rate = learning_rate(self.model.optimizer)
@@ -645,6 +650,8 @@ class JaxTraining:
         if epoch < job.epochs:
             self._fit(batches, callback, epochs=job.epochs, initial_epoch=epoch,
                       steps=job.steps_per_epoch)
+        if self._profile is not None:
+            self._profile.close()
         if self.saved_step != self.step:  # the end is a checkpoint: a failure after it costs
             self.save()                   # no step (the relaunch goes straight to the save)
         return self._logs, self.step
@@ -661,6 +668,8 @@ class JaxTraining:
 
         job = self.job
         self.step += 1
+        if self._profile is not None:
+            self._profile.after(self.step)
         if self.step < job.total_steps and \
                 multihost_utils.reached_preemption_sync_point(self.step):
             self._stop()

@@ -14,7 +14,7 @@ from typing import Any
 from worker.events import emit
 from worker.runtimes.common import Preemption, SnapshotRefused, is_chief, refuse_early_updates
 from worker.runtimes.managed import Job
-from worker.tensorboard import Board, learning_rate
+from worker.tensorboard import Board, Profile, learning_rate
 
 # tf_keras' WorkerTrainingState keeps one checkpoint; keep a few so that a corrupt newest
 # one can fall back to the one before.
@@ -280,18 +280,31 @@ def make_callbacks(
         def __init__(self) -> None:
             super().__init__()
             self._last = time.monotonic()
-            self._last_step = 0
+            self._last_step = self._step = 0
             self._board: Board | None = None
+            self._profile: Profile | None = None
 
         def on_train_begin(self, logs: Any = None) -> None:
             self._last = time.monotonic()
-            self._last_step = int(self.model.optimizer.iterations.numpy())
-            self._board = Board.from_env(is_chief(self.model.distribute_strategy))
+            self._last_step = self._step = int(self.model.optimizer.iterations.numpy())
+            chief = is_chief(self.model.distribute_strategy)
+            self._board = Board.from_env(chief)
+            self._profile = Profile.from_env(chief, "tensorflow")
             if self._board is not None:
                 self._board.begin(self._last_step)
 
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if self._profile is not None:
+                self._profile.before(self._step)
+
+        def on_train_end(self, logs: Any = None) -> None:
+            if self._profile is not None:
+                self._profile.close()
+
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            step = int(self.model.optimizer.iterations.numpy())
+            step = self._step = int(self.model.optimizer.iterations.numpy())
+            if self._profile is not None:
+                self._profile.after(step)
             if self._board is not None and self._board.due(step, total_steps):
                 self._board.scalars(step, {k: float(v) for k, v in (logs or {}).items()},
                                     global_batch, learning_rate(self.model.optimizer))
