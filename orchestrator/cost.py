@@ -6,8 +6,9 @@ or built into A2, A3 and G2 types) and their boot disks, on demand or spot, in t
 the first zone: from the Cloud Billing Catalog when it can be read (``providers/gcp/billing``),
 else from the table shipped with the package, whose date goes with every figure. Slurm, static
 hosts and Kubernetes have no price list: their runs are counted in GPU hours, and in money at
-the user's own price per GPU hour (``cost.gpu_hour_price``). Local runs are on this machine:
-nothing is priced.
+the user's own price per GPU hour (``cost.gpu_hour_price``); static hosts' GPUs are those their
+tasks report as they connect (the spec does not say). Local runs are on this machine: nothing
+is priced.
 """
 
 from __future__ import annotations
@@ -102,13 +103,13 @@ class Cost:
 
 
 def price_of(spec: ClusterSpec, *, catalog: prices.Rates | None = None,
-             gpus_per_task: int | None = None) -> Price | None:
+             gpus_counted: int | None = None) -> Price | None:
     """The cluster's price an hour, from ``catalog`` (default: the shipped table).
 
     Args:
         catalog: gcp's list prices (``billing.rates()``), unused by other providers.
-        gpus_per_task: the GPUs every task has, where the spec does not say (static hosts):
-            the doctor's count.
+        gpus_counted: the GPUs of the cluster's machines, where the spec does not say (static
+            hosts): those the tasks reported, each machine's once.
 
     Returns:
         None for the local provider. A type, GPU, disk or region the list lacks gives
@@ -119,17 +120,17 @@ def price_of(spec: ClusterSpec, *, catalog: prices.Rates | None = None,
         return None
     if isinstance(provider, GcpProvider):
         return _gcp_price(spec, provider, catalog or prices.TABLE)
-    return _gpu_hour_price(spec, gpus_per_task)
+    return _gpu_hour_price(spec, gpus_counted)
 
 
 def lookup_price(spec: ClusterSpec, *, online: bool,
-                 gpus_per_task: int | None = None) -> Price | None:
+                 gpus_counted: int | None = None) -> Price | None:
     """``price_of`` with the newest list prices at hand: for gcp, the Billing Catalog when
     ``online`` (read at most once a day, then cached), else its cached read if newer than the
     table, else the table. Never raises for the catalog: a failed read is a note."""
     catalog = (billing.rates(spec.cost.currency, online=online)
                if isinstance(spec.provider, GcpProvider) else None)
-    return price_of(spec, catalog=catalog, gpus_per_task=gpus_per_task)
+    return price_of(spec, catalog=catalog, gpus_counted=gpus_counted)
 
 
 def plan_entry(spec: ClusterSpec) -> dict[str, Any] | None:
@@ -198,26 +199,28 @@ def _list_name(rates: prices.Rates) -> str:
             else f"Billing Catalog's prices of {rates.as_of}")
 
 
-def _gpu_hour_price(spec: ClusterSpec, gpus_per_task: int | None) -> Price:
+def _gpu_hour_price(spec: ClusterSpec, gpus_counted: int | None) -> Price:
     """Providers without a price list: GPU hours, and money at the user's price per GPU hour."""
     provider = spec.provider
     note = ""
+    gpus: int | None = None
     if isinstance(provider, SlurmProvider):
         per_task = provider.gpus_per_node
     elif isinstance(provider, KubernetesProvider):
         per_task = provider.gpus_per_pod
-    elif gpus_per_task is not None:
-        per_task = gpus_per_task
+    elif gpus_counted is not None:
+        gpus = gpus_counted
     else:
         per_task = 0
-        note = ("the spec does not say how many GPUs the hosts have: 0 counted ('orchestrate "
-                "doctor' counts them)")
+        note = ("the spec does not say how many GPUs the hosts have: 0 counted until the "
+                "tasks say, as they connect")
     if isinstance(provider, StaticProvider):
         machines = len({machine_id(h.ssh_address or h.address, h.ssh_port)
                         for h in provider.hosts})
     else:
         machines = spec.num_tasks  # a node or a pod per task
-    gpus = per_task * spec.num_tasks
+    if gpus is None:
+        gpus = per_task * spec.num_tasks
     own = spec.cost.gpu_hour_price
     per_hour = None if own is None else gpus * own
     return Price(per_hour=per_hour, currency=spec.cost.currency, gpus=gpus, machines=machines,

@@ -47,7 +47,7 @@ from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
 from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
 from orchestrator.remote.fanout import fan_out
-from orchestrator.spec import WARM_AFTER_S, ClusterSpec, is_url
+from orchestrator.spec import WARM_AFTER_S, ClusterSpec, StaticProvider, is_url
 from orchestrator.state import AttemptRecord, Store, TaskRecord
 from orchestrator.view import (
     Listener,
@@ -142,6 +142,9 @@ class Supervisor:
         self._exporter: Exporter | None = None  # the run's Prometheus metrics (metrics:)
         self._boards: BoardCopy | None = None  # the chiefs' TensorBoard logs, copied here
         self._hosts_seen: dict[str, Host] = {}  # every attempt's hosts (the chiefs' logs)
+        # static hosts: the GPUs each machine's tasks reported as they connected (the cost)
+        self._gpus_seen: dict[str, int] = {}
+        self._price_lock = threading.Lock()
         self._running = False  # what the metrics say: the run is being trained
 
     # -- the first attempt, started while the doctor checks -------------------------------
@@ -276,14 +279,33 @@ class Supervisor:
         to the first step. A failure leaves the run without a cost; it never ends the run."""
         def price() -> None:
             try:
-                found = cost.lookup_price(self.spec, online=True)
-                if found is not None:
-                    self.store.set_price(run_id, found.to_json())
+                self._price(run_id, online=True)
             except Exception as exc:
                 self._say(f"the run's cost is not counted: {type(exc).__name__}: "
                           f"{str(exc)[:300]}")
 
         threading.Thread(target=price, name="orchestrate-price", daemon=True).start()
+
+    def _price(self, run_id: str, *, online: bool) -> None:
+        """Price the cluster now (static hosts: with the GPUs their tasks reported so far)."""
+        with self._price_lock:
+            counted = sum(self._gpus_seen.values()) if self._gpus_seen else None
+            found = cost.lookup_price(self.spec, online=online, gpus_counted=counted)
+            if found is not None:
+                self.store.set_price(run_id, found.to_json())
+
+    def _count_gpus(self, run_id: str, w: Watched, event: Event) -> None:
+        """A static host's task says the GPUs it sees as it connects: its machine's count (the
+        most any of its tasks saw: tasks on one machine see its GPUs), and the price again."""
+        gpus = event.get("gpus")
+        machine = w.plan.host.machine
+        if not isinstance(gpus, int) or self._gpus_seen.get(machine, -1) >= gpus:
+            return
+        self._gpus_seen[machine] = gpus
+        try:
+            self._price(run_id, online=False)
+        except Exception as exc:  # the price is the run's cost, never the run
+            self._say(f"the run's cost is not counted: {type(exc).__name__}: {str(exc)[:300]}")
 
     def _attempts(self, run_id: str, attach: bool, resume: bool) -> dict[str, Event]:
         """Every attempt, restarting the group on a retryable failure, until one succeeds."""
@@ -848,6 +870,8 @@ class Supervisor:
         if event.kind == "epoch" and w.key == plan.chief_key:
             self._epoch_logs = {k: v for k, v in dict(event.get("logs") or {}).items()
                                 if isinstance(v, (int, float))}
+        if event.kind == "connected" and isinstance(self.spec.provider, StaticProvider):
+            self._count_gpus(run_id, w, event)
         if event.kind == "connected" and w.key == plan.chief_key:
             # The strategy is created on every task at once: the group is connected.
             self._marks.setdefault(number, {}).setdefault("connected", event.time)

@@ -409,10 +409,13 @@ def test_a_price_per_gpu_hour_costs_other_providers_in_money(provider: dict[str,
     assert cost.describe_cost(c, price).startswith(f"cost {c.money:.2f} EUR (1.0 h, ")
 
 
-def test_static_hosts_take_the_gpus_the_doctor_counted() -> None:
-    price = cost.price_of(other_spec(STATIC, cost={"gpu_hour_price": 1.0}), gpus_per_task=2)
+def test_static_hosts_take_the_gpus_their_tasks_counted() -> None:
+    price = cost.price_of(other_spec(STATIC, cost={"gpu_hour_price": 1.0}), gpus_counted=4)
     assert price is not None
-    assert (price.gpus, price.per_hour, price.note) == (6, 6.0, "")
+    assert (price.gpus, price.machines, price.per_hour, price.note) == (4, 2, 4.0, "")
+    unknown = cost.price_of(other_spec(STATIC, cost={"gpu_hour_price": 1.0}))
+    assert unknown is not None and (unknown.gpus, unknown.per_hour) == (0, 0.0)
+    assert "0 counted until the tasks say" in unknown.note
 
 
 def test_local_runs_are_not_priced() -> None:

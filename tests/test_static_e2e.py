@@ -15,6 +15,7 @@ import pytest
 from helpers import REPO, events_in, namespace_commands, write_spec
 from hostlab import HostLab
 
+from orchestrator import cost
 from orchestrator.api import Cluster
 from orchestrator.errors import AuthError, HostKeyError, RemoteError, RunFailed
 from orchestrator.events import Event
@@ -38,6 +39,7 @@ def test_up_train_down_on_three_ssh_hosts(hostlab: HostLab, tmp_path: Path,
         name: static-e2e
         job: {module: examples.digits, epochs: 2, steps_per_epoch: 30, progress_every_steps: 5}
         checkpoint: {every_steps: 10}
+        cost: {gpu_hour_price: 3.0}
         """)
     up = cli("up", str(path), home=orchestrate_home)
     assert up.returncode == 0, up.stdout + up.stderr
@@ -62,6 +64,10 @@ def test_up_train_down_on_three_ssh_hosts(hostlab: HostLab, tmp_path: Path,
     digests = {next(e.get("weights_sha256") for e in log if e.kind == "finished") for log in logs}
     assert len(digests) == 1
     assert all(next(e for e in log if e.kind == "connected").get("replicas") == 3 for log in logs)
+    # The spec says no GPUs for static hosts: the price counts those the tasks reported (none
+    # on these hosts), each machine's once, at the user's price.
+    assert (run.price["gpus"], run.price["machines"], run.price["per_hour"]) == (0, 3, 0.0)
+    assert run.price["note"] == "" and run.price["source"] == cost.USER_PRICE, run.price
 
     logs_out = cli("logs", "static-e2e", home=orchestrate_home)
     assert logs_out.returncode == 0 and "[worker:2]" in logs_out.stdout
