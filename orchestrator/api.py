@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import boards, charts, containers, cost, kept_pass, secrets
+from orchestrator import boards, charts, containers, cost, elastic, kept_pass, secrets
 from orchestrator import plan as planning
 from orchestrator import spec as specs
 from orchestrator.errors import OrchestratorError, RunFailed, StateError
@@ -399,6 +399,7 @@ class Cluster:
             **({"tensorboard": _tensorboard_entry(plan)}
                if "ORCHESTRATE_TENSORBOARD_DIR" in plan.chief.env else {}),
             "stop": _stop_entry(self.spec),
+            **({"elastic": _elastic_entry(self.spec)} if self.spec.elastic is not None else {}),
             "gpus": asdict(GpuDescription.of(self.spec.job)),
             **({"container": _container_entry(self.spec.engine_container)}
                if self.spec.engine_container is not None else {}),
@@ -736,6 +737,17 @@ def _host_entry(host: Host) -> dict[str, Any]:
             "ssh": None if ssh is None else {"user": ssh.user, "address": ssh.address,
                                              "port": ssh.port},
             "labels": dict(host.labels)}
+
+
+def _elastic_entry(spec: specs.ClusterSpec) -> dict[str, Any]:
+    """The sizes an elastic group may train at, and its batch and learning rate at each."""
+    assert spec.elastic is not None
+    sizes = list(range(spec.workers, spec.elastic.min_workers - 1, -1))
+    return {"min_workers": spec.elastic.min_workers, "batch": spec.elastic.batch,
+            "sizes": {n: elastic.describe(spec, n) for n in sizes},
+            "summary": f"down to {spec.elastic.min_workers} worker(s) when a machine is lost "
+                       f"for good ({spec.elastic.batch}): "
+                       + "; ".join(elastic.describe(spec, n) for n in sizes)}
 
 
 def _tensorboard_entry(plan: ClusterPlan) -> dict[str, Any]:

@@ -287,6 +287,8 @@ def render_plan(console: Console, document: dict[str, Any]) -> None:
         say("  curves     " + document["tensorboard"]["summary"])
     if "stop" in document:
         say("  stop       " + document["stop"]["summary"])
+    if "elastic" in document:
+        say("  elastic    " + document["elastic"]["summary"])
     if "gpus" in document:
         say("  gpus       " + document["gpus"]["summary"])
     if "container" in document:
@@ -523,8 +525,9 @@ def _render_run(console: Console, r: dict[str, Any]) -> None:
     if r["status"] == "running" and r["message"]:
         console.print(f"    now: {r['message']}", markup=False, highlight=False, soft_wrap=True)
     for a in r["attempts"]:
+        resized = f" on {a['resized']}" if a.get("resized") else ""
         console.print(f"    attempt {a['number']}: {a['status']} from step "
-                      f"{a['resumed_from_step'] or 0} to {a['last_step'] or 0}"
+                      f"{a['resumed_from_step'] or 0} to {a['last_step'] or 0}{resized}"
                       f"{attempt_figures(a)}", markup=False, highlight=False, soft_wrap=True)
     if r["model_path"]:
         console.print(f"    model: {r['model_path']}", markup=False, highlight=False,

@@ -1058,6 +1058,24 @@ class CostSettings(Model):
         return value
 
 
+class Elastic(Model):
+    """Keep training on fewer machines when one cannot come back (see orchestrator/elastic.py):
+    static hosts for now."""
+
+    min_workers: int = Field(
+        ge=1, le=1024,
+        description="The fewest workers the run goes on with when a machine is lost for good "
+        "(its provider cannot give it back within timeouts.repair_s); below it the run fails.",
+    )
+    batch: Literal["keep_per_replica", "keep_global"] = Field(
+        default="keep_per_replica",
+        description="keep_per_replica: each replica's batch stays, the global batch shrinks "
+        "with the group (and the learning rate with it where job.scale_learning_rate). "
+        "keep_global: the global batch and learning rate stay, each replica's batch grows "
+        "(it must divide).",
+    )
+
+
 class Metrics(Model):
     """Prometheus metrics of a run, from the controller while 'train' runs (see
     orchestrator/metrics.py): for a team's own dashboards and alerts."""
@@ -1211,6 +1229,8 @@ class ClusterSpec(Model):
     tensorboard: TensorBoard = Field(default_factory=TensorBoard)
     cost: CostSettings = Field(default_factory=CostSettings)
     metrics: Metrics = Field(default_factory=Metrics)
+    elastic: Elastic | None = Field(
+        default=None, description="Go on with fewer workers when a machine is lost for good.")
 
     @model_validator(mode="before")
     @classmethod
@@ -1239,6 +1259,44 @@ class ClusterSpec(Model):
                           "steps (job.epochs x job.steps_per_epoch)",
                           fix=f"trace steps within 1..{total}")
         return board
+
+    @field_validator("elastic")
+    @classmethod
+    def _elastic(cls, elastic: Elastic | None, info: ValidationInfo) -> Elastic | None:
+        workers, job = info.data.get("workers"), info.data.get("job")
+        if elastic is None or workers is None or job is None:
+            return elastic
+        if elastic.min_workers > workers:
+            raise Invalid(f"min_workers is {elastic.min_workers}, over the {workers} workers",
+                          fix=f"set elastic.min_workers to {workers} or fewer")
+        provider = info.data.get("provider")
+        if provider is not None and not isinstance(provider, (StaticProvider, LocalProvider)):
+            raise Invalid(f"elastic groups work on static hosts for now, not on {provider.kind} "
+                          "(where a lost machine is replaced, or the run fails as before)",
+                          fix="remove elastic")
+        if info.data.get("separate_chief"):
+            raise Invalid("elastic groups take the chief's role to another worker when its "
+                          "machine is lost, and separate_chief gives it a task of its own",
+                          fix="remove separate_chief (worker 0 is then the chief), or elastic")
+        if isinstance(job, ManagedJob) and job.distribution == "model_parallel":
+            raise Invalid("model_parallel's device mesh is fixed (job.mesh): it cannot lose a "
+                          "machine's devices", fix="remove elastic, or use data_parallel")
+        if elastic.batch == "keep_global":
+            if not isinstance(job, ManagedJob):
+                raise Invalid("keep_global sets each replica's batch, which a command job's "
+                              "script sets itself",
+                              fix="use batch: keep_per_replica (the script reads the group's "
+                                  "size from TF_CONFIG)")
+            total = job.per_replica_batch_size * workers
+            uneven = [n for n in range(elastic.min_workers, workers) if total % n]
+            if uneven:
+                raise Invalid(
+                    f"keep_global keeps the global batch of {total} ({workers} x "
+                    f"{job.per_replica_batch_size}), which {', '.join(map(str, uneven))} "
+                    "worker(s) cannot split evenly",
+                    fix="raise elastic.min_workers, choose a job.per_replica_batch_size that "
+                        "every size from min_workers up divides, or use keep_per_replica")
+        return elastic
 
     @field_validator("name")
     @classmethod

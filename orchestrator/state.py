@@ -75,6 +75,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     phases_json TEXT NOT NULL DEFAULT '{}',
     snapshot_step INTEGER,
     snapshot TEXT NOT NULL DEFAULT '',
+    resized TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (run_id, number)
 );
 CREATE TABLE IF NOT EXISTS points (
@@ -103,6 +104,7 @@ MIGRATIONS = (
     ("attempts", "snapshot_step", "INTEGER"),
     ("attempts", "snapshot", "TEXT NOT NULL DEFAULT ''"),
     ("runs", "price_json", "TEXT NOT NULL DEFAULT '{}'"),
+    ("attempts", "resized", "TEXT NOT NULL DEFAULT ''"),
 )
 
 
@@ -191,6 +193,8 @@ class AttemptRecord:
     # none was saved), and who saved it or why none was (retry.snapshot_on_crash).
     snapshot_step: int | None = None
     snapshot: str = ""
+    # An elastic group on fewer workers than the spec's: how many, and why ("" at full size).
+    resized: str = ""
 
     @property
     def detect_s(self) -> float | None:
@@ -556,7 +560,7 @@ class Store:
         allowed = {"status", "ended_at", "cause", "detail", "failed_task", "exit_code",
                    "resumed_from_step", "last_step", "first_step_at", "tasks", "evidence",
                    "failed_at", "detected_at", "recovery_s", "steps_lost", "phases",
-                   "snapshot_step", "snapshot"}
+                   "snapshot_step", "snapshot", "resized"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown attempt fields {sorted(unknown)}")
@@ -648,7 +652,7 @@ def _attempt(row: sqlite3.Row) -> AttemptRecord:
         first_step_at=row["first_step_at"], tasks=tasks,
         evidence=row["evidence"], failed_at=row["failed_at"], detected_at=row["detected_at"],
         recovery_s=row["recovery_s"], steps_lost=row["steps_lost"], phases=phases,
-        snapshot_step=row["snapshot_step"], snapshot=row["snapshot"],
+        snapshot_step=row["snapshot_step"], snapshot=row["snapshot"], resized=row["resized"],
     )
 
 

@@ -25,7 +25,7 @@ from tenacity import (
     retry_if_exception,
 )
 
-from orchestrator import cost, paths, secrets, warm
+from orchestrator import cost, elastic, paths, secrets, warm
 from orchestrator import plan as planning
 from orchestrator.boards import BoardCopy
 from orchestrator.causes import IMMEDIATE, PLANNED, RETRYABLE, Cause
@@ -37,7 +37,7 @@ from orchestrator.checkpoints import (
     share_chief_checkpoint,
     verify_on,
 )
-from orchestrator.errors import OrchestratorError, RunFailed, StateError
+from orchestrator.errors import OrchestratorError, ProviderError, RunFailed, StateError
 from orchestrator.events import Event
 from orchestrator.history import History
 from orchestrator.hosts import Host
@@ -145,6 +145,8 @@ class Supervisor:
         # static hosts: the GPUs each machine's tasks reported as they connected (the cost)
         self._gpus_seen: dict[str, int] = {}
         self._price_lock = threading.Lock()
+        # elastic: the hosts the group goes on without (lost for good), and why
+        self._left_out: dict[str, str] = {}
         self._running = False  # what the metrics say: the run is being trained
 
     # -- the first attempt, started while the doctor checks -------------------------------
@@ -463,6 +465,8 @@ class Supervisor:
             self._restore_checkpoint(plan)  # a script's own directory may hold a checkpoint
         marks["checkpoint_ready"] = time.time()
         self.store.start_attempt(run_id, number, [])  # _launch adds each task as it starts
+        if self._left_out:
+            self.store.update_attempt(run_id, number, resized=self._resized_text())
         self._launched = []
         try:
             with self._provider_says():  # what the launch waits for (a group's deletion)
@@ -502,9 +506,9 @@ class Supervisor:
         return self._supervise(run_id, attempt.number, plan, watched)
 
     def _plan(self, run_id: str, number: int, busy: bool = True) -> ClusterPlan:
-        hosts = self.provider.hosts()
+        spec, hosts = self._sized()
         plan = planning.build(
-            self.spec, hosts, run_id=run_id, attempt=number,
+            spec, hosts, run_id=run_id, attempt=number,
             python=self.provider.python(hosts[0]), local_workdir=str(self.workdir),
             busy_ports=(self.provider.busy_ports(hosts) | self._bad_ports) if busy else (),
         )
@@ -835,10 +839,10 @@ class Supervisor:
         if self.spec.retry.warm_tasks == "auto" and \
                 time.time() - chief.first_progress_at < WARM_AFTER_S:
             return
-        hosts = self.provider.hosts()
+        spec, hosts = self._sized()
         try:
             following = planning.build(
-                self.spec, hosts, run_id=run_id, attempt=number + 1,
+                spec, hosts, run_id=run_id, attempt=number + 1,
                 python=self.provider.python(hosts[0]), local_workdir=str(self.workdir))
         except OrchestratorError as exc:
             warm.off = f"the next attempt cannot be planned yet: {exc.message}"
@@ -1043,20 +1047,57 @@ class Supervisor:
             self.provider.progress = before
 
     def _repair_hosts(self) -> None:
-        broken, self._broken_hosts = sorted(self._broken_hosts), set()
+        broken, self._broken_hosts = sorted(self._broken_hosts - set(self._left_out)), set()
         for name in broken:
             host = self._host(name)
             self._say(f"repairing {name}: waiting up to {self.spec.timeouts.repair_s:.0f}s")
-            now = self.provider.repair(host, self.spec.timeouts.repair_s)
+            try:
+                now = self.provider.repair(host, self.spec.timeouts.repair_s)
+            except ProviderError as exc:
+                self._leave_out(name, exc)
+                continue
             self._say(f"{name} is back" if now.address == host.address else
                       f"{name} is back, at {now.address}")
         orphans, self._orphans = self._orphans, []
         for host_name, handle in orphans:
+            if host_name in self._left_out:
+                continue  # not reachable; nothing of this run is started there again
             host = self._host(host_name)
             try:  # a task that was cut off with its host may still run there, holding its port
                 self.launcher.stop(self.provider.runner(host), handle, 0.0)
             except OrchestratorError as exc:
                 self._say(f"could not stop an earlier task on {host_name}: {exc}")
+
+    def _leave_out(self, name: str, failure: ProviderError) -> None:
+        """An elastic group goes on without host ``name``, which its provider could not give
+        back, while ``elastic.min_workers`` are left; else the failure stands.
+
+        Raises:
+            ProviderError: the spec is not elastic, or too few workers would be left.
+        """
+        policy = self.spec.elastic
+        if policy is None:
+            raise failure
+        left = len(self._sized()[1]) - 1
+        if left < policy.min_workers:
+            raise ProviderError(
+                f"{failure.message}; without it {left} worker(s) would be left, fewer than "
+                f"elastic.min_workers ({policy.min_workers})", fix=failure.fix) from None
+        self._left_out[name] = failure.message
+        self._say(f"going on without {name} (elastic): {elastic.describe(self.spec, left)}, "
+                  f"instead of {self.spec.workers}")
+
+    def _resized_text(self) -> str:
+        """What an attempt of an elastic group on fewer workers records: how many, and why."""
+        left = len(self._sized()[1])
+        why = "; ".join(f"{name}: {message}" for name, message in sorted(self._left_out.items()))
+        return f"{left} of {self.spec.workers} workers (without {why})"
+
+    def _sized(self) -> tuple[ClusterSpec, list[Host]]:
+        """The spec and hosts of the group as it is now: every host, less those an elastic
+        group goes on without, and the spec resized to them (``orchestrator.elastic``)."""
+        hosts = [h for h in self.provider.hosts() if h.name not in self._left_out]
+        return elastic.resized(self.spec, len(hosts)), hosts
 
     def _restore_checkpoint(self, plan: ClusterPlan) -> None:
         """Make the newest checkpoint that restores the one every task starts from."""

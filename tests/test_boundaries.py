@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("containers",),
     ("cost",),
     ("providers",),
-    ("remote", "plan"),
+    ("remote", "plan", "elastic"),
     ("runtimes", "secrets"),
     ("view", "charts"),
     ("spec", "state", "events"),

@@ -1,0 +1,151 @@
+"""Elastic groups (``elastic:``): a machine lost for good, and the run goes on with the workers
+left, from the chief's snapshot, at the batch the policy keeps. Real TensorFlow on namespace SSH
+hosts as an unprivileged user; the spec's refusals and the resized spec in-process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO, events_in, release_run, write_spec
+from hostlab import HostLab
+
+from orchestrator import elastic, paths, spec
+from orchestrator.api import Cluster
+from orchestrator.errors import SpecError
+from orchestrator.events import Event
+from orchestrator.view import RunView
+
+SPEC = "name: e\nworkers: 3\njob: {job}\n"
+
+
+@pytest.mark.parametrize(("policy", "per_replica", "rate", "global_batch"), [
+    ("keep_per_replica", 16, 0.002, 32), ("keep_global", 24, 0.003, 48)])
+def test_a_smaller_group_keeps_what_its_policy_says(policy: str, per_replica: int, rate: float,
+                                                    global_batch: int) -> None:
+    full = spec.parse(SPEC.format(job="{module: m, per_replica_batch_size: 16}") +
+                      f"elastic: {{min_workers: 2, batch: {policy}}}\n")
+    two = elastic.resized(full, 2)
+    assert two.workers == 2 and two.elastic == full.elastic
+    assert two.job.per_replica_batch_size == per_replica  # type: ignore[union-attr]
+    assert elastic.describe(full, 2) == (f"2 worker(s): global batch {global_batch} "
+                                         f"({per_replica} per replica), learning rate {rate:g}")
+    assert elastic.describe(full, 3) == \
+        "3 worker(s): global batch 48 (16 per replica), learning rate 0.003"
+    assert elastic.resized(full, 3) is full
+
+
+@pytest.mark.parametrize(("text", "said", "fix"), [
+    ("elastic: {min_workers: 4}", "min_workers is 4, over the 3 workers",
+     "set elastic.min_workers to 3 or fewer"),
+    ("elastic: {min_workers: 0}", "greater than or equal to 1", ""),
+    ("elastic: {min_workers: 2, batch: keep_global}\njob: {module: m, per_replica_batch_size: 5}",
+     "keep_global keeps the global batch of 15 (3 x 5), which 2 worker(s) cannot split evenly",
+     "raise elastic.min_workers"),
+    ("elastic: {min_workers: 2}\nseparate_chief: true", "separate_chief gives it a task",
+     "remove separate_chief"),
+    ("elastic: {min_workers: 2, max_workers: 4}", "max_workers", ""),
+    ("elastic: {min_workers: 2}\nprovider: {kind: slurm, partition: gpu}",
+     "elastic groups work on static hosts for now, not on slurm", "remove elastic"),
+])
+def test_an_elastic_section_that_cannot_work_is_refused_with_its_fix(
+        text: str, said: str, fix: str) -> None:
+    body = SPEC.format(job="{module: m}")
+    if "\njob:" in text:  # the case's own job
+        body = body.replace("job: {module: m}\n", "")
+    with pytest.raises(SpecError) as caught:
+        spec.parse(body + text + "\n")
+    assert said in str(caught.value) and fix in str(caught.value), str(caught.value)
+
+
+def test_plan_shows_every_size_the_group_may_train_at(tmp_path: Path) -> None:
+    path = tmp_path / "e.yaml"
+    path.write_text(f"name: e\nworkdir: {REPO}\nworkers: 3\n"
+                    "job: {module: examples.digits, per_replica_batch_size: 16}\n"
+                    "elastic: {min_workers: 2}\n")
+    shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "plan", str(path)],
+                           cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "300",
+                                "ORCHESTRATE_HOME": str(tmp_path / "home")})
+    assert shown.returncode == 0, shown.stderr
+    assert ("  elastic    down to 2 worker(s) when a machine is lost for good "
+            "(keep_per_replica): 3 worker(s): global batch 48 (16 per replica), learning rate "
+            "0.003; 2 worker(s): global batch 32 (16 per replica), learning rate 0.002") \
+        in shown.stdout, shown.stdout
+
+
+def test_a_command_job_keeps_its_own_batch() -> None:
+    with pytest.raises(SpecError) as caught:
+        spec.parse(SPEC.format(job="{command: python train.py}") +
+                   "elastic: {min_workers: 2, batch: keep_global}\n")
+    assert "a command job's script sets itself" in str(caught.value)
+    command = spec.parse(SPEC.format(job="{command: python train.py}") +
+                         "elastic: {min_workers: 1}\n")
+    assert elastic.resized(command, 1).workers == 1
+
+
+@pytest.mark.ssh
+@pytest.mark.tf
+def test_a_host_lost_for_good_leaves_the_group_on_the_hosts_left_at_the_same_global_batch(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """3 hosts, the third cut off for good at step 15: the chief saves the step the group
+    completed, the third host does not come back within timeouts.repair_s, and the run goes
+    on with 2 workers from that snapshot, each replica's batch 24 instead of 16 (keep_global:
+    the global batch of 48 and the learning rate stay), to one model on both."""
+    hosts = hostlab.hosts(3)
+    path = write_spec(tmp_path, hostlab, hosts, """\
+        name: elastic-e2e
+        job: {module: tests.workloads.paced_digits, epochs: 1, steps_per_epoch: 40,
+              progress_every_steps: 1, per_replica_batch_size: 16}
+        checkpoint: {every_steps: 10}
+        retry: {max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}
+        timeouts: {stop_grace_s: 1, poll_s: 4, hang_s: 10, repair_s: 5}
+        elastic: {min_workers: 2, batch: keep_global}
+        """, user=hostlab.plain_user())
+    roots = [paths.host_root(h.plain_home, "elastic-e2e") for h in hosts]
+    cut: list[str] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if (event is not None and event.attempt == 1 and event.kind == "progress"
+                and event.task == "worker:2" and event.get("step") >= 15 and not cut):
+            cut.append(view.run_id)
+            hosts[2].cut()
+            for root in roots:
+                release_run(root, view.run_id)
+
+    cluster = Cluster.from_spec(path)
+    try:
+        result = cluster.train(listener=listener).wait()
+    finally:
+        hosts[2].heal()
+    assert cut, "the third host was never cut off"
+    first, second, *later = result.attempts
+    assert not later, [(a.cause, a.detail) for a in later]
+    assert (first.cause, first.failed_task) == ("host_lost", "worker:2"), first.detail
+    lost = first.tasks[2].host
+    assert not first.resized
+    assert second.resized.startswith(f"2 of 3 workers (without {lost}: host {lost} "), \
+        second.resized
+    assert "did not come back within 5s" in second.resized
+    # the survivors' snapshot, not the last checkpoint: at most the step under way redone
+    assert first.snapshot_step is not None and second.resumed_from_step == first.snapshot_step
+    assert [t.task for t in second.tasks] == ["worker:0", "worker:1"]
+    assert [t.host for t in second.tasks] == [t.host for t in first.tasks[:2]]
+    for h, before, after in zip(hosts, first.tasks, second.tasks, strict=False):
+        assert before.log.startswith(h.plain_home) and after.log.startswith(h.plain_home)
+        built = [next(e for e in events_in(h, t.log) if e.kind == "built")
+                 for t in (before, after)]
+        assert [(b.get("replicas"), b.get("global_batch_size")) for b in built] == \
+            [(3, 48), (2, 48)]
+        assert built[0].get("learning_rate") == pytest.approx(built[1].get("learning_rate"))
+    assert result.status == "succeeded" and len(result.digests) == 2
+    assert len(set(result.digests.values())) == 1
+    shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "elastic-e2e",
+                            "--no-chart"], cwd=REPO, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert "attempt 2: succeeded from step" in shown.stdout
+    assert " on 2 of 3 workers (without " in shown.stdout, shown.stdout
+    cluster.down()
