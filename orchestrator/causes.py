@@ -17,16 +17,18 @@ class Cause(str, enum.Enum):
     CHECKPOINT_MISMATCH = "checkpoint_mismatch"  # tasks restored different checkpoints
     CANCELLED = "cancelled"  # Ctrl-C
     STOPPED = "stopped"  # 'orchestrate down' (maybe from another process) stopped the run
+    RESIZED = "resized"  # an elastic group stopped (every task saved) to train at another size
 
 
 RETRYABLE = frozenset({Cause.CRASHED, Cause.HOST_LOST, Cause.PREEMPTED, Cause.HUNG,
-                       Cause.STARTUP_TIMEOUT, Cause.PORT_CONFLICT})
+                       Cause.STARTUP_TIMEOUT, Cause.PORT_CONFLICT, Cause.RESIZED})
 # Stops of a whole group: SIGTERM, and a grace for every task to save at the same step. (So is
 # a preemption that every task saved for; one seen as a lost host left a broken group.)
-PLANNED = frozenset({Cause.STOPPED, Cause.CANCELLED})
+PLANNED = frozenset({Cause.STOPPED, Cause.CANCELLED, Cause.RESIZED})
 # Failures that say what happened and leave nothing to wait for: the first restart after one
 # starts at once (a crash is a process gone, a preemption a machine the repair replaces).
 # Whatever may clear up with time (a hang, a port, a host, a slow start) waits its backoff.
 IMMEDIATE = frozenset({Cause.CRASHED, Cause.PREEMPTED})
-# The causes a spec may give a restart budget (retry.per_cause), in the order messages list them.
-BUDGETED = tuple(c.value for c in Cause if c in RETRYABLE)
+# The causes a spec may give a restart budget (retry.per_cause), in the order messages list them:
+# a resize is the group growing back, planned, and costs no restart.
+BUDGETED = tuple(c.value for c in Cause if c in RETRYABLE and c is not Cause.RESIZED)

@@ -1074,6 +1074,12 @@ class Elastic(Model):
         "keep_global: the global batch and learning rate stay, each replica's batch grows "
         "(it must divide).",
     )
+    grow_check_s: float = Field(
+        default=60.0, ge=0, le=MAX_TIMEOUT_S,
+        description="While the group is smaller, how often each machine it lost is asked for "
+        "again (off the training's path); one that is back makes a planned stop (every task "
+        "saves at one step) and the group grows back. 0: never.",
+    )
 
 
 class Metrics(Model):

@@ -62,6 +62,7 @@ from orchestrator.warm import WarmTasks
 from orchestrator.watch import AttemptFailed, AttemptWatch, Watched
 
 HEARTBEAT_S = 2.0
+GROW_PROBE_S = 10.0  # elastic: how long each check for a lost host's return may wait on it
 # After a crash, how long the chief's step may take to fail on the lost peer and the chief to
 # say it saves a snapshot (retry.snapshot_on_crash); then timeouts.snapshot_s for the save.
 SNAPSHOT_START_S = 3.0
@@ -145,8 +146,13 @@ class Supervisor:
         # static hosts: the GPUs each machine's tasks reported as they connected (the cost)
         self._gpus_seen: dict[str, int] = {}
         self._price_lock = threading.Lock()
-        # elastic: the hosts the group goes on without (lost for good), and why
+        # elastic: the hosts the group goes on without (lost for good), and why; those of them
+        # the grow check found back (for the next tick's planned stop), and the check's thread
         self._left_out: dict[str, str] = {}
+        self._returned: dict[str, Host] = {}
+        self._elastic_lock = threading.Lock()
+        self._grow_stop = threading.Event()
+        self._grow_thread: threading.Thread | None = None
         self._running = False  # what the metrics say: the run is being trained
 
     # -- the first attempt, started while the doctor checks -------------------------------
@@ -406,6 +412,7 @@ class Supervisor:
         except Exception as exc:
             self._say(f"could not stop the warm tasks: {type(exc).__name__}: {exc}")
         finally:
+            self._grow_stop.set()
             if self._mirror is not None:
                 self._mirror.close()
             if self._boards is not None:
@@ -442,6 +449,8 @@ class Supervisor:
     def _backoff(self, state: RetryCallState) -> float:
         failure = state.outcome.exception() if state.outcome else None
         cause = failure.cause if isinstance(failure, AttemptFailed) else None
+        if cause is Cause.RESIZED:
+            return 0.0  # planned, and the machine is there now
         return backoff(state.attempt_number, cause, self.spec.retry.backoff_initial_s,
                        self.spec.retry.backoff_max_s)
 
@@ -588,7 +597,7 @@ class Supervisor:
         except BaseException as exc:
             self._abandon(run_id, number, watched, watch, exc)
             raise
-        status = "stopped" if failure.cause is Cause.STOPPED else "failed"
+        status = "stopped" if failure.cause in (Cause.STOPPED, Cause.RESIZED) else "failed"
         self._end_attempt(run_id, number, watched, status, failure, detected)
         raise failure from None
 
@@ -861,6 +870,13 @@ class Supervisor:
             self.store.heartbeat(run_id)
         if self._exporter is not None:
             self._exporter.tick()
+        if self._returned:
+            with self._elastic_lock:
+                back = sorted(self._returned)
+            size = len(self._sized()[1]) + len(back)
+            raise AttemptFailed(
+                Cause.RESIZED, "-", f"{', '.join(back)} back: every task saves, and the group "
+                f"grows to {elastic.describe(self.spec, size)}")
 
     def _check_stopped(self, run_id: str) -> None:
         if self.store.run_status(run_id) == "stopped":
@@ -1006,8 +1022,8 @@ class Supervisor:
             failure.detail += "; " + _mismatch_reason(self._layout)
         if failure.cause is Cause.PORT_CONFLICT and failure.port:
             self._bad_ports.add(failure.port)
-        if failure.cause in RETRYABLE:
-            self._causes[failure.cause] += 1
+        if failure.cause in RETRYABLE and failure.cause is not Cause.RESIZED:
+            self._causes[failure.cause] += 1  # (growing back costs no restart)
         return failure
 
     def _blame_lost_host(self, failure: AttemptFailed, watched: Sequence[Watched]) -> None:
@@ -1047,6 +1063,13 @@ class Supervisor:
             self.provider.progress = before
 
     def _repair_hosts(self) -> None:
+        with self._elastic_lock:
+            back, self._returned = sorted(self._returned), {}
+            for name in back:
+                self._left_out.pop(name, None)
+        if back:
+            self._say(f"{', '.join(back)} back: the group grows to "
+                      f"{elastic.describe(self.spec, len(self._sized()[1]))}")
         broken, self._broken_hosts = sorted(self._broken_hosts - set(self._left_out)), set()
         for name in broken:
             host = self._host(name)
@@ -1083,9 +1106,32 @@ class Supervisor:
             raise ProviderError(
                 f"{failure.message}; without it {left} worker(s) would be left, fewer than "
                 f"elastic.min_workers ({policy.min_workers})", fix=failure.fix) from None
-        self._left_out[name] = failure.message
+        with self._elastic_lock:
+            self._left_out[name] = failure.message
         self._say(f"going on without {name} (elastic): {elastic.describe(self.spec, left)}, "
                   f"instead of {self.spec.workers}")
+        if policy.grow_check_s > 0 and self._grow_thread is None:
+            self._grow_thread = threading.Thread(target=self._check_for_returns,
+                                                 name="orchestrate-grow", daemon=True)
+            self._grow_thread.start()
+
+    def _check_for_returns(self) -> None:
+        """Every ``elastic.grow_check_s``, off the training's path: ask the provider for each
+        host the group goes on without (its repair, for at most ``GROW_PROBE_S``: on static
+        hosts the SSH port, a login, the host prepared again). One that is back waits in
+        ``_returned`` for the next tick, which stops the group to grow it."""
+        assert self.spec.elastic is not None
+        while not self._grow_stop.wait(self.spec.elastic.grow_check_s):
+            with self._elastic_lock:
+                missing = sorted(set(self._left_out) - set(self._returned))
+            for name in missing:
+                try:
+                    host = self.provider.repair(self._host(name), GROW_PROBE_S)
+                except Exception:  # not back yet (or the provider failing): the next check
+                    continue
+                with self._elastic_lock:
+                    if name in self._left_out:
+                        self._returned[name] = host
 
     def _resized_text(self) -> str:
         """What an attempt of an elastic group on fewer workers records: how many, and why."""

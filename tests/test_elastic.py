@@ -89,30 +89,39 @@ def test_a_command_job_keeps_its_own_batch() -> None:
 
 @pytest.mark.ssh
 @pytest.mark.tf
-def test_a_host_lost_for_good_leaves_the_group_on_the_hosts_left_at_the_same_global_batch(
+def test_a_lost_host_shrinks_the_group_at_the_same_global_batch_and_its_return_grows_it_back(
         hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
-    """3 hosts, the third cut off for good at step 15: the chief saves the step the group
-    completed, the third host does not come back within timeouts.repair_s, and the run goes
-    on with 2 workers from that snapshot, each replica's batch 24 instead of 16 (keep_global:
-    the global batch of 48 and the learning rate stay), to one model on both."""
+    """3 hosts, the third cut off at step 15: the chief saves the step the group completed, the
+    host does not come back within timeouts.repair_s, and the run goes on with 2 workers from
+    that snapshot, each replica's batch 24 instead of 16 (keep_global: the global batch of 48
+    and the learning rate stay). The host back, the grow check finds it, every task saves at
+    one step, and the group goes on with 3 again from that step: one model on all three."""
     hosts = hostlab.hosts(3)
     path = write_spec(tmp_path, hostlab, hosts, """\
         name: elastic-e2e
-        job: {module: tests.workloads.paced_digits, epochs: 1, steps_per_epoch: 40,
+        job: {module: tests.workloads.paced_digits, epochs: 1, steps_per_epoch: 120,
               progress_every_steps: 1, per_replica_batch_size: 16}
         checkpoint: {every_steps: 10}
-        retry: {max_restarts: 2, backoff_initial_s: 0.2, backoff_max_s: 1}
-        timeouts: {stop_grace_s: 1, poll_s: 4, hang_s: 10, repair_s: 5}
-        elastic: {min_workers: 2, batch: keep_global}
+        retry: {max_restarts: 1, backoff_initial_s: 0.2, backoff_max_s: 1}
+        timeouts: {stop_grace_s: 30, poll_s: 4, hang_s: 10, repair_s: 5}
+        elastic: {min_workers: 2, batch: keep_global, grow_check_s: 1}
+        env: {DIGITS_PACE_S: "0.25"}
         """, user=hostlab.plain_user())
     roots = [paths.host_root(h.plain_home, "elastic-e2e") for h in hosts]
-    cut: list[str] = []
+    done: list[str] = []
 
     def listener(view: RunView, event: Event | None) -> None:
-        if (event is not None and event.attempt == 1 and event.kind == "progress"
-                and event.task == "worker:2" and event.get("step") >= 15 and not cut):
-            cut.append(view.run_id)
+        if event is None or event.kind not in ("progress", "started"):
+            return
+        if event.attempt == 1 and event.kind == "progress" and event.task == "worker:2" \
+                and event.get("step") >= 15 and "cut" not in done:
+            done.append("cut")
             hosts[2].cut()
+        elif event.attempt == 2 and event.kind == "progress" and "restored" not in done:
+            done.append("restored")  # the group trains on 2: the host comes back
+            hosts[2].restore()
+        elif event.attempt == 3 and event.kind == "started" and "released" not in done:
+            done.append("released")
             for root in roots:
                 release_run(root, view.run_id)
 
@@ -121,31 +130,35 @@ def test_a_host_lost_for_good_leaves_the_group_on_the_hosts_left_at_the_same_glo
         result = cluster.train(listener=listener).wait()
     finally:
         hosts[2].heal()
-    assert cut, "the third host was never cut off"
-    first, second, *later = result.attempts
-    assert not later, [(a.cause, a.detail) for a in later]
-    assert (first.cause, first.failed_task) == ("host_lost", "worker:2"), first.detail
+    assert done == ["cut", "restored", "released"], done
+    first, second, third = result.attempts
     lost = first.tasks[2].host
-    assert not first.resized
+    # shrunk: the host cut off, not back within repair_s
+    assert (first.cause, first.failed_task) == ("host_lost", "worker:2"), first.detail
+    assert not first.resized and not third.resized
     assert second.resized.startswith(f"2 of 3 workers (without {lost}: host {lost} "), \
         second.resized
     assert "did not come back within 5s" in second.resized
-    # the survivors' snapshot, not the last checkpoint: at most the step under way redone
     assert first.snapshot_step is not None and second.resumed_from_step == first.snapshot_step
     assert [t.task for t in second.tasks] == ["worker:0", "worker:1"]
     assert [t.host for t in second.tasks] == [t.host for t in first.tasks[:2]]
-    for h, before, after in zip(hosts, first.tasks, second.tasks, strict=False):
-        assert before.log.startswith(h.plain_home) and after.log.startswith(h.plain_home)
-        built = [next(e for e in events_in(h, t.log) if e.kind == "built")
-                 for t in (before, after)]
-        assert [(b.get("replicas"), b.get("global_batch_size")) for b in built] == \
-            [(3, 48), (2, 48)]
-        assert built[0].get("learning_rate") == pytest.approx(built[1].get("learning_rate"))
-    assert result.status == "succeeded" and len(result.digests) == 2
+    # grown back: a planned stop, every task saved at one step, none redone
+    assert (second.status, second.cause) == ("stopped", "resized"), second.detail
+    assert second.detail.startswith(f"{lost} back: every task saves, and the group grows to 3 ")
+    assert third.resumed_from_step == second.last_step and second.steps_lost == 0
+    assert [t.host for t in third.tasks] == [t.host for t in first.tasks]
+    sizes = [(3, 48), (2, 48), (3, 48)]
+    for number, attempt in enumerate(result.attempts):
+        for h, task in zip(hosts, attempt.tasks, strict=False):
+            assert task.log.startswith(h.plain_home)
+            built = next(e for e in events_in(h, task.log) if e.kind == "built")
+            assert (built.get("replicas"), built.get("global_batch_size")) == sizes[number]
+            assert built.get("learning_rate") == pytest.approx(0.003)  # 0.001 x 3, kept
+    assert result.status == "succeeded" and len(result.digests) == 3
     assert len(set(result.digests.values())) == 1
     shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "elastic-e2e",
                             "--no-chart"], cwd=REPO, capture_output=True, text=True,
                            timeout=120, env={**os.environ, "COLUMNS": "200"})
-    assert "attempt 2: succeeded from step" in shown.stdout
     assert " on 2 of 3 workers (without " in shown.stdout, shown.stdout
+    assert "; resized in -: " in shown.stdout, shown.stdout
     cluster.down()
