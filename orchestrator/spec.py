@@ -1060,7 +1060,7 @@ class CostSettings(Model):
 
 class Elastic(Model):
     """Keep training on fewer machines when one cannot come back (see orchestrator/elastic.py):
-    static hosts for now."""
+    static hosts and gcp for now."""
 
     min_workers: int = Field(
         ge=1, le=1024,
@@ -1276,10 +1276,11 @@ class ClusterSpec(Model):
             raise Invalid(f"min_workers is {elastic.min_workers}, over the {workers} workers",
                           fix=f"set elastic.min_workers to {workers} or fewer")
         provider = info.data.get("provider")
-        if provider is not None and not isinstance(provider, (StaticProvider, LocalProvider)):
-            raise Invalid(f"elastic groups work on static hosts for now, not on {provider.kind} "
-                          "(where a lost machine is replaced, or the run fails as before)",
-                          fix="remove elastic")
+        if provider is not None and not isinstance(
+                provider, (StaticProvider, GcpProvider, LocalProvider)):
+            raise Invalid(f"elastic groups work on static hosts and gcp for now, not on "
+                          f"{provider.kind} (where a lost node is replaced, or the run fails "
+                          "as before)", fix="remove elastic")
         if info.data.get("separate_chief"):
             raise Invalid("elastic groups take the chief's role to another worker when its "
                           "machine is lost, and separate_chief gives it a task of its own",

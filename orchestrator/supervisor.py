@@ -62,7 +62,6 @@ from orchestrator.warm import WarmTasks
 from orchestrator.watch import AttemptFailed, AttemptWatch, Watched
 
 HEARTBEAT_S = 2.0
-GROW_PROBE_S = 10.0  # elastic: how long each check for a lost host's return may wait on it
 # After a crash, how long the chief's step may take to fail on the lost peer and the chief to
 # say it saves a snapshot (retry.snapshot_on_crash); then timeouts.snapshot_s for the save.
 SNAPSHOT_START_S = 3.0
@@ -1117,8 +1116,9 @@ class Supervisor:
 
     def _check_for_returns(self) -> None:
         """Every ``elastic.grow_check_s``, off the training's path: ask the provider for each
-        host the group goes on without (its repair, for at most ``GROW_PROBE_S``: on static
-        hosts the SSH port, a login, the host prepared again). One that is back waits in
+        host the group goes on without (its repair, for at most the provider's
+        ``return_probe_s``: on static hosts the SSH port, a login, the host prepared again; on
+        gcp the VM re-created where a zone has room, booted, reached and prepared). One that is back waits in
         ``_returned`` for the next tick, which stops the group to grow it."""
         assert self.spec.elastic is not None
         while not self._grow_stop.wait(self.spec.elastic.grow_check_s):
@@ -1126,7 +1126,7 @@ class Supervisor:
                 missing = sorted(set(self._left_out) - set(self._returned))
             for name in missing:
                 try:
-                    host = self.provider.repair(self._host(name), GROW_PROBE_S)
+                    host = self.provider.repair(self._host(name), self.provider.return_probe_s)
                 except Exception:  # not back yet (or the provider failing): the next check
                     continue
                 with self._elastic_lock:
@@ -1136,7 +1136,8 @@ class Supervisor:
     def _resized_text(self) -> str:
         """What an attempt of an elastic group on fewer workers records: how many, and why."""
         left = len(self._sized()[1])
-        why = "; ".join(f"{name}: {message}" for name, message in sorted(self._left_out.items()))
+        why = "; ".join(f"{name}: {' '.join(message.split())}"
+                        for name, message in sorted(self._left_out.items()))
         return f"{left} of {self.spec.workers} workers (without {why})"
 
     def _sized(self) -> tuple[ClusterSpec, list[Host]]:

@@ -15,8 +15,11 @@ from hostlab import HostLab
 
 from orchestrator import elastic, paths, spec
 from orchestrator.api import Cluster
-from orchestrator.errors import SpecError
+from orchestrator.errors import ProviderError, SpecError
 from orchestrator.events import Event
+from orchestrator.providers.local import LocalProvider
+from orchestrator.state import Store
+from orchestrator.supervisor import Supervisor
 from orchestrator.view import RunView
 
 SPEC = "name: e\nworkers: 3\njob: {job}\n"
@@ -49,7 +52,7 @@ def test_a_smaller_group_keeps_what_its_policy_says(policy: str, per_replica: in
      "remove separate_chief"),
     ("elastic: {min_workers: 2, max_workers: 4}", "max_workers", ""),
     ("elastic: {min_workers: 2}\nprovider: {kind: slurm, partition: gpu}",
-     "elastic groups work on static hosts for now, not on slurm", "remove elastic"),
+     "elastic groups work on static hosts and gcp for now, not on slurm", "remove elastic"),
 ])
 def test_an_elastic_section_that_cannot_work_is_refused_with_its_fix(
         text: str, said: str, fix: str) -> None:
@@ -162,3 +165,25 @@ def test_a_lost_host_shrinks_the_group_at_the_same_global_batch_and_its_return_g
     assert " on 2 of 3 workers (without " in shown.stdout, shown.stdout
     assert "; resized in -: " in shown.stdout, shown.stdout
     cluster.down()
+
+
+def test_a_loss_that_would_leave_fewer_than_min_workers_fails_the_run_saying_so(
+        tmp_path: Path) -> None:
+    """The supervisor's choice when a host's repair failed: go on without it while
+    min_workers are left, else the repair's own error, with why the group did not shrink."""
+    path = tmp_path / "e.yaml"
+    path.write_text(f"workdir: {REPO}\n" + SPEC.format(job="{module: examples.digits}") +
+                    "elastic: {min_workers: 2, grow_check_s: 0}\n")
+    loaded = spec.load(path)
+    supervisor = Supervisor(loaded, LocalProvider(loaded, path), Store(), workdir=REPO)
+    names = [h.name for h in supervisor.provider.hosts()]
+    gone = ProviderError(f"host {names[2]} did not come back within 5s", fix="bring it back")
+    supervisor._leave_out(names[2], gone)
+    sized, hosts = supervisor._sized()
+    assert (sized.workers, [h.name for h in hosts]) == (2, names[:2])
+    with pytest.raises(ProviderError) as caught:
+        supervisor._leave_out(names[1], ProviderError(f"host {names[1]} is gone", fix="wait"))
+    assert caught.value.message == (f"host {names[1]} is gone; without it 1 worker(s) would be "
+                                    "left, fewer than elastic.min_workers (2)")
+    assert caught.value.fix == "wait"
+    assert supervisor._grow_thread is None  # grow_check_s: 0, never looked for

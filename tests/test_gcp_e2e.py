@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 from fake_billing import FakeBilling
 from fake_compute import FakeCompute, LabBacking
+from helpers import events_in, release_run
 from hostlab import HostLab, LabHost
 
+from orchestrator import paths
 from orchestrator.api import Cluster
 from orchestrator.events import Event
 from orchestrator.providers.base import HostHealth
@@ -261,3 +263,77 @@ def test_a_restarted_vm_is_reached_with_the_host_key_recorded_at_creation(
     assert provider.runner(repaired).run(["true"]).exit_code == 0
     assert fake.calls["instances.start"] == 1 and fake.calls["instances.bulkInsert"] == 1
     cluster.down()
+
+
+@pytest.mark.tf
+def test_an_elastic_group_goes_on_without_a_vm_no_zone_can_restart_and_grows_back_when_one_can(
+        hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path,
+        orchestrate_home: Path) -> None:
+    """A spot VM preempted while its zone is out of capacity (the fake answers
+    ZONE_RESOURCE_POOL_EXHAUSTED as Compute Engine does): every task saves at one step, no zone
+    of the spec can start the VM again, and the run goes on with 2 workers from that step, at
+    each replica's batch (keep_per_replica: the global batch and the learning rate shrink).
+    Capacity back, the grow check re-creates the VM and the group grows to 3 again at a planned
+    stop. No step redone, one model."""
+    path = write_spec(tmp_path, hostlab,
+                      job={"module": "tests.workloads.paced_digits", "epochs": 1,
+                           "steps_per_epoch": 120, "progress_every_steps": 1,
+                           "per_replica_batch_size": 16},
+                      checkpoint={"every_steps": 10},
+                      retry={"max_restarts": 2, "backoff_initial_s": 0.5, "backoff_max_s": 2},
+                      timeouts={"stop_grace_s": 20, "repair_s": 5},
+                      elastic={"min_workers": 2, "grow_check_s": 1},
+                      env={"DIGITS_PACE_S": "0.25"})
+    zone, done = "us-central1-a", []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if event is None or event.kind not in ("progress", "started"):
+            return
+        if event.attempt == 1 and event.kind == "progress" and event.task == "worker:2" \
+                and event.get("step") >= 15 and "preempted" not in done:
+            done.append("preempted")
+            fake.exhaust(zone)
+            fake.preempt("gcp-e2e-2")
+        elif event.attempt == 2 and event.kind == "progress" and "capacity" not in done:
+            done.append("capacity")  # the group trains on 2: the zone has room again
+            fake.exhaust(zone, False)
+        elif event.attempt == 3 and event.kind == "started" and "released" not in done:
+            done.append("released")
+            for lab in lab_hosts:
+                release_run(paths.host_root(lab.home, "gcp-e2e"), view.run_id)
+
+    cluster = Cluster.from_spec(path)
+    try:
+        result = cluster.train(listener=listener).wait()
+    finally:
+        fake.exhaust(zone, False)
+    assert done == ["preempted", "capacity", "released"], done
+    first, second, third = result.attempts
+    seen = [(a.number, a.status, a.cause, a.failed_task, a.detail, a.resized, a.last_step,
+             a.resumed_from_step, a.steps_lost) for a in result.attempts]
+    assert (first.cause, first.failed_task, first.steps_lost) == ("preempted", "worker:2", 0), seen
+    assert second.resized.startswith("2 of 3 workers (without gcp-e2e-2: no zone could create "
+                                     "1 VM(s) of n1-standard-8: us-central1-a: "
+                                     "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS: "), seen
+    assert [t.host for t in second.tasks] == ["gcp-e2e-0", "gcp-e2e-1"], seen
+    assert (second.status, second.cause, second.steps_lost) == ("stopped", "resized", 0), seen
+    assert third.resumed_from_step == second.last_step and not third.resized, seen
+    assert [t.host for t in third.tasks] == ["gcp-e2e-0", "gcp-e2e-1", "gcp-e2e-2"], seen
+    # the VM was deleted where it could not start, and re-created once the zone had room
+    creates = [body for method, _, body in fake.requests if method == "instances.bulkInsert"]
+    assert [sorted(body["perInstanceProperties"]) for body in creates][-1] == ["gcp-e2e-2"]
+    # each replica's batch kept: the global batch and the learning rate follow the group
+    labs = {lab.address: lab for lab in lab_hosts}
+    hosts = {h.name: h for h in cluster.provider.hosts()}
+    sizes = [(3, 48, 0.003), (2, 32, 0.002), (3, 48, 0.003)]
+    for number, attempt in enumerate(result.attempts):
+        task = attempt.tasks[0]  # the chief's host stayed
+        built = next(e for e in events_in(labs[hosts[task.host].address], task.log)
+                     if e.kind == "built")
+        assert (built.get("replicas"), built.get("global_batch_size")) == sizes[number][:2]
+        assert built.get("learning_rate") == pytest.approx(sizes[number][2])
+    assert result.status == "succeeded" and len(set(result.digests.values())) == 1
+    assert len(result.digests) == 3
+    down = cli("down", str(path), home=orchestrate_home, endpoint=fake.url)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert fake.instances(LABEL) == []

@@ -62,6 +62,9 @@ class Provider(ABC):
     reclaims_hosts: bool = False
     # Whether the next attempt's tasks may wait warm beside the running ones (retry.warm_tasks).
     warm_tasks: bool = True
+    # An elastic group's check for a host it lost: how long each ``repair`` may take (off the
+    # training's path). A listed machine answers its SSH port within moments once it is back.
+    return_probe_s: float = 10.0
 
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
         self.spec = spec

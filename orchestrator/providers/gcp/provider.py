@@ -226,6 +226,11 @@ class GcpProvider(SSHHostsProvider):
         vm = self.compute.get_vm(zone, host.name) if zone else None
         return vm or self.fleet.find().get(host.name)
 
+    @property
+    def return_probe_s(self) -> float:  # type: ignore[override]
+        """A VM re-created where a zone has room again boots before it answers."""
+        return self.config.boot_timeout_s + 30.0
+
     def repair(self, host: Host, deadline_s: float) -> Host:
         """Start the stopped VM (or re-create it under the same name, in any zone of the spec),
         wait for it to run and answer SSH with the host key it publishes, and prepare it again.
