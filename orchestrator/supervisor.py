@@ -875,7 +875,7 @@ class Supervisor:
             size = len(self._sized()[1]) + len(back)
             raise AttemptFailed(
                 Cause.RESIZED, "-", f"{', '.join(back)} back: every task saves, and the group "
-                f"grows to {elastic.describe(self.spec, size)}")
+                f"grows to {elastic.describe(self.spec, size)}", failed_at=time.time())
 
     def _check_stopped(self, run_id: str) -> None:
         if self.store.run_status(run_id) == "stopped":

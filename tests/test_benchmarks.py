@@ -47,6 +47,15 @@ def check_watching(record: dict[str, Any]) -> None:
     assert record["write_us"] > 0 and 0 < record["write_share_of_steps"]["every step"] < 1
 
 
+def check_elastic(record: dict[str, Any]) -> None:
+    (run,) = record["runs"].values()  # --quick: the elastic run alone
+    assert (run["sizes"], run["causes"], run["status"]) == (
+        [3, 2, 3], ["host_lost", "resized"], "succeeded"), run
+    assert run["steps_in_window"] > 0 and run["steps_redone"] == 0
+    assert run["shrink_s"] > 0 and run["back_at_full_size_s"] > 0
+    assert len(run["phases"]) == 2 and all(phases for phases in run["phases"])
+
+
 def check_recovery(record: dict[str, Any]) -> None:
     (worker_killed,) = record["results"]
     assert (worker_killed["case"], worker_killed["cause"]) == ("worker killed", "crashed")
@@ -173,13 +182,14 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "peer": check_peer, "provision": check_provision, "controller": check_controller,
     "control_path": check_control_path, "checkpoints": check_checkpoints,
     "keras3": check_keras3, "warm_cost": check_warm_cost, "jax": check_jax,
-    "chaos": check_chaos, "watching": check_watching,
+    "chaos": check_chaos, "watching": check_watching, "elastic": check_elastic,
 }
 
 
 MARKS = {"launch": [pytest.mark.tf], "steady": [pytest.mark.tf], "recovery": [pytest.mark.tf],
          "peer": [pytest.mark.tf], "keras3": [pytest.mark.tf], "warm_cost": [pytest.mark.tf],
          "jax": [pytest.mark.tf], "chaos": [pytest.mark.tf], "watching": [pytest.mark.tf],
+         "elastic": [pytest.mark.tf, pytest.mark.ssh],
          "controller": [pytest.mark.ssh],
          "control_path": [pytest.mark.ssh], "checkpoints": [pytest.mark.ssh, pytest.mark.tf]}
 
