@@ -284,22 +284,20 @@ class Supervisor:
         """Record the cluster's price an hour for the run's cost (``status``). Reading the
         Billing Catalog may take seconds (and is read at most once a day): never on the way
         to the first step. A failure leaves the run without a cost; it never ends the run."""
-        def price() -> None:
-            try:
-                self._price(run_id, online=True)
-            except Exception as exc:
-                self._say(f"the run's cost is not counted: {type(exc).__name__}: "
-                          f"{str(exc)[:300]}")
-
-        threading.Thread(target=price, name="orchestrate-price", daemon=True).start()
+        threading.Thread(target=self._price, args=(run_id,), kwargs={"online": True},
+                         name="orchestrate-price", daemon=True).start()
 
     def _price(self, run_id: str, *, online: bool) -> None:
-        """Price the cluster now (static hosts: with the GPUs their tasks reported so far)."""
-        with self._price_lock:
-            counted = sum(self._gpus_seen.values()) if self._gpus_seen else None
-            found = cost.lookup_price(self.spec, online=online, gpus_counted=counted)
-            if found is not None:
-                self.store.set_price(run_id, found.to_json())
+        """Price the cluster now (static hosts: with the GPUs their tasks reported so far). A
+        failure is said and leaves the run without a cost; it never ends the run."""
+        try:
+            with self._price_lock:
+                counted = sum(self._gpus_seen.values()) if self._gpus_seen else None
+                found = cost.lookup_price(self.spec, online=online, gpus_counted=counted)
+                if found is not None:
+                    self.store.set_price(run_id, found.to_json())
+        except Exception as exc:
+            self._say(f"the run's cost is not counted: {type(exc).__name__}: {str(exc)[:300]}")
 
     def _count_gpus(self, run_id: str, w: Watched, event: Event) -> None:
         """A static host's task says the GPUs it sees as it connects: its machine's count (the
@@ -309,10 +307,7 @@ class Supervisor:
         if not isinstance(gpus, int) or self._gpus_seen.get(machine, -1) >= gpus:
             return
         self._gpus_seen[machine] = gpus
-        try:
-            self._price(run_id, online=False)
-        except Exception as exc:  # the price is the run's cost, never the run
-            self._say(f"the run's cost is not counted: {type(exc).__name__}: {str(exc)[:300]}")
+        self._price(run_id, online=False)
 
     def _attempts(self, run_id: str, attach: bool, resume: bool) -> dict[str, Event]:
         """Every attempt, restarting the group on a retryable failure, until one succeeds."""
@@ -474,7 +469,7 @@ class Supervisor:
         marks["checkpoint_ready"] = time.time()
         self.store.start_attempt(run_id, number, [])  # _launch adds each task as it starts
         if self._left_out:
-            self.store.update_attempt(run_id, number, resized=self._resized_text())
+            self.store.update_attempt(run_id, number, resized=self._resized_text(plan))
         self._launched = []
         try:
             with self._provider_says():  # what the launch waits for (a group's deletion)
@@ -1133,9 +1128,9 @@ class Supervisor:
                     if name in self._left_out:
                         self._returned[name] = host
 
-    def _resized_text(self) -> str:
+    def _resized_text(self, plan: ClusterPlan) -> str:
         """What an attempt of an elastic group on fewer workers records: how many, and why."""
-        left = len(self._sized()[1])
+        left = len(plan.tasks)
         why = "; ".join(f"{name}: {' '.join(message.split())}"
                         for name, message in sorted(self._left_out.items()))
         return f"{left} of {self.spec.workers} workers (without {why})"
