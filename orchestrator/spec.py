@@ -1060,7 +1060,7 @@ class CostSettings(Model):
 
 class Elastic(Model):
     """Keep training on fewer machines when one cannot come back (see orchestrator/elastic.py):
-    static hosts and gcp for now."""
+    static hosts, gcp and slurm for now."""
 
     min_workers: int = Field(
         ge=1, le=1024,
@@ -1277,8 +1277,8 @@ class ClusterSpec(Model):
                           fix=f"set elastic.min_workers to {workers} or fewer")
         provider = info.data.get("provider")
         if provider is not None and not isinstance(
-                provider, (StaticProvider, GcpProvider, LocalProvider)):
-            raise Invalid(f"elastic groups work on static hosts and gcp for now, not on "
+                provider, (StaticProvider, GcpProvider, SlurmProvider, LocalProvider)):
+            raise Invalid(f"elastic groups work on static hosts, gcp and slurm for now, not on "
                           f"{provider.kind} (where a lost node is replaced, or the run fails "
                           "as before)", fix="remove elastic")
         if info.data.get("separate_chief"):

@@ -407,6 +407,7 @@ class Supervisor:
             self._say(f"could not stop the warm tasks: {type(exc).__name__}: {exc}")
         finally:
             self._grow_stop.set()
+            self._give_up_left_out()
             if self._mirror is not None:
                 self._mirror.close()
             if self._boards is not None:
@@ -1127,6 +1128,19 @@ class Supervisor:
                 with self._elastic_lock:
                     if name in self._left_out:
                         self._returned[name] = host
+
+    def _give_up_left_out(self) -> None:
+        """The run is over: its provider stops asking for the hosts it went on without (once
+        the grow check in flight, if any, is done)."""
+        if self._grow_thread is not None:
+            self._grow_thread.join(min(self.provider.return_probe_s, 30.0) + 10.0)
+        with self._elastic_lock:
+            names = sorted(set(self._left_out) - set(self._returned))
+        for name in names:
+            try:
+                self.provider.give_up(self._host(name))
+            except OrchestratorError as exc:
+                self._say(f"could not withdraw the request for {name}: {exc}")
 
     def _resized_text(self, plan: ClusterPlan) -> str:
         """What an attempt of an elastic group on fewer workers records: how many, and why."""

@@ -25,7 +25,7 @@ pytest_plugins = ["hostlab", "slurmlab", "podlab", "kubecluster"]
 TF_LANE_A, TF_LANE_B = "tf-a", "tf-b"
 TF_LANE_B_FILES = {"test_keras3_e2e.py", "test_checkpoint_storage.py", "test_container_e2e.py",
                    "test_recovery_local.py", "test_keras3_worker.py", "test_gcp_e2e.py",
-                   "test_bulk_transfer.py", "test_live_view.py", "test_elastic.py"}
+                   "test_bulk_transfer.py", "test_live_view.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)

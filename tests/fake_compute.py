@@ -310,7 +310,9 @@ class FakeCompute:
 
     def set_quota(self, region: str, metric: str, limit: int, *, at_request: bool = False) -> None:
         """At most ``limit`` instances in ``region``; more fail with QUOTA_EXCEEDED of ``metric``
-        inside the operation, or (``at_request``) as HTTP 403 ``quotaExceeded`` at the request."""
+        inside the operation, or (``at_request``) as HTTP 403 ``quotaExceeded`` at the request.
+        A stopped VM's start fails the same way inside its operation where ``limit`` others
+        run (a TERMINATED VM holds no CPU or GPU quota)."""
         with self._cv:
             self._quota[region] = (metric, limit, at_request)
 
@@ -776,6 +778,14 @@ class FakeCompute:
                     return None
                 if zone in self._exhausted:
                     return _stockout(project, zone)
+                region = zone.rsplit("-", 1)[0]
+                if region in self._quota:  # a stopped VM holds no CPU or GPU quota: it needs it
+                    metric, limit, _ = self._quota[region]
+                    running = sum(v is not vm and v.zone.rsplit("-", 1)[0] == region
+                                  and v.body["status"] not in (*STOPPED, "SUSPENDED")
+                                  for v in self._vms.values())
+                    if running + 1 > limit:
+                        return _quota_error(metric, limit, region)
                 vm.body["status"] = "STAGING"
             return None
 

@@ -51,8 +51,10 @@ def test_a_smaller_group_keeps_what_its_policy_says(policy: str, per_replica: in
     ("elastic: {min_workers: 2}\nseparate_chief: true", "separate_chief gives it a task",
      "remove separate_chief"),
     ("elastic: {min_workers: 2, max_workers: 4}", "max_workers", ""),
-    ("elastic: {min_workers: 2}\nprovider: {kind: slurm, partition: gpu}",
-     "elastic groups work on static hosts and gcp for now, not on slurm", "remove elastic"),
+    ("elastic: {min_workers: 2}\ncontainer: {image: orchestrate-worker:0.1.0}\n"
+     "provider: {kind: kubernetes, namespace: ml, volume: {claim: shared}}",
+     "elastic groups work on static hosts, gcp and slurm for now, not on kubernetes",
+     "remove elastic"),
 ])
 def test_an_elastic_section_that_cannot_work_is_refused_with_its_fix(
         text: str, said: str, fix: str) -> None:

@@ -25,7 +25,7 @@ from orchestrator.providers.base import HostHealth
 from orchestrator.providers.gcp.billing import ENDPOINT_ENV as BILLING_ENDPOINT_ENV
 from orchestrator.providers.gcp.compute import ENDPOINT_ENV
 from orchestrator.providers.gcp.provider import GcpProvider
-from orchestrator.view import RunView
+from orchestrator.view import RunResult, RunView
 
 pytestmark = [pytest.mark.ssh, pytest.mark.netns]
 REPO = Path(__file__).resolve().parent.parent
@@ -265,6 +265,41 @@ def test_a_restarted_vm_is_reached_with_the_host_key_recorded_at_creation(
     cluster.down()
 
 
+def elastic_run(tmp_path: Path, hostlab: HostLab, lab_hosts: list[LabHost],
+                lose: Callable[[], None], back: Callable[[], None],
+                **job: object) -> tuple[Cluster, Path, RunResult, list[str]]:
+    """A paced elastic run of 3 spot VMs: ``lose`` at worker:2's step 15 (gcp-e2e-2 must not
+    come back), ``back`` once the group trains on 2, and the run released once it is 3 again;
+    its cluster, spec path, result and what was done."""
+    path = write_spec(tmp_path, hostlab,
+                      job={"module": "tests.workloads.paced_digits", "epochs": 1,
+                           "steps_per_epoch": 120, "progress_every_steps": 1, **job},
+                      checkpoint={"every_steps": 10},
+                      retry={"max_restarts": 2, "backoff_initial_s": 0.5, "backoff_max_s": 2},
+                      timeouts={"stop_grace_s": 20, "repair_s": 5},
+                      elastic={"min_workers": 2, "grow_check_s": 1},
+                      env={"DIGITS_PACE_S": "0.25"})
+    done: list[str] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if event is None or event.kind not in ("progress", "started"):
+            return
+        if event.attempt == 1 and event.kind == "progress" and event.task == "worker:2" \
+                and event.get("step") >= 15 and "lost" not in done:
+            done.append("lost")
+            lose()
+        elif event.attempt == 2 and event.kind == "progress" and "back" not in done:
+            done.append("back")  # the group trains on 2
+            back()
+        elif event.attempt == 3 and event.kind == "started" and "released" not in done:
+            done.append("released")
+            for lab in lab_hosts:
+                release_run(paths.host_root(lab.home, "gcp-e2e"), view.run_id)
+
+    cluster = Cluster.from_spec(path)
+    return cluster, path, cluster.train(listener=listener).wait(), done
+
+
 @pytest.mark.tf
 def test_an_elastic_group_goes_on_without_a_vm_no_zone_can_restart_and_grows_back_when_one_can(
         hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path,
@@ -275,39 +310,19 @@ def test_an_elastic_group_goes_on_without_a_vm_no_zone_can_restart_and_grows_bac
     each replica's batch (keep_per_replica: the global batch and the learning rate shrink).
     Capacity back, the grow check re-creates the VM and the group grows to 3 again at a planned
     stop. No step redone, one model."""
-    path = write_spec(tmp_path, hostlab,
-                      job={"module": "tests.workloads.paced_digits", "epochs": 1,
-                           "steps_per_epoch": 120, "progress_every_steps": 1,
-                           "per_replica_batch_size": 16},
-                      checkpoint={"every_steps": 10},
-                      retry={"max_restarts": 2, "backoff_initial_s": 0.5, "backoff_max_s": 2},
-                      timeouts={"stop_grace_s": 20, "repair_s": 5},
-                      elastic={"min_workers": 2, "grow_check_s": 1},
-                      env={"DIGITS_PACE_S": "0.25"})
-    zone, done = "us-central1-a", []
+    zone = "us-central1-a"
 
-    def listener(view: RunView, event: Event | None) -> None:
-        if event is None or event.kind not in ("progress", "started"):
-            return
-        if event.attempt == 1 and event.kind == "progress" and event.task == "worker:2" \
-                and event.get("step") >= 15 and "preempted" not in done:
-            done.append("preempted")
-            fake.exhaust(zone)
-            fake.preempt("gcp-e2e-2")
-        elif event.attempt == 2 and event.kind == "progress" and "capacity" not in done:
-            done.append("capacity")  # the group trains on 2: the zone has room again
-            fake.exhaust(zone, False)
-        elif event.attempt == 3 and event.kind == "started" and "released" not in done:
-            done.append("released")
-            for lab in lab_hosts:
-                release_run(paths.host_root(lab.home, "gcp-e2e"), view.run_id)
+    def lose() -> None:
+        fake.exhaust(zone)
+        fake.preempt("gcp-e2e-2")
 
-    cluster = Cluster.from_spec(path)
     try:
-        result = cluster.train(listener=listener).wait()
+        cluster, path, result, done = elastic_run(
+            tmp_path, hostlab, lab_hosts, lose, lambda: fake.exhaust(zone, False),
+            per_replica_batch_size=16)
     finally:
         fake.exhaust(zone, False)
-    assert done == ["preempted", "capacity", "released"], done
+    assert done == ["lost", "back", "released"], done
     first, second, third = result.attempts
     seen = [(a.number, a.status, a.cause, a.failed_task, a.detail, a.resized, a.last_step,
              a.resumed_from_step, a.steps_lost) for a in result.attempts]
@@ -336,4 +351,40 @@ def test_an_elastic_group_goes_on_without_a_vm_no_zone_can_restart_and_grows_bac
     assert len(result.digests) == 3
     down = cli("down", str(path), home=orchestrate_home, endpoint=fake.url)
     assert down.returncode == 0, down.stdout + down.stderr
+    assert fake.instances(LABEL) == []
+
+@pytest.mark.tf
+def test_an_elastic_group_goes_on_without_a_vm_the_quota_cannot_start_and_grows_back_after(
+        hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path) -> None:
+    """The quota case: a spot VM preempted while the region's quota is taken by other VMs (its
+    start fails inside the operation with QUOTA_EXCEEDED, as Compute Engine's does: a stopped
+    VM holds no CPU quota). The run goes on with 2 workers; the quota raised, the grow check
+    starts the same VM again, and the group grows back to 3 at a planned stop."""
+    region = "us-central1"
+
+    def lose() -> None:
+        fake.set_quota(region, "CPUS", 2)  # the two VMs left use it all
+        fake.preempt("gcp-e2e-2")
+
+    cluster, _, result, done = elastic_run(tmp_path, hostlab, lab_hosts, lose,
+                                           lambda: fake.set_quota(region, "CPUS", 3))
+    try:
+        assert done == ["lost", "back", "released"], done
+        first, second, third = result.attempts
+        seen = [(a.number, a.status, a.cause, a.detail, a.resized) for a in result.attempts]
+        assert (first.cause, first.failed_task, first.steps_lost) == \
+            ("preempted", "worker:2", 0), seen
+        assert second.resized.startswith(
+            "2 of 3 workers (without gcp-e2e-2: starting VM gcp-e2e-2 failed: QUOTA_EXCEEDED: "
+            "Quota 'CPUS' exceeded. Limit: 2.0 in region us-central1."), seen
+        assert [t.host for t in second.tasks] == ["gcp-e2e-0", "gcp-e2e-1"], seen
+        assert (second.status, second.cause, second.steps_lost) == ("stopped", "resized", 0), seen
+        assert third.resumed_from_step == second.last_step, seen
+        assert [t.host for t in third.tasks] == ["gcp-e2e-0", "gcp-e2e-1", "gcp-e2e-2"], seen
+        # the same VM started again, never deleted nor re-created
+        assert fake.calls["instances.bulkInsert"] == 1 and fake.calls["instances.start"] >= 2
+        assert result.status == "succeeded" and len(set(result.digests.values())) == 1
+        assert len(result.digests) == 3
+    finally:
+        cluster.down()
     assert fake.instances(LABEL) == []

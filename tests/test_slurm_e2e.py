@@ -284,6 +284,111 @@ def test_a_lost_node_with_no_node_to_take_its_place_says_what_it_waited_for(
 
 
 @pytest.mark.tf
+def test_a_lost_node_with_no_spare_shrinks_an_elastic_group_and_its_return_grows_it_back(
+        slurm: SlurmLab, tmp_path: Path) -> None:
+    """3 workers on the partition's 3 nodes, n3 killed (elastic, keep_per_replica): no node can
+    take its place within timeouts.repair_s, so the group goes on with 2 from the chief's
+    snapshot while the one-node replacement stays queued; n3's slurmd back, Slurm returns it to
+    service and starts the replacement there, the grow check finds it running, every task saves
+    at one step and the group goes on with 3 from that step: one model on all three."""
+    path = slurm_spec(tmp_path, slurm, "slurm-elastic", """\
+        job: {module: tests.workloads.paced_digits, epochs: 1, steps_per_epoch: 200,
+              progress_every_steps: 1, per_replica_batch_size: 16}
+        env: {DIGITS_PACE_S: "0.2"}
+        checkpoint: {every_steps: 10}
+        retry: {max_restarts: 1, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 30, repair_s: 10}
+        elastic: {min_workers: 2, grow_check_s: 2}
+        """)
+    cluster = Cluster.from_spec(path)
+    cluster.up()
+    (job,) = our_jobs(slurm)
+    n1, n2, n3 = slurm.nodes
+    done: list[str] = []
+    seen: list[RunView] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        seen[:] = [view]
+        if event is None or event.kind not in ("progress", "started"):
+            return
+        if (event.attempt == 1 and event.kind == "progress" and event.task == "worker:2"
+                and event.get("step") >= 12 and "killed" not in done):
+            done.append("killed")
+            slurm.kill_node(n3.name)
+        elif event.attempt == 2 and event.kind == "progress" and "back" not in done:
+            done.append("back")  # the group trains on 2: n3's slurmd starts again
+            slurm.start_node(n3.name)
+        elif event.attempt == 3 and event.kind == "started" and "released" not in done:
+            done.append("released")
+            release_run(cluster.provider.hosts()[0].root, view.run_id)
+
+    try:
+        result = cluster.train(listener=listener).wait()
+        assert done == ["killed", "back", "released"], done
+        first, second, third = result.attempts
+        assert (first.cause, first.failed_task) == ("host_lost", "worker:2"), first.detail
+        assert second.resized.startswith("2 of 3 workers (without slurm-elastic-2: "), \
+            second.resized
+        assert "it stays queued, and the group grows back when it runs" in second.resized
+        assert [t.endpoint.rsplit(":", 1)[0] for t in second.tasks] == [n1.address, n2.address]
+        assert (second.status, second.cause) == ("stopped", "resized"), second.detail
+        assert third.resumed_from_step == second.last_step and second.steps_lost == 0
+        # the replacement ran where the lost node came back: n3, an allocation of its own
+        assert [t.endpoint.rsplit(":", 1)[0] for t in third.tasks] == \
+            [n1.address, n2.address, n3.address]
+        jobs = {j["id"]: j for j in our_jobs(slurm)}
+        assert job["id"] in jobs and len(jobs) == 2, jobs
+        sizes = [(3, 48), (2, 32), (3, 48)]  # keep_per_replica: the global batch follows
+        for number, attempt in enumerate(result.attempts):
+            for task in attempt.tasks:
+                built = next(e for e in events_of(task.log) if e.kind == "built")
+                assert (built.get("replicas"), built.get("global_batch_size")) == sizes[number]
+        assert result.status == "succeeded" and len(result.digests) == 3
+        assert len(set(result.digests.values())) == 1
+        messages = seen[0].messages
+        assert any("going on without slurm-elastic-2" in m for m in messages), messages
+    finally:
+        report = cluster.down()
+    assert sum("allocation" in r for r in report.removed) == 2, report
+    assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
+
+
+def test_an_elastic_run_that_ends_small_withdraws_its_queued_replacement(
+        slurm: SlurmLab, tmp_path: Path) -> None:
+    """A command job, elastic: n3 killed, the group goes on with 2 while n3's replacement waits
+    in the queue; the run ends before the node is back, and the replacement is cancelled then
+    (nothing starts later to hold a node for no task), the allocation held for 'down'."""
+    path = slurm_spec(tmp_path, slurm, "slurm-withdraw", """\
+        job: {command: "sleep 8"}
+        retry: {max_restarts: 1, backoff_initial_s: 0.5, backoff_max_s: 2}
+        timeouts: {stop_grace_s: 2, repair_s: 5}
+        elastic: {min_workers: 2, grow_check_s: 1}
+        """)
+    cluster = Cluster.from_spec(path)
+    cluster.up()
+    (job,) = our_jobs(slurm)
+    started: list[str] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if event is not None and event.kind == "started" and event.attempt == 1:
+            started.append(event.task)
+            if len(started) == 3:
+                slurm.kill_node(slurm.nodes[2].name)
+
+    try:
+        result = cluster.train(listener=listener).wait()
+        assert result.status == "succeeded", [(a.cause, a.detail) for a in result.attempts]
+        first, second = result.attempts
+        assert first.cause == "host_lost" and "it stays queued" in second.resized, \
+            (first.detail, second.resized)
+        left = [j["id"] for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")]
+        assert left == [job["id"]]  # the replacement withdrawn; the allocation held
+    finally:
+        cluster.down()
+    assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
+
+
+@pytest.mark.tf
 def test_slurms_sigterm_to_the_steps_saves_every_task_at_one_step(
         slurm: SlurmLab, tmp_path: Path) -> None:
     """As a preemption with GraceTime (or ``scancel --signal=TERM``) does: TERM to every step

@@ -171,6 +171,11 @@ class Provider(ABC):
         self.up()
         return next(h for h in self.hosts() if h.name == host.name)
 
+    def give_up(self, host: Host) -> None:
+        """An elastic run ended without ``host``: withdraw what still asks for it (a
+        scheduler's queued replacement), so that nothing starts later to stand unused;
+        default: nothing is left asking (a repair is a call that returns)."""
+
     def start_group(self, plan: ClusterPlan) -> list[TaskHandle] | None:
         """Start every task of ``plan`` at once, where the scheduler starts a group as one
         object (a Kubernetes JobSet), and return their handles in the plan's order; None

@@ -45,6 +45,7 @@ SIGNAL_SLACK_S = 90
 # slurmd does not answer within Slurm's MessageTimeout, 10 s by default) long before slurmctld
 # marks it DOWN (SlurmdTimeout, 300 s by default).
 PROBE_S = 60
+NO_NODE = "Requested node configuration is not available"  # sbatch: no node could ever run it
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
 # What a pending job's reason means, and what to do about it (squeue's %r, Slurm's
@@ -194,6 +195,9 @@ class SlurmProvider(SSHHostsProvider):
     # Not yet: a warm task shares its attempt's log and exit-code files, and on Slurm it would
     # wait in an allocation that 'renew' may replace before it is told to go.
     warm_tasks = False
+    # An elastic group's check finds its replacement still queued, or running: a look, not a
+    # wait (the job keeps its place in the queue between checks).
+    return_probe_s = 5.0
     config: specs.SlurmProvider
 
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
@@ -283,7 +287,10 @@ class SlurmProvider(SSHHostsProvider):
                 self._job = {"job_id": str(document["job_id"]),
                              "submitted": bool(document["submitted"]),
                              "replacements": [str(j) for j in document.get("replacements", [])],
-                             "lost": [str(n) for n in document.get("lost", [])]}
+                             "lost": [str(n) for n in document.get("lost", [])],
+                             "waiting": {str(name): {"job": str(w["job"]),
+                                                     "exclude": [str(n) for n in w["exclude"]]}
+                                         for name, w in document.get("waiting", {}).items()}}
         return self._job
 
     def _save(self, hosts: Sequence[Host]) -> None:
@@ -327,10 +334,9 @@ class SlurmProvider(SSHHostsProvider):
                    f"--nodes={nodes or self.spec.num_tasks}",
                    "--ntasks-per-node=1", "--no-kill", f"--output={root}/slurm-%j.out"]
         extra = [o for o in config.sbatch if not o.startswith("--exclude=")]
-        excluded = [*(o.split("=", 1)[1] for o in config.sbatch if o.startswith("--exclude=")),
-                    *exclude]  # the user's own --exclude and the group's nodes, in one option
+        excluded = self._excluded(exclude)
         if excluded:
-            options.append(f"--exclude={','.join(excluded)}")
+            options.append(f"--exclude={excluded}")
         for flag, value in (("--partition", config.partition), ("--account", config.account),
                             ("--qos", config.qos), ("--time", config.time),
                             ("--constraint", config.constraint)):
@@ -342,6 +348,11 @@ class SlurmProvider(SSHHostsProvider):
         # saves at one step, and the run goes on in a new allocation ('renew').
         options.append(f"--signal=TERM@{self.warning_s}")
         return [*options, *extra, "--wrap=exec sleep infinity"]
+
+    def _excluded(self, exclude: Sequence[str]) -> str:
+        """The user's own --exclude and the group's nodes, as one option's value."""
+        return ",".join([*(o.split("=", 1)[1] for o in self.config.sbatch
+                           if o.startswith("--exclude=")), *exclude])
 
     @property
     def warning_s(self) -> int:
@@ -419,7 +430,7 @@ class SlurmProvider(SSHHostsProvider):
     def _cancel_replacements(self) -> None:
         for job_id in self._job.get("replacements", []):
             self.slurm.cancel(job_id)
-        self._job = {**self._job, "replacements": [], "lost": []}
+        self._job = {**self._job, "replacements": [], "lost": [], "waiting": {}}
 
     def _allocation(self, root: str) -> Job:
         """The cluster's running allocation: the recorded one, else a new one, waited for."""
@@ -442,10 +453,12 @@ class SlurmProvider(SSHHostsProvider):
         assert job_id is not None
         return self._wait_running(job_id, self.config.queue_timeout_s, "provider.queue_timeout_s")
 
-    def _wait_running(self, job_id: str, timeout_s: float, timeout_field: str) -> Job:
+    def _wait_running(self, job_id: str, timeout_s: float, timeout_field: str, *,
+                      keep: bool = False, since: float | None = None) -> Job:
         """Wait for the job to run, saying why it waits; a job that cannot run (a reason
-        that never clears, or still pending after ``timeout_s``) is cancelled."""
-        deadline = time.monotonic() + timeout_s
+        that never clears, or still pending ``timeout_s`` after ``since``, default now) is
+        cancelled, except that ``keep`` leaves one that is only still pending in the queue."""
+        deadline = (time.monotonic() if since is None else since) + timeout_s
         wait, said = QUEUE_POLL_S[0], ""
         while True:
             job = self.slurm.job(job_id)
@@ -465,6 +478,12 @@ class SlurmProvider(SSHHostsProvider):
             if now != said:
                 self.progress(f"allocation {job_id} {now} ({explain(job.reason)})")
                 said = now
+            if time.monotonic() > deadline and keep:
+                raise ProviderError(
+                    f"allocation {job_id} did not start within {timeout_s:.0f}s "
+                    f"({job.reason}: {explain(job.reason)}); it stays queued, and the group "
+                    "grows back when it runs",
+                    fix=f"wait, or raise {timeout_field}; 'sinfo' shows what is free")
             if time.monotonic() > deadline:
                 self._cancel_ours(job_id)
                 raise ProviderError(
@@ -481,7 +500,9 @@ class SlurmProvider(SSHHostsProvider):
         replacements = self._job.get("replacements", [])
         if job_id in replacements:
             self.slurm.cancel(job_id)
-            self._record(replacements=[j for j in replacements if j != job_id])
+            self._record(replacements=[j for j in replacements if j != job_id],
+                         waiting={name: w for name, w in self._job.get("waiting", {}).items()
+                                  if w["job"] != job_id})
         elif self._job.get("job_id") == job_id and self._job.get("submitted"):
             self.slurm.cancel(job_id)
             self._job = {}
@@ -530,26 +551,101 @@ class SlurmProvider(SSHHostsProvider):
             elif free:
                 hosts.append(self._node_host(name, job.id, free.pop(0), root))
             else:
-                # Not a lost node while it is in the allocation; one Slurm took out and
-                # returned to service (ReturnToService) may be the replacement.
-                others = [n for n in (*nodes, *(h.node for h in kept.values()),
-                                      *(h.node for h in hosts)) if n]
-                hosts.append(self._replacement(name, root, sorted(set(others)),
-                                               replace_within_s))
+                # Not a lost node while it is in the allocation and Slurm still takes it for
+                # fit (a replacement could start on a dead node); one Slurm marks down is
+                # scheduled on again only once it is back in service (ReturnToService), and
+                # may then be the replacement.
+                others = {n for n in (*nodes, *(h.node for h in kept.values()),
+                                      *(h.node for h in hosts)) if n}
+                suspects = (others & lost) - self._down(lost)
+                hosts.append(self._replacement(name, root, sorted(others - (lost - suspects)),
+                                               replace_within_s, suspects))
         return hosts
 
+    def _down(self, nodes: set[str]) -> set[str]:
+        """Those of ``nodes`` that Slurm marks down or not responding."""
+        if not nodes:
+            return set()
+        states = self.slurm.nodes(sorted(nodes))
+        return {n for n in nodes if node_down(states.get(n, {}).get("State", ""))}
+
     def _replacement(self, name: str, root: str, exclude: Sequence[str],
-                     within_s: float) -> Host:
-        """A one-node allocation for ``name``'s task, on none of ``exclude``."""
-        job_id = self.slurm.submit(self.sbatch_options(root, nodes=1, exclude=exclude))
-        self._record(replacements=[*self._job.get("replacements", []), job_id])
-        self.progress(f"{name}: submitted replacement allocation {job_id} (1 node, not "
-                      f"{','.join(exclude)}) {self.where}")
-        job = self._wait_running(job_id, within_s, "timeouts.repair_s")
+                     within_s: float, suspects: set[str]) -> Host:
+        """A one-node allocation for ``name``'s task, on none of ``exclude`` (of which
+        ``suspects`` are lost nodes Slurm does not mark down yet: ``_submit_replacement``).
+
+        An elastic group (which goes on without the task meanwhile) keeps one that is still
+        pending after ``within_s`` queued, for the next call to find: it keeps its place in
+        the queue, and its --exclude follows the group's nodes as they change (``scontrol
+        update``): a lost node that Slurm took out of the allocation may be the one it gets.
+        """
+        started = time.monotonic()
+        standing = self._job.get("waiting", {}).get(name)
+        job = self.slurm.job(standing["job"]) if standing else None
+        if standing is not None and job is not None and not job.ended:
+            job_id = standing["job"]
+            if sorted(standing["exclude"]) != sorted(exclude):
+                self.slurm.run(["scontrol", "update", f"JobId={job_id}",
+                                f"ExcNodeList={self._excluded(exclude)}"],
+                               what="scontrol update")
+                self._record(waiting={**self._job.get("waiting", {}),
+                                      name: {"job": job_id, "exclude": list(exclude)}})
+        else:
+            job_id, exclude = self._submit_replacement(root, exclude, suspects, within_s)
+            self._record(replacements=[*self._job.get("replacements", []), job_id],
+                         waiting={**self._job.get("waiting", {}),
+                                  name: {"job": job_id, "exclude": list(exclude)}})
+            self.progress(f"{name}: submitted replacement allocation {job_id} (1 node, not "
+                          f"{','.join(exclude)}) {self.where}")
+        job = self._wait_running(job_id, within_s, "timeouts.repair_s",
+                                 keep=self.spec.elastic is not None, since=started)
         node = self.slurm.hostnames(job.nodes)[0]
-        self._record(lost=[n for n in self._job.get("lost", []) if n != node])
+        self._record(lost=[n for n in self._job.get("lost", []) if n != node],
+                     waiting={n: w for n, w in self._job.get("waiting", {}).items()
+                              if n != name})
         self.progress(f"{name}: replacement allocation {job_id} runs on node {node}")
         return self._node_host(name, job_id, node, root)
+
+    def _submit_replacement(self, root: str, exclude: Sequence[str], suspects: set[str],
+                            within_s: float) -> tuple[str, list[str]]:
+        """sbatch a one-node allocation on none of ``exclude``; its id, and what it excludes.
+
+        Where that is every node of the partition, sbatch refuses it. Some of them may be
+        ``suspects``: lost nodes that Slurm does not mark down yet (it does within its
+        SlurmdTimeout), excluded only so that nothing starts on a dead node meanwhile; they are
+        waited for, within ``within_s``, and asked again without those Slurm then marks down.
+
+        Raises:
+            ProviderError: sbatch refused it, and no suspect was marked down in time.
+        """
+        deadline = time.monotonic() + within_s
+        exclude, waiting = list(exclude), set(suspects)
+        while True:
+            try:
+                return self.slurm.submit(self.sbatch_options(root, nodes=1, exclude=exclude)), \
+                    exclude
+            except ProviderError as exc:
+                if NO_NODE not in exc.message or not waiting:
+                    raise
+                if time.monotonic() > deadline:
+                    raise ProviderError(
+                        f"no node outside the group can run its task: every node of the "
+                        f"partition is the group's, and Slurm does not mark lost node(s) "
+                        f"{', '.join(sorted(waiting))} down yet (it does after its "
+                        f"SlurmdTimeout); {exc.message}",
+                        fix="raise timeouts.repair_s above Slurm's SlurmdTimeout ('scontrol "
+                        "show config'), or use a partition with a node to spare") from None
+            time.sleep(1.0)
+            down = self._down(waiting)
+            if down:
+                self.progress(f"Slurm marks node(s) {', '.join(sorted(down))} down")
+            exclude, waiting = [n for n in exclude if n not in down], waiting - down
+
+    def give_up(self, host: Host) -> None:
+        """The replacement still queued for ``host``'s task is cancelled."""
+        standing = self._load().get("waiting", {}).get(host.name)
+        if standing is not None:
+            self._cancel_ours(standing["job"])
 
     # -- up / hosts / down -----------------------------------------------------------------
     def up(self) -> list[Host]:

@@ -225,6 +225,13 @@ class Fleet:
             errors = self.wait(ref, f"start VM {vm.name}")
             if {e.code for e in errors} & STOCKOUT_CODES:
                 self.delete([vm])
+            elif {e.code for e in errors} & QUOTA_CODES:  # another zone's VM needs it too
+                named = QUOTA_NAME.search(next(e for e in errors if e.code in QUOTA_CODES).message)
+                quota = f"{named[1]} quota in region {named[2]}" if named else "quota"
+                raise ProviderError(
+                    f"starting VM {vm.name} failed: {_describe(errors)}",
+                    fix=f"request more {quota} (console: IAM & Admin > Quotas), or stop other "
+                    "VMs of the region")
             elif errors:
                 raise ProviderError(f"starting VM {vm.name} failed: {_describe(errors)}",
                                     fix="look at the VM in the console, or delete it and run "
