@@ -325,6 +325,8 @@ class Supervisor:
         if attach:
             self._causes.update(Cause(a.cause) for a in previous
                                 if a.cause in Cause._value2member_map_)
+            if previous and previous[-1].resized and self.spec.elastic is not None:
+                self._left_out_by(previous[-1])
             attach = self._attachable(run_id, previous)
         base = len(previous)
         self._resumed_at = base + 1 if resume else 0
@@ -353,7 +355,7 @@ class Supervisor:
         goes on with its next attempt."""
         last = previous[-1] if previous else None
         if last is not None and last.status == "running" and \
-                len(last.tasks) >= self.spec.num_tasks:
+                len(last.tasks) >= self._sized()[0].num_tasks:
             return True
         if last is None or last.status != "running":
             self._say(f"run {run_id} has no attempt running to take over (its controller "
@@ -1105,10 +1107,35 @@ class Supervisor:
             self._left_out[name] = failure.message
         self._say(f"going on without {name} (elastic): {elastic.describe(self.spec, left)}, "
                   f"instead of {self.spec.workers}")
-        if policy.grow_check_s > 0 and self._grow_thread is None:
+        self._start_growing()
+
+    def _start_growing(self) -> None:
+        """The grow check's thread, once (``elastic.grow_check_s``: 0 is never)."""
+        policy = self.spec.elastic
+        if policy is not None and policy.grow_check_s > 0 and self._grow_thread is None:
             self._grow_thread = threading.Thread(target=self._check_for_returns,
                                                  name="orchestrate-grow", daemon=True)
             self._grow_thread.start()
+
+    def _left_out_by(self, attempt: AttemptRecord) -> None:
+        """``train --attach`` to an attempt of an elastic group on fewer workers: the hosts it
+        runs without are left out again, each with the reason its record gives, and the
+        grow check goes on looking for them."""
+        ran = {t.host for t in attempt.tasks}
+        names = [h.name for h in self.provider.hosts() if h.name not in ran]
+        inside = attempt.resized.partition(" (without ")[2].removesuffix(")")
+        starts = sorted((inside.find(f"{name}: "), name) for name in names
+                        if inside.find(f"{name}: ") >= 0)
+        reasons = {name: inside[at + len(name) + 2:(starts[i + 1][0] - 2 if i + 1 < len(starts)
+                                                     else len(inside))]
+                   for i, (at, name) in enumerate(starts)}
+        with self._elastic_lock:
+            for name in names:
+                self._left_out[name] = reasons.get(name) or "left out by an earlier controller"
+        if names:
+            self._say(f"attempt {attempt.number} runs without {', '.join(names)} (elastic): "
+                      "looking for them again")
+            self._start_growing()
 
     def _check_for_returns(self) -> None:
         """Every ``elastic.grow_check_s``, off the training's path: ask the provider for each

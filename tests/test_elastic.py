@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from orchestrator.api import Cluster
 from orchestrator.errors import ProviderError, SpecError
 from orchestrator.events import Event
 from orchestrator.providers.local import LocalProvider
-from orchestrator.state import Store
+from orchestrator.state import AttemptRecord, Store, TaskRecord
 from orchestrator.supervisor import Supervisor
 from orchestrator.view import RunView
 
@@ -92,6 +94,14 @@ def test_a_command_job_keeps_its_own_batch() -> None:
     assert elastic.resized(command, 1).workers == 1
 
 
+def wait_for(what: str, found: Callable[[], bool], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not found():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(0.2)
+
+
 @pytest.mark.ssh
 @pytest.mark.tf
 def test_a_lost_host_shrinks_the_group_at_the_same_global_batch_and_its_return_grows_it_back(
@@ -99,8 +109,10 @@ def test_a_lost_host_shrinks_the_group_at_the_same_global_batch_and_its_return_g
     """3 hosts, the third cut off at step 15: the chief saves the step the group completed, the
     host does not come back within timeouts.repair_s, and the run goes on with 2 workers from
     that snapshot, each replica's batch 24 instead of 16 (keep_global: the global batch of 48
-    and the learning rate stay). The host back, the grow check finds it, every task saves at
-    one step, and the group goes on with 3 again from that step: one model on all three."""
+    and the learning rate stay). Its controller is killed then, and 'train --attach' takes the
+    smaller attempt over as it is, without the lost host, and looks for it again. The host
+    back, the grow check finds it, every task saves at one step, and the group goes on with 3
+    again from that step: one model on all three."""
     hosts = hostlab.hosts(3)
     path = write_spec(tmp_path, hostlab, hosts, """\
         name: elastic-e2e
@@ -113,17 +125,37 @@ def test_a_lost_host_shrinks_the_group_at_the_same_global_batch_and_its_return_g
         env: {DIGITS_PACE_S: "0.25"}
         """, user=hostlab.plain_user())
     roots = [paths.host_root(h.plain_home, "elastic-e2e") for h in hosts]
+    store = Store(orchestrate_home / "state.db")
+
+    def steps_of(attempt: int, task: int) -> list[int]:
+        runs = store.runs("elastic-e2e")
+        tasks = runs[0].attempts[attempt - 1].tasks if runs and \
+            len(runs[0].attempts) >= attempt else []
+        if len(tasks) <= task:
+            return []
+        return [e.get("step") for e in events_in(hosts[task], tasks[task].log)
+                if e.kind == "progress"]
+
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "train", str(path), "--plain"], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     done: list[str] = []
+    try:
+        wait_for("worker:2 at step 15", lambda: any(s >= 15 for s in steps_of(1, 2)))
+        hosts[2].cut()
+        wait_for("a step on 2 workers", lambda: bool(steps_of(2, 0)))
+    finally:
+        controller.kill()  # the controller dies while the group trains on 2
+        controller.wait()
+
+    seen: list[RunView] = []
 
     def listener(view: RunView, event: Event | None) -> None:
+        seen[:] = [view]
         if event is None or event.kind not in ("progress", "started"):
             return
-        if event.attempt == 1 and event.kind == "progress" and event.task == "worker:2" \
-                and event.get("step") >= 15 and "cut" not in done:
-            done.append("cut")
-            hosts[2].cut()
-        elif event.attempt == 2 and event.kind == "progress" and "restored" not in done:
-            done.append("restored")  # the group trains on 2: the host comes back
+        if event.attempt == 2 and event.kind == "progress" and "restored" not in done:
+            done.append("restored")  # the smaller group, taken over: the host comes back
             hosts[2].restore()
         elif event.attempt == 3 and event.kind == "started" and "released" not in done:
             done.append("released")
@@ -132,10 +164,13 @@ def test_a_lost_host_shrinks_the_group_at_the_same_global_batch_and_its_return_g
 
     cluster = Cluster.from_spec(path)
     try:
-        result = cluster.train(listener=listener).wait()
+        result = cluster.train(listener=listener, attach=True).wait()
     finally:
         hosts[2].heal()
-    assert done == ["cut", "restored", "released"], done
+    assert done == ["restored", "released"], done
+    messages = seen[0].messages
+    assert any(m.startswith("attempt 2 runs without elastic-e2e-2 (elastic)") for m in messages)
+    assert any("attached to attempt 2 of run" in m for m in messages), messages
     first, second, third = result.attempts
     lost = first.tasks[2].host
     # shrunk: the host cut off, not back within repair_s
@@ -189,3 +224,27 @@ def test_a_loss_that_would_leave_fewer_than_min_workers_fails_the_run_saying_so(
                                     "left, fewer than elastic.min_workers (2)")
     assert caught.value.fix == "wait"
     assert supervisor._grow_thread is None  # grow_check_s: 0, never looked for
+
+
+def test_attach_to_a_smaller_attempt_leaves_out_what_it_ran_without_with_its_reasons(
+        tmp_path: Path) -> None:
+    """What 'train --attach' reads back from the record of an attempt on fewer workers: the
+    hosts its tasks are not on, each with its own reason from ``resized``."""
+    path = tmp_path / "e.yaml"
+    path.write_text(f"workdir: {REPO}\nname: e\nworkers: 4\njob: {{module: examples.digits}}\n"
+                    "elastic: {min_workers: 2, grow_check_s: 0}\n")
+    loaded = spec.load(path)
+    supervisor = Supervisor(loaded, LocalProvider(loaded, path), Store(), workdir=REPO)
+    names = [h.name for h in supervisor.provider.hosts()]
+    tasks = [TaskRecord(task=f"worker:{i}", host=names[i], endpoint="", pgid=0, log="", rc="")
+             for i in (0, 2)]
+    resized = (f"2 of 4 workers (without {names[1]}: host {names[1]} is gone: no route; "
+               f"a: b; {names[3]}: no zone could create 1 VM(s) (x))")
+    attempt = AttemptRecord("r", 2, "running", 0.0, None, "", "", "", None, None, None, None,
+                            tasks, resized=resized)
+    supervisor._left_out_by(attempt)
+    assert supervisor._left_out == {
+        names[1]: f"host {names[1]} is gone: no route; a: b",
+        names[3]: "no zone could create 1 VM(s) (x)"}
+    sized, hosts = supervisor._sized()
+    assert (sized.workers, [h.name for h in hosts]) == (2, [names[0], names[2]])

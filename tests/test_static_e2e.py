@@ -245,7 +245,10 @@ def test_down_from_another_process_stops_a_running_job_for_good(
 
     down = cli("down", str(path), home=orchestrate_home, timeout=120)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert f"stopped {run.id} worker:" in down.stdout  # the rest the supervisor itself stops
+    # down marks the run stopped first, then stops each task still running; the supervisor,
+    # seeing the mark, stops them too, and on a busy machine may be first for both: which of
+    # the two stopped a task is not the point, that it stays stopped is (below)
+    assert "Traceback" not in down.stdout + down.stderr
     with pytest.raises(RunFailed, match="stopped by 'orchestrate down'"):
         run.wait(timeout=60)
     record = Store().get_run(run.id)

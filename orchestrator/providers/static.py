@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,8 +33,12 @@ class StaticProvider(SSHHostsProvider):
         return max(self.config.wait_for_host_s, self.config.connect_timeout_s)
 
     def hosts(self) -> list[Host]:
-        """The listed hosts; the first call asks each (in parallel) for its home directory."""
+        """The listed hosts; the first call asks each (in parallel) for its home directory,
+        except where ``up`` recorded the root of the same address and user: a later command
+        (``train --attach``, ``down``) lists a host that is down as it was."""
         hosts = self._unrooted()
+        if not self._roots:
+            self._roots.update(self._recorded_roots(hosts))
         missing = [h for h in hosts if h.name not in self._roots]
         if missing:
             found = fan_out(missing, self.resolve_root, name_of=lambda h: h.name)
@@ -68,12 +74,26 @@ class StaticProvider(SSHHostsProvider):
             for i, h in enumerate(self.config.hosts)
         ]
 
+    def _recorded_roots(self, hosts: list[Host]) -> dict[str, str]:
+        """The roots ``up`` recorded, of the hosts still listed at the same address for the same
+        user."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+            recorded = json.loads(self.hosts_file.read_text())["roots"]
+            return {h.name: str(recorded[h.name]["root"]) for h in hosts
+                    if h.name in recorded and h.ssh is not None
+                    and recorded[h.name]["address"] == h.ssh.address
+                    and recorded[h.name]["user"] == h.ssh.user}
+        return {}
+
     def up(self) -> list[Host]:
         """Check what will be uploaded, reach every host in parallel, make and mark each root,
-        sync the code and the worker package, run setup."""
+        sync the code and the worker package, run setup; the roots are recorded."""
         self.upload()
         hosts = self.hosts()
         self.prepare_all(hosts)
+        self.save_hosts([], extra={"roots": {
+            h.name: {"address": h.ssh.address, "user": h.ssh.user, "root": h.root}
+            for h in hosts if h.ssh is not None}})
         return hosts
 
     def repair(self, host: Host, deadline_s: float) -> Host:
@@ -107,5 +127,7 @@ class StaticProvider(SSHHostsProvider):
         outcomes = [r.value for r in result.succeeded if r.value is not None]
         notes = [f"{r.name}: not cleaned: {r.error}" for r in result.failed]
         notes += [text for removed, text in outcomes if not removed]
+        if not result.failed:
+            self.forget_hosts()
         return DownReport(removed=tuple(text for removed, text in outcomes if removed),
                           notes=tuple(notes))
