@@ -20,6 +20,7 @@ from slurmlab import SlurmLab
 from orchestrator.api import Cluster
 from orchestrator.errors import RunFailed
 from orchestrator.events import Event, parse_line
+from orchestrator.problems import Problem
 from orchestrator.state import Store
 from orchestrator.view import RunView
 
@@ -538,6 +539,23 @@ def test_doctor_checks_the_partition_before_any_node(slurm: SlurmLab, tmp_path: 
         assert found and found[0].blocking and fix in found[0].fix, report.problems
         # before 'up' there are no nodes: said, not blocking, and no node is asked
         assert any("no allocation yet" in p.message and not p.blocking for p in report.problems)
+    # the spares: 3 tasks on the partition's 3 nodes leave none for a lost node's task
+    spares: dict[str, list[Problem]] = {}
+    for case, workers, extra in (("none", 3, ""), ("elastic", 3, "elastic: {min_workers: 2}\n"),
+                                 ("one", 2, ""), ("a node down", 2, "")):
+        if case == "a node down":
+            slurm.run("scontrol", "update", "NodeName=n3", "State=DOWN", "Reason=test")
+        path = slurm_spec(tmp_path, slurm, "slurm-doc", body + extra, workers=workers)
+        report = Cluster.from_spec(path).doctor(tensorflow="never")
+        spares[case] = [p for p in report.problems if "none to spare" in p.message]
+    assert not spares["one"] and all(not p.blocking for ps in spares.values() for p in ps)
+    (none,), (elastic,), (down,) = spares["none"], spares["elastic"], spares["a node down"]
+    assert none.message == ("partition main has 3 node(s) up for the group's 3: none to spare, "
+                            "so a lost node's task has no node to go to, and the run fails "
+                            "after timeouts.repair_s (600s)"), none.message
+    assert "add 'elastic: {min_workers: 2}'" in none.fix, none.fix
+    assert "the group goes on with fewer meanwhile (elastic, down to 2)" in elastic.message
+    assert down.message.startswith("partition main has 2 node(s) up for the group's 2:")
 
 
 @pytest.mark.tf

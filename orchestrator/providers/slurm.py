@@ -909,6 +909,8 @@ def partition_problems(spec: ClusterSpec, config: specs.SlurmProvider, slurm: Sl
         problems.append(Problem("slurm", f"partition {name} has {nodes} node(s) for "
                                 f"{spec.num_tasks} task(s), one per node",
                                 "lower workers, or choose a larger provider.partition"))
+    elif state == "up":
+        problems += _spare_problems(spec, name, slurm)
     limit = mine[0][2]
     if config.time is not None and limit not in ("infinite", "UNLIMITED", "n/a"):
         with contextlib.suppress(ValueError):
@@ -926,6 +928,32 @@ def partition_problems(spec: ClusterSpec, config: specs.SlurmProvider, slurm: Sl
                 "provider.gpus_per_node", "lower provider.gpus_per_node, or choose a GPU "
                 "partition ('sinfo -o \"%P %G\"' shows them)"))
     return problems
+
+
+def _spare_problems(spec: ClusterSpec, partition: str, slurm: Slurm) -> list[Problem]:
+    """Whether the partition has a node up beyond the group's, for a lost node's task to go
+    to: without one, an elastic group goes on smaller until the node is back, and any other
+    fails after timeouts.repair_s (not blocking: it is how the run will fare, not a fault)."""
+    out = slurm.run(["sinfo", "--noheader", f"--partition={partition}", "--format=%D|%t"],
+                    what="sinfo")
+    up = sum(int(count) for count, _, state in (line.partition("|") for line in out.split())
+             if count.isdigit() and not node_down(state.upper()) and not any(
+                 word in state for word in ("drain", "drng", "maint", "inval", "unk", "futr")))
+    if up > spec.num_tasks:
+        return []
+    what = (f"partition {partition} has {up} node(s) up for the group's {spec.num_tasks}: "
+            "none to spare, so a lost node's task has no node to go to")
+    policy = spec.elastic
+    if policy is not None:
+        return [Problem("slurm", f"{what}; the group goes on with fewer meanwhile (elastic, "
+                        f"down to {policy.min_workers}) and grows back once a node is",
+                        "choose a provider.partition with a node to spare, to keep the "
+                        "group's size when a node is lost", blocking=False)]
+    return [Problem("slurm", f"{what}, and the run fails after timeouts.repair_s "
+                    f"({spec.timeouts.repair_s:.0f}s)",
+                    f"add 'elastic: {{min_workers: {max(1, spec.workers - 1)}}}' to go on "
+                    "with the nodes left, or choose a provider.partition with a node to spare",
+                    blocking=False)]
 
 
 def gpu_count(gres: str) -> int:
