@@ -26,6 +26,7 @@ from orchestrator.providers import REGISTRY, Provider, for_spec, provider_class
 from orchestrator.providers.gcp.provider import GcpProvider
 from orchestrator.providers.local import LocalProvider
 from orchestrator.providers.ssh_hosts import host_from_json, host_to_json, port_opens
+from orchestrator.providers.static import StaticProvider
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -132,6 +133,32 @@ def test_an_unreadable_host_cache_counts_as_none(tmp_path: Path) -> None:
     provider.hosts_file.write_text('{"hosts": [{"name": "cached-0"}]}')
     assert [h.address for h in provider.hosts()] == [
         f"cached-{i}.us-central1-a.c.test-project.internal" for i in range(2)]
+
+
+def test_the_roots_up_recorded_list_static_hosts_at_the_same_address_and_user(
+        tmp_path: Path) -> None:
+    """A later command lists a host that is down by the root 'up' recorded for it, while the
+    spec still reaches it at that address as that user; a moved host, another user or a
+    provider.root of the spec's own is asked (or read from the spec) again."""
+    key = tmp_path / "id"
+    key.write_text("not read here")
+    path = tmp_path / "static.yaml"
+    text = (f"name: s\nworkers: 3\nworkdir: {REPO}\njob: {{module: examples.digits}}\n"
+            "provider:\n  kind: static\n  hosts:\n"
+            + "".join(f"    - {{address: 192.0.2.{i}, user: u, key_file: {key}}}\n"
+                      for i in (1, 2, 3)))
+    path.write_text(text)
+    provider = StaticProvider(specs.load(path), path)
+    root = "/home/u/.orchestrate/clusters/s"
+    provider.save_hosts([], extra={"roots": {
+        "s-0": {"address": "192.0.2.1", "user": "u", "root": root},
+        "s-1": {"address": "192.0.2.9", "user": "u", "root": root},  # the host moved since
+        "s-2": {"address": "192.0.2.3", "user": "v", "root": "/home/v/x"}}})  # another user
+    assert provider._recorded_roots(provider._unrooted()) == {"s-0": root}
+    path.write_text(text.replace("  kind: static\n", "  kind: static\n  root: /data/s\n"))
+    rooted = StaticProvider(specs.load(path), path)
+    assert rooted._recorded_roots(rooted._unrooted()) == {}
+    assert {h.root for h in rooted.hosts()} == {"/data/s"}  # no host asked
 
 
 def test_the_cluster_key_pair_is_private_and_made_once(tmp_path: Path) -> None:

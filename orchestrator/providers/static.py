@@ -76,7 +76,9 @@ class StaticProvider(SSHHostsProvider):
 
     def _recorded_roots(self, hosts: list[Host]) -> dict[str, str]:
         """The roots ``up`` recorded, of the hosts still listed at the same address for the same
-        user."""
+        user; none where the spec sets ``provider.root`` (it is the root, asked of no host)."""
+        if self.config.root:
+            return {}
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
             recorded = json.loads(self.hosts_file.read_text())["roots"]
             return {h.name: str(recorded[h.name]["root"]) for h in hosts
