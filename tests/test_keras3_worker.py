@@ -185,10 +185,18 @@ def test_a_keras3_checkpoint_is_in_backup_and_restores_layout_and_verifies(
     assert sorted(p.name for p in checkpoints.iterdir()) == ["chief"]  # no workertemp_1 left
     reported = [e.get("step") for e in unbroken.events(0, "checkpoint")]
     assert reported == [20, 40, 60, 80] and not unbroken.events(1, "checkpoint")
-    proc = subprocess.run([sys.executable, "-m", "worker", "verify-checkpoint", "--dir",
+    # `python -m worker verify-checkpoint`, saying at exit which of Keras 3 and JAX it loaded:
+    # neither (tf.train reads the checkpoint; Keras 3's and JAX's imports are a third of the CPU
+    # it takes, on the recovery's path)
+    said = ("import atexit, runpy, sys; atexit.register(lambda: print('LOADED', "
+            "[m for m in ('keras', 'jax') if sys.modules.get(m)], file=sys.stderr)); "
+            "sys.argv[0] = 'worker'; runpy.run_module('worker', run_name='__main__')")
+    environment = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    proc = subprocess.run([sys.executable, "-c", said, "verify-checkpoint", "--dir",
                            str(checkpoints)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=environment)
     assert proc.returncode == 0, proc.stderr
+    assert "LOADED []" in proc.stderr.splitlines(), proc.stderr[-2000:]
     verified = json.loads(proc.stdout.splitlines()[-1])
     assert verified["ok"] and verified["rejected"] == []
     assert verified["path"] == str(checkpoints / "chief" / "ckpt-80")

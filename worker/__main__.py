@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.mode == "verify-checkpoint":
+        # Only tf.train and tf.io here: with tf.keras as tf_keras, TensorFlow's import leaves out
+        # Keras 3 (and JAX: worker/tfimport.py), about a third of its CPU on the recovery's path.
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"
         from worker.checkpoints import main as verify_main
 
         return verify_main(args.dir)
