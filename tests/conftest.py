@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import cpumeter
 import pytest
 
 from orchestrator.remote import netns
@@ -65,13 +66,45 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         sys.modules["containers"].stop_background_build()
 
 
+_METER = cpumeter.Meter()  # this pytest process's cgroup: the CPU each test costs
+_CPU_AT_SETUP = pytest.StashKey[float]()
 _BUSY: dict[str, list[float]] = {}  # per xdist worker: seconds in tests, tests (its lanes' load)
 _LANES: dict[str, set[str]] = {}
+_CPU: dict[str, float] = {}  # per xdist worker: CPU seconds in its tests
+_TESTS: dict[str, list[float]] = {}  # per test: CPU seconds, seconds (setup, call, teardown)
+_NOT_MEASURED: list[str] = []  # why a worker could not count CPU, and cgroups left behind
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0):
+        _METER.start()  # a process that runs tests: an xdist worker, or the one under -n 0
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    warning = _METER.stop()
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report = yield
+    used = _METER.seconds()
+    if call.when == "setup" and used is not None:
+        item.stash[_CPU_AT_SETUP] = used
+    elif call.when == "teardown":
+        if used is not None and _CPU_AT_SETUP in item.stash:
+            report.user_properties.append(("cpu_s", used - item.stash[_CPU_AT_SETUP]))
+        elif _METER.why_not:
+            report.user_properties.append(("cpu_not_measured", _METER.why_not))
+    return report
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add up each xdist worker's time in tests (setup, call and teardown), by lane: the suite's
-    wall time is its busiest worker's, so this says which lane to lighten."""
+    wall time is its busiest worker's, so this says which lane to lighten; and the CPU each test
+    cost (tests/cpumeter.py): the suite is CPU-bound, so this says which tests to lighten."""
     node = getattr(report, "node", None)
     worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
     busy = _BUSY.setdefault(worker, [0.0, 0])
@@ -80,6 +113,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         busy[1] += 1
     _, at, lane = report.nodeid.rpartition("@")
     _LANES.setdefault(worker, set()).add(lane if at and "/" not in lane else "shared")
+    test = _TESTS.setdefault(report.nodeid, [0.0, 0.0])
+    test[1] += report.duration
+    for name, value in report.user_properties:
+        if name == "cpu_s":
+            test[0] += value
+            _CPU[worker] = _CPU.get(worker, 0.0) + value
+        elif name == "cpu_not_measured" and f"{worker}: {value}" not in _NOT_MEASURED:
+            _NOT_MEASURED.append(f"{worker}: {value}")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -88,7 +129,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.section("time in tests per xdist worker (the suite waits for the busiest)")
     for worker, (seconds, tests) in sorted(_BUSY.items(), key=lambda kv: -kv[1][0]):
         lanes = ", ".join(sorted(_LANES.get(worker, ())))
-        terminalreporter.write_line(f"{worker}: {seconds / 60:5.1f} min, {tests} tests ({lanes})")
+        cpu = f", {_CPU[worker] / 60:5.1f} CPU-min" if worker in _CPU else ""
+        terminalreporter.write_line(
+            f"{worker}: {seconds / 60:5.1f} min{cpu}, {tests} tests ({lanes})")
+    if _CPU:
+        total = sum(_CPU.values())
+        terminalreporter.write_line(
+            f"CPU in tests: {total / 60:.1f} CPU-min in all; the 25 costliest tests "
+            "(CPU s, s, test):")
+        costliest = sorted(_TESTS.items(), key=lambda kv: -kv[1][0])[:25]
+        for nodeid, (cpu_s, seconds) in costliest:
+            terminalreporter.write_line(f"{cpu_s:7.1f} {seconds:7.1f}  {nodeid}")
+    for why in _NOT_MEASURED:
+        terminalreporter.write_line(f"CPU not measured on {why}")
 
 
 @pytest.fixture(scope="session")
