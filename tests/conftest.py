@@ -72,7 +72,7 @@ _BUSY: dict[str, list[float]] = {}  # per xdist worker: seconds in tests, tests 
 _LANES: dict[str, set[str]] = {}
 _CPU: dict[str, float] = {}  # per xdist worker: CPU seconds in its tests
 _TESTS: dict[str, list[float]] = {}  # per test: CPU seconds, seconds (setup, call, teardown)
-_NOT_MEASURED: list[str] = []  # why a worker could not count CPU, and cgroups left behind
+_NOT_MEASURED: list[str] = []  # why a worker could not count CPU
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -86,14 +86,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         print(f"warning: {warning}", file=sys.stderr)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own, which sets up the test's fixtures
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    used = _METER.seconds()
+    if used is not None:
+        item.stash[_CPU_AT_SETUP] = used
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item,
                               call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
     report = yield
-    used = _METER.seconds()
-    if call.when == "setup" and used is not None:
-        item.stash[_CPU_AT_SETUP] = used
-    elif call.when == "teardown":
+    if call.when == "teardown":
+        used = _METER.seconds()
         if used is not None and _CPU_AT_SETUP in item.stash:
             report.user_properties.append(("cpu_s", used - item.stash[_CPU_AT_SETUP]))
         elif _METER.why_not:
@@ -104,7 +109,8 @@ def pytest_runtest_makereport(item: pytest.Item,
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add up each xdist worker's time in tests (setup, call and teardown), by lane: the suite's
     wall time is its busiest worker's, so this says which lane to lighten; and the CPU each test
-    cost (tests/cpumeter.py): the suite is CPU-bound, so this says which tests to lighten."""
+    cost, its fixtures' set-up included (tests/cpumeter.py): where the cores are the bound, this
+    says which tests to lighten."""
     node = getattr(report, "node", None)
     worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
     busy = _BUSY.setdefault(worker, [0.0, 0])

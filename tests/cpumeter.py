@@ -1,15 +1,16 @@
 """The CPU each test costs, from a cgroup around each pytest process (Linux's cpuacct, cgroup v1).
 
-The suite is CPU-bound on the 2-core CI machine: once the shared lanes are done, its two
-TensorFlow lanes keep both cores about 94% busy, so its wall time is its CPU time over two, and
-only a cut in CPU makes it shorter. Time alone does not say which tests cost the CPU (a test
-waiting on a Slurm time limit takes minutes of it and almost no CPU). So each pytest process
+On the 2-core CI machine the suite's two TensorFlow lanes are its wall time, and a sample of
+/proc/stat beside a whole run read both cores 94-99% busy; yet time alone does not say which
+tests cost the CPU and which wait (a test waiting on a Slurm time limit takes minutes and
+little CPU), nor whether a lane is bound by the cores or by its waits. So each pytest process
 (each xdist worker, or the one process under ``-n 0``) moves itself into a cgroup of its own
 when it starts; everything it starts follows it there: the tasks, the controllers, the lab
 hosts' sshd and what they run, the Slurm daemons and their steps (not podman's containers,
-which podman places itself). A test's CPU is the cgroup's usage from its setup to its
-teardown, processes it left behind included; the terminal summary adds it up per worker and
-names the most costly tests.
+which podman places itself). A test's CPU is the cgroup's usage from the start of its set-up
+(the fixtures it sets up included: a module's trained group counts for its first test) to the
+end of its teardown, processes it left behind included; the terminal summary adds it up per
+worker and names the most costly tests.
 
 Only where that works (root, a cpuacct hierarchy at ``/sys/fs/cgroup/cpuacct``); elsewhere the
 summary says why not. The cgroup is removed at the process's end; one still holding a process
