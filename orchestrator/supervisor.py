@@ -1000,6 +1000,8 @@ class Supervisor:
                 or not self._answers(failure.host)):
             failure.cause = Cause.HOST_LOST
             failure.detail = f"host {failure.host} stopped answering as its task vanished"
+        elif failure.cause is Cause.CRASHED:
+            self._blame_dropped_host(failure, silent, watched)
         if failure.cause is Cause.HOST_LOST and failure.host:
             host = self._host(failure.host)
             self._broken_hosts.add(host.name)
@@ -1036,6 +1038,28 @@ class Supervisor:
         seen = failure.detail if task == failure.task else f"{failure.task}: {failure.detail}"
         failure.detail = f"{name} was lost under {task} ({lost[name]}); {seen}"[:2000]
         failure.cause, failure.task, failure.host = Cause.HOST_LOST, task, name
+
+    @staticmethod
+    def _blame_dropped_host(failure: AttemptFailed, silent: set[str],
+                            watched: Sequence[Watched]) -> None:
+        """A task that crashed because another task's machine went away under the group: its
+        peer's error (a collective that failed at once) can be read before the poll that
+        reconnects to a machine back within moments and finds its task gone. That machine is
+        the one lost: its connection dropped since its task was last seen running (or it did
+        not answer the stop), and its task did not end with an exit code of its own. Any
+        provider's hosts, a scheduler's included: the provider need not have noticed."""
+        for w in watched:
+            name = w.plan.host.name
+            if name == failure.host or w.stopped is not None or w.finished is not None or (
+                    w.status is not None and w.status.state is TaskState.EXITED):
+                continue
+            if name in silent or w.runner.drops > w.drops_alive:
+                how = "did not answer when its task was being stopped" if name in silent else \
+                    "dropped its connection, and its task was gone when it answered again"
+                failure.detail = (f"host {name} stopped answering under {w.key}: it {how}; "
+                                  f"{failure.task}: {failure.detail}")[:2000]
+                failure.cause, failure.task, failure.host = Cause.HOST_LOST, w.key, name
+                return
 
     def _answers(self, host_name: str) -> bool:
         """Whether a host answers a command now (within ``timeouts.poll_s``)."""

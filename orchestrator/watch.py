@@ -274,9 +274,13 @@ class AttemptWatch:
 
     def _status_due(self, w: Watched) -> bool:
         """Whether the next poll asks if the task's group lives: not while its output keeps
-        coming (``POLL_QUIET_S``), unless the last such poll is ``STATUS_EVERY_S`` old."""
+        coming (``POLL_QUIET_S``), unless the last such poll is ``STATUS_EVERY_S`` old; and
+        always once the connection dropped since the task was last seen running: bytes read
+        over the new connection may have been written before its machine went away and came
+        back, so they say nothing about whether the task outlived the drop."""
         now = time.monotonic()
-        if now - w.data_at < POLL_QUIET_S and now - w.status_at < STATUS_EVERY_S:
+        dropped = w.runner.drops > w.drops_alive
+        if not dropped and now - w.data_at < POLL_QUIET_S and now - w.status_at < STATUS_EVERY_S:
             return False
         w.status_at = now
         return True
@@ -616,4 +620,6 @@ def _secondary(failure: AttemptFailed) -> bool:
 def _rank(failure: AttemptFailed) -> int:
     order = [Cause.HOST_LOST, Cause.CHECKPOINT_MISMATCH, Cause.ENGINE_ERROR, Cause.USER_ERROR,
              Cause.PORT_CONFLICT, Cause.CRASHED]
+    if failure.vanished and failure.connection_lost:
+        return 0  # its machine went away (the supervisor confirms it): first, as a lost host
     return order.index(failure.cause) if failure.cause in order else len(order)

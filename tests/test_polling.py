@@ -30,6 +30,7 @@ from hostlab import HostLab, LabHost
 from orchestrator import spec, watch
 from orchestrator.causes import Cause
 from orchestrator.errors import RunFailed
+from orchestrator.events import Event
 from orchestrator.hosts import Host
 from orchestrator.launchers import ProcessLauncher
 from orchestrator.plan import TaskPlan
@@ -312,3 +313,73 @@ def test_a_peers_error_is_not_blamed_while_a_hosts_poll_is_still_out(tmp_path: P
     failure = failed.value
     assert (failure.cause, failure.task, failure.vanished) == (Cause.CRASHED, "worker:0", True)
     assert "vanished" in failure.detail
+
+
+# -- a peer's own error read before the poll that finds its machine gone ------------------------
+# worker:0 exits 3 (an error of its own, no peer's mark) once GO exists; worker:1 prints a line
+# every 50 ms, so its polls read the log alone.
+BLINK = """\
+if [ "$ORCHESTRATE_TASK" = worker:0 ]; then
+  while [ ! -e {go} ]; do sleep 0.05; done
+  echo 'an error of its own' >&2; exit 3
+fi
+while :; do echo line; sleep 0.05; done
+"""
+
+
+@pytest.mark.ssh
+def test_a_peers_exit_read_before_a_machine_came_back_blames_that_machine(
+        tmp_path: Path, hostlab: HostLab) -> None:
+    """worker:1's machine dies whole (sshd too) and worker:0 exits of an error of its own at
+    once: its exit is read while worker:1's poll still reconnects. The machine is back a
+    second later, well within the connect retries, so worker:1's host answers the stop as if
+    nothing happened. The connection that dropped since worker:1 was last seen running names
+    its machine the one lost (as on a real cluster, where the survivor's collective fails as
+    the machine goes), and it is repaired before a relaunch, never blamed on worker:0."""
+    from helpers import write_spec  # (not at the top: the local tests above need no lab)
+
+    from orchestrator.api import Cluster
+
+    hosts = hostlab.hosts(2)
+    go = tmp_path / "go"
+    job = tmp_path / "job.sh"
+    job.write_text(BLINK.format(go=go))
+    path = write_spec(tmp_path, hostlab, hosts,
+                      f"name: blink\njob: {{command: sh {job}}}\nretry: {{max_restarts: 0}}\n"
+                      "timeouts: {startup_s: 60, stop_grace_s: 0.5, poll_s: 8}\n")
+    started: set[str] = set()
+    both = threading.Event()
+    fired = threading.Event()
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if event is not None and event.kind == "started":
+            started.add(event.task)
+            if len(started) == 2:
+                both.set()
+
+    def fault() -> None:
+        if not both.wait(60):
+            return
+        time.sleep(0.5)  # worker:1's lines come: its polls read the log alone
+        hosts[1].kill()
+        go.touch()
+        fired.set()
+        time.sleep(1.0)  # worker:0's exit is read meanwhile; worker:1's poll reconnects
+        hosts[1].heal()
+
+    cluster = Cluster.from_spec(path)
+    thread = threading.Thread(target=fault, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RunFailed) as failed:
+            cluster.train(listener=listener, doctor=False).wait()
+    finally:
+        thread.join(30)
+        hosts[1].heal()
+        cluster.down()
+    assert fired.is_set()
+    (attempt,) = Store().attempts(failed.value.run_id)
+    assert (attempt.cause, attempt.failed_task) == ("host_lost", "worker:1"), attempt.detail
+    assert "worker:0: exited 3" in attempt.detail, attempt.detail
+    # back within the connect retries: it answered the stop, over a new connection
+    assert "dropped its connection" in attempt.detail, attempt.detail

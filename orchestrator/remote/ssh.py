@@ -414,6 +414,7 @@ class SSHRunner(Runner):
             if client is not None and client.get_transport() is transport:
                 client.close()
                 del self._clients[link]
+                self.drops += 1  # a transport that looked alive but was not: dropped all the same
 
     @staticmethod
     def _alive(chan: paramiko.Channel) -> bool:
