@@ -399,7 +399,8 @@ class Cluster:
             **({"tensorboard": _tensorboard_entry(plan)}
                if "ORCHESTRATE_TENSORBOARD_DIR" in plan.chief.env else {}),
             "stop": _stop_entry(self.spec),
-            **({"elastic": _elastic_entry(self.spec)} if self.spec.elastic is not None else {}),
+            **({"elastic": _elastic_entry(self.spec, self.provider.spare_hosts())}
+               if self.spec.elastic is not None else {}),
             "gpus": asdict(GpuDescription.of(self.spec.job)),
             **({"container": _container_entry(self.spec.engine_container)}
                if self.spec.engine_container is not None else {}),
@@ -562,7 +563,7 @@ class Cluster:
         Ctrl-C cut its controller's stop short); an attempt whose controller is gone is then
         recorded stopped.
         """
-        hosts = {h.name: h for h in self.provider.hosts()}
+        hosts = {h.name: h for h in self.provider.all_hosts()}
         running: list[tuple[str, TaskRecord]] = []
         left: list[tuple[str, int]] = []  # attempts running with no controller to end them
         for run in self.store.runs(self.name, limit=50):
@@ -606,7 +607,7 @@ class Cluster:
             runtimes.add(self.spec.engine_container.runtime)
         if not runtimes:
             return []
-        machines = one_per_machine(self.provider.hosts())
+        machines = one_per_machine(self.provider.all_hosts())
 
         def remove(host: Host) -> list[str]:
             try:
@@ -658,7 +659,7 @@ class Cluster:
         them on another machine, every attempt's files are copied here first, the new and
         grown ones only; ``.notes`` says which hosts could not be read (``orchestrator.boards``)."""
         return boards.local_logs(self.spec, self.run(run_id),
-                                 lambda: {h.name: h for h in self.provider.hosts()},
+                                 lambda: {h.name: h for h in self.provider.all_hosts()},
                                  self.provider.runner)
 
     def serve_tensorboard(self, run_id: str | None, say: Callable[[str], None], *,
@@ -687,7 +688,7 @@ class Cluster:
         if task is not None and known and task not in known:
             raise StateError(f"run {record.id} has no task {task!r} (its tasks: "
                              f"{', '.join(known)})", fix=f"name one of them, e.g. --task {known[-1]}")
-        hosts = {h.name: h for h in self.provider.hosts()}
+        hosts = {h.name: h for h in self.provider.all_hosts()}
         readers: dict[tuple[int, str], tuple[int, LineBuffer]] = {}
         first = attempt or max(len(record.attempts), 1)
         while True:
@@ -739,14 +740,19 @@ def _host_entry(host: Host) -> dict[str, Any]:
             "labels": dict(host.labels)}
 
 
-def _elastic_entry(spec: specs.ClusterSpec) -> dict[str, Any]:
-    """The sizes an elastic group may train at, and its batch and learning rate at each."""
+def _elastic_entry(spec: specs.ClusterSpec, spares: list[Host]) -> dict[str, Any]:
+    """The sizes an elastic group may train at, and its batch and learning rate at each; and
+    the spares it may grow onto past ``workers``."""
     assert spec.elastic is not None
-    sizes = list(range(spec.workers, spec.elastic.min_workers - 1, -1))
-    return {"min_workers": spec.elastic.min_workers, "batch": spec.elastic.batch,
+    sizes = list(range(spec.max_workers, spec.elastic.min_workers - 1, -1))
+    grows = (f"from {spec.workers} up to {spec.max_workers} onto "
+             f"{', '.join(h.name for h in spares)} as the grow check finds them; " if spares
+             else "")
+    return {"min_workers": spec.elastic.min_workers, "max_workers": spec.max_workers,
+            "batch": spec.elastic.batch, "spares": [_host_entry(h) for h in spares],
             "sizes": {n: elastic.describe(spec, n) for n in sizes},
-            "summary": f"down to {spec.elastic.min_workers} worker(s) when a machine is lost "
-                       f"for good ({spec.elastic.batch}): "
+            "summary": f"{grows}down to {spec.elastic.min_workers} worker(s) when a machine is "
+                       f"lost for good ({spec.elastic.batch}): "
                        + "; ".join(elastic.describe(spec, n) for n in sizes)}
 
 

@@ -345,9 +345,11 @@ def _hosts_text(document: dict[str, Any]) -> str:
     if creates:
         gpu = creates["accelerator"]
         gpus = f" + {gpu['count']} x {gpu['type']}" if gpu else ""
+        spares = creates.get("spare_vms")
+        grown = f"; spares {', '.join(spares)}, created as the group grows" if spares else ""
         return (f"GCP VMs {', '.join(creates['vms'])}: {creates['machine_type']}{gpus}"
                 f"{', spot' if creates['spot'] else ''}, zones {' then '.join(creates['zones'])}; "
-                "'up' creates the missing ones")
+                f"'up' creates the missing ones{grown}")
     hosts = document["hosts"]
     if all(h["ssh"] is None for h in hosts):
         kind = "container(s)" if "container" in document else "process(es)"

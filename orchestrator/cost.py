@@ -216,7 +216,7 @@ def _gpu_hour_price(spec: ClusterSpec, gpus_counted: int | None) -> Price:
                 "tasks say, as they connect")
     if isinstance(provider, StaticProvider):
         machines = len({machine_id(h.ssh_address or h.address, h.ssh_port)
-                        for h in provider.hosts})
+                        for h in provider.hosts[:spec.num_tasks]})  # (not the spares)
     else:
         machines = spec.num_tasks  # a node or a pod per task
     if gpus is None:

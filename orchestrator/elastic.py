@@ -28,8 +28,8 @@ from orchestrator.spec import ClusterSpec, ManagedJob
 
 
 def resized(spec: ClusterSpec, workers: int) -> ClusterSpec:
-    """``spec`` for a group of ``workers`` workers (at most ``spec.workers``), its job's batch
-    and learning rate by ``elastic.batch``.
+    """``spec`` for a group of ``workers`` workers (``elastic.min_workers`` to ``max_workers``),
+    its job's batch and learning rate by ``elastic.batch``.
 
     Raises:
         PlanError: ``keep_global``'s batch does not divide over ``workers`` (``validate``

@@ -1067,6 +1067,13 @@ class Elastic(Model):
         description="The fewest workers the run goes on with when a machine is lost for good "
         "(its provider cannot give it back within timeouts.repair_s); below it the run fails.",
     )
+    max_workers: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="The most workers the group grows to: above workers, the group starts "
+        "with workers and grows onto the spares (static: the hosts listed past workers; gcp: "
+        "VMs created once a zone has room; local: more processes) as the grow check finds "
+        "them, each growth a planned stop. Default: workers.",
+    )
     batch: Literal["keep_per_replica", "keep_global"] = Field(
         default="keep_per_replica",
         description="keep_per_replica: each replica's batch stays, the global batch shrinks "
@@ -1275,7 +1282,17 @@ class ClusterSpec(Model):
         if elastic.min_workers > workers:
             raise Invalid(f"min_workers is {elastic.min_workers}, over the {workers} workers",
                           fix=f"set elastic.min_workers to {workers} or fewer")
+        most = elastic.max_workers if elastic.max_workers is not None else workers
+        if most < workers:
+            raise Invalid(f"max_workers is {most}, under the {workers} workers the group starts "
+                          "with", fix=f"set elastic.max_workers to {workers} or more, or leave it "
+                          "out (the group then grows back to workers, no further)")
         provider = info.data.get("provider")
+        if most > workers and isinstance(provider, SlurmProvider):
+            raise Invalid("a group that grows past workers works on static hosts, gcp and "
+                          "local for now, not on slurm (where a lost node's replacement is "
+                          "asked for, not a node of its own)",
+                          fix=f"leave out elastic.max_workers, or set workers to {most}")
         if provider is not None and not isinstance(
                 provider, (StaticProvider, GcpProvider, SlurmProvider, LocalProvider)):
             raise Invalid(f"elastic groups work on static hosts, gcp and slurm for now, not on "
@@ -1295,14 +1312,15 @@ class ClusterSpec(Model):
                               fix="use batch: keep_per_replica (the script reads the group's "
                                   "size from TF_CONFIG)")
             total = job.per_replica_batch_size * workers
-            uneven = [n for n in range(elastic.min_workers, workers) if total % n]
+            uneven = [n for n in range(elastic.min_workers, most + 1) if total % n]
             if uneven:
                 raise Invalid(
                     f"keep_global keeps the global batch of {total} ({workers} x "
                     f"{job.per_replica_batch_size}), which {', '.join(map(str, uneven))} "
                     "worker(s) cannot split evenly",
-                    fix="raise elastic.min_workers, choose a job.per_replica_batch_size that "
-                        "every size from min_workers up divides, or use keep_per_replica")
+                    fix="raise elastic.min_workers (or lower elastic.max_workers), choose a "
+                        "job.per_replica_batch_size that every size from min_workers to "
+                        "max_workers divides, or use keep_per_replica")
         return elastic
 
     @field_validator("name")
@@ -1372,6 +1390,17 @@ class ClusterSpec(Model):
     @property
     def num_tasks(self) -> int:
         return self.workers + (1 if self.separate_chief else 0)
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the group trains with: ``elastic.max_workers``, else ``workers``."""
+        most = self.elastic.max_workers if self.elastic is not None else None
+        return most if most is not None else self.workers
+
+    @property
+    def spares(self) -> int:
+        """Machines past the tasks an elastic group may grow onto (``max_workers - workers``)."""
+        return self.max_workers - self.workers
 
     @property
     def engine_container(self) -> Container | None:
@@ -1740,15 +1769,30 @@ def _yaml_kind(value: Any) -> str:
 
 
 def _check_host_count(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:
-    if isinstance(spec.provider, StaticProvider) and len(spec.provider.hosts) != spec.num_tasks:
+    if not isinstance(spec.provider, StaticProvider):
+        return
+    wanted = spec.num_tasks + spec.spares
+    if len(spec.provider.hosts) == wanted:
+        return
+    if spec.spares:
         raise SpecError(
-            f"{len(spec.provider.hosts)} host(s) listed for {spec.num_tasks} task(s) "
-            f"(workers: {spec.workers}, separate_chief: {str(spec.separate_chief).lower()})",
-            file=file,
-            field="provider.hosts",
+            f"{len(spec.provider.hosts)} host(s) listed for {spec.num_tasks} task(s) and "
+            f"{spec.spares} spare(s) (workers: {spec.workers}, elastic.max_workers: "
+            f"{spec.max_workers})", file=file, field="provider.hosts",
             line=lines.get("provider.hosts"),
-            fix="list one host per task, or change workers to match the hosts",
-        )
+            fix=f"list {wanted} hosts: one per worker, then the spares the group may grow "
+                "onto; or change elastic.max_workers to match the hosts")
+    raise SpecError(
+        f"{len(spec.provider.hosts)} host(s) listed for {spec.num_tasks} task(s) "
+        f"(workers: {spec.workers}, separate_chief: {str(spec.separate_chief).lower()})",
+        file=file,
+        field="provider.hosts",
+        line=lines.get("provider.hosts"),
+        fix="list one host per task, or change workers to match the hosts"
+            + (" (or set elastic.max_workers: the hosts past workers are then spares)"
+               if spec.elastic is not None and len(spec.provider.hosts) > spec.num_tasks
+               else ""),
+    )
 
 
 def _check_machines(spec: ClusterSpec, file: str, lines: dict[str, int]) -> None:

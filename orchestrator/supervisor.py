@@ -85,6 +85,11 @@ def _with_env(plan: ClusterPlan, env: Mapping[str, str]) -> ClusterPlan:
         dataclasses.replace(t, env={**t.env, **env}) for t in plan.tasks))
 
 
+# Why an elastic group's spare (a host past ``workers``, for ``elastic.max_workers``) is not in
+# the group yet, as its attempts' ``resized`` records say.
+SPARE = "a spare, not grown onto yet"
+
+
 class Supervisor:
     """Runs one training run to completion, or to a RunFailed with a report."""
 
@@ -328,6 +333,8 @@ class Supervisor:
             if previous and previous[-1].resized and self.spec.elastic is not None:
                 self._left_out_by(previous[-1])
             attach = self._attachable(run_id, previous)
+        else:
+            self._await_spares()
         base = len(previous)
         self._resumed_at = base + 1 if resume else 0
         retrying = Retrying(
@@ -373,7 +380,7 @@ class Supervisor:
 
     def _stop_records(self, tasks: list[TaskRecord]) -> None:
         """Stop recorded tasks (of an attempt another controller left), as 'down' does."""
-        hosts = {h.name: h for h in self.provider.hosts()}
+        hosts = {h.name: h for h in self.provider.all_hosts()}
 
         def stop(task: TaskRecord) -> None:
             if task.host in hosts:
@@ -867,7 +874,10 @@ class Supervisor:
             self.store.heartbeat(run_id)
         if self._exporter is not None:
             self._exporter.tick()
-        if self._returned:
+        chief = self.view.tasks.get(self._chief_key)
+        # A group grows once it trains (a planned stop saves a step; one still starting has
+        # none to save, and would lose its start for nothing).
+        if self._returned and chief is not None and chief.state in ("training", "running"):
             with self._elastic_lock:
                 back = sorted(self._returned)
             size = len(self._sized()[1]) + len(back)
@@ -1071,7 +1081,7 @@ class Supervisor:
         return True
 
     def _host(self, name: str) -> Host:
-        return next(h for h in self.provider.hosts() if h.name == name)
+        return next(h for h in self.provider.all_hosts() if h.name == name)
 
     @contextlib.contextmanager
     def _provider_says(self) -> Iterator[None]:
@@ -1133,6 +1143,22 @@ class Supervisor:
                   f"instead of {self.spec.workers}")
         self._start_growing()
 
+    def _await_spares(self) -> None:
+        """A group that may grow past ``workers`` (``elastic.max_workers``) starts without its
+        spares: each is left out until the grow check finds it ready (static: it answers;
+        gcp: a zone created its VM), and the group then grows at a planned stop."""
+        spares = [h.name for h in self.provider.spare_hosts() if h.name not in self._left_out]
+        if not spares:
+            return
+        with self._elastic_lock:
+            for name in spares:
+                self._left_out[name] = SPARE
+        self._say(f"{len(spares)} spare(s) to grow onto (elastic.max_workers "
+                  f"{self.spec.max_workers}): {', '.join(spares)}"
+                  + ("" if self.spec.elastic and self.spec.elastic.grow_check_s > 0 else
+                     "; never looked for (elastic.grow_check_s is 0)"))
+        self._start_growing()
+
     def _start_growing(self) -> None:
         """The grow check's thread, once (``elastic.grow_check_s``: 0 is never)."""
         policy = self.spec.elastic
@@ -1146,7 +1172,7 @@ class Supervisor:
         runs without are left out again, each with the reason its record gives, and the
         grow check goes on looking for them."""
         ran = {t.host for t in attempt.tasks}
-        names = [h.name for h in self.provider.hosts() if h.name not in ran]
+        names = [h.name for h in self.provider.all_hosts() if h.name not in ran]
         inside = attempt.resized.partition(" (without ")[2].removesuffix(")")
         starts = sorted((inside.find(f"{name}: "), name) for name in names
                         if inside.find(f"{name}: ") >= 0)
@@ -1198,12 +1224,12 @@ class Supervisor:
         left = len(plan.tasks)
         why = "; ".join(f"{name}: {' '.join(message.split())}"
                         for name, message in sorted(self._left_out.items()))
-        return f"{left} of {self.spec.workers} workers (without {why})"
+        return f"{left} of {self.spec.max_workers} workers (without {why})"
 
     def _sized(self) -> tuple[ClusterSpec, list[Host]]:
         """The spec and hosts of the group as it is now: every host, less those an elastic
         group goes on without, and the spec resized to them (``orchestrator.elastic``)."""
-        hosts = [h for h in self.provider.hosts() if h.name not in self._left_out]
+        hosts = [h for h in self.provider.all_hosts() if h.name not in self._left_out]
         return elastic.resized(self.spec, len(hosts)), hosts
 
     def _restore_checkpoint(self, plan: ClusterPlan) -> None:

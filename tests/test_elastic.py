@@ -21,7 +21,7 @@ from orchestrator.errors import ProviderError, SpecError
 from orchestrator.events import Event
 from orchestrator.providers.local import LocalProvider
 from orchestrator.state import AttemptRecord, Store, TaskRecord
-from orchestrator.supervisor import Supervisor
+from orchestrator.supervisor import SPARE, Supervisor
 from orchestrator.view import RunView
 
 SPEC = "name: e\nworkers: 3\njob: {job}\n"
@@ -52,7 +52,15 @@ def test_a_smaller_group_keeps_what_its_policy_says(policy: str, per_replica: in
      "raise elastic.min_workers"),
     ("elastic: {min_workers: 2}\nseparate_chief: true", "separate_chief gives it a task",
      "remove separate_chief"),
-    ("elastic: {min_workers: 2, max_workers: 4}", "max_workers", ""),
+    ("elastic: {min_workers: 2, max_workers: 2}", "max_workers is 2, under the 3 workers",
+     "set elastic.max_workers to 3 or more"),
+    ("elastic: {min_workers: 2, max_workers: 5, batch: keep_global}\n"
+     "job: {module: m, per_replica_batch_size: 4}",
+     "keep_global keeps the global batch of 12 (3 x 4), which 5 worker(s) cannot split evenly",
+     "lower elastic.max_workers"),
+    ("elastic: {min_workers: 2, max_workers: 4}\nprovider: {kind: slurm, partition: gpu}",
+     "a group that grows past workers works on static hosts, gcp and local for now, not on "
+     "slurm", "leave out elastic.max_workers, or set workers to 4"),
     ("elastic: {min_workers: 2}\ncontainer: {image: orchestrate-worker:0.1.0}\n"
      "provider: {kind: kubernetes, namespace: ml, volume: {claim: shared}}",
      "elastic groups work on static hosts, gcp and slurm for now, not on kubernetes",
@@ -82,6 +90,76 @@ def test_plan_shows_every_size_the_group_may_train_at(tmp_path: Path) -> None:
             "(keep_per_replica): 3 worker(s): global batch 48 (16 per replica), learning rate "
             "0.003; 2 worker(s): global batch 32 (16 per replica), learning rate 0.002") \
         in shown.stdout, shown.stdout
+
+
+def test_a_larger_group_keeps_what_its_policy_says() -> None:
+    """Past workers (elastic.max_workers): keep_global splits the same global batch over more
+    replicas; keep_per_replica's global batch and learning rate grow with the group."""
+    body = SPEC.format(job="{module: m, per_replica_batch_size: 16}")
+    grows = spec.parse(body + "elastic: {min_workers: 2, max_workers: 4, batch: keep_global}\n")
+    assert (grows.max_workers, grows.spares) == (4, 1)
+    assert elastic.describe(grows, 4) == \
+        "4 worker(s): global batch 48 (12 per replica), learning rate 0.003"
+    kept = spec.parse(body + "elastic: {min_workers: 2, max_workers: 4}\n")
+    assert elastic.describe(kept, 4) == \
+        "4 worker(s): global batch 64 (16 per replica), learning rate 0.004"
+    assert (spec.parse(body).max_workers, spec.parse(body).spares) == (3, 0)
+
+
+@pytest.mark.parametrize(("listed", "most", "said", "fix"), [
+    (2, 3, "2 host(s) listed for 2 task(s) and 1 spare(s) (workers: 2, elastic.max_workers: 3)",
+     "list 3 hosts: one per worker, then the spares the group may grow onto"),
+    (4, 3, "4 host(s) listed for 2 task(s) and 1 spare(s)", "list 3 hosts"),
+    # without spares, one host per task, as before; the fix names max_workers
+    (3, 2, "3 host(s) listed for 2 task(s) (workers: 2, separate_chief: false)",
+     "(or set elastic.max_workers: the hosts past workers are then spares)"),
+])
+def test_static_hosts_list_the_spares_after_the_workers(tmp_path: Path, listed: int, most: int,
+                                                       said: str, fix: str) -> None:
+    hosts = "".join(f"    - {{address: 10.0.0.{i + 1}, user: u, key_file: k}}\n"
+                    for i in range(listed))
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nworkers: 2\njob: {module: m}\n"
+                    f"elastic: {{min_workers: 1, max_workers: {most}}}\n"
+                    f"provider:\n  kind: static\n  hosts:\n{hosts}")
+    with pytest.raises(SpecError) as caught:
+        spec.load(path)
+    assert (caught.value.file, caught.value.field) == (str(path), "provider.hosts")
+    assert said in caught.value.message and fix in (caught.value.fix or ""), str(caught.value)
+
+
+def test_a_group_with_spares_starts_without_them_and_plans_every_size(tmp_path: Path) -> None:
+    """workers 2, max_workers 4 on local processes: the first attempt's plan has 2 tasks, the
+    spares wait in _left_out (the resized record says so), and plan shows 4 sizes down to
+    min_workers with the spares named."""
+    path = tmp_path / "e.yaml"
+    path.write_text(f"workdir: {REPO}\nname: e\nworkers: 2\n"
+                    "job: {module: examples.digits, per_replica_batch_size: 16}\n"
+                    "elastic: {min_workers: 1, max_workers: 4, grow_check_s: 0}\n")
+    loaded = spec.load(path)
+    provider = LocalProvider(loaded, path)
+    assert [h.name for h in provider.spare_hosts()] == ["local-2", "local-3"]
+    supervisor = Supervisor(loaded, provider, Store(), workdir=REPO)
+    supervisor._await_spares()
+    assert supervisor._left_out == {"local-2": SPARE, "local-3": SPARE}
+    sized, hosts = supervisor._sized()
+    assert (sized.workers, [h.name for h in hosts]) == (2, ["local-0", "local-1"])
+    plan = supervisor._plan("r", 1, busy=False)
+    assert supervisor._resized_text(plan) == (f"2 of 4 workers (without local-2: {SPARE}; "
+                                              f"local-3: {SPARE})")
+    # one spare ready: the next attempt has 3 tasks, the last one on it
+    supervisor._returned = {"local-3": provider.spare_hosts()[1]}
+    supervisor._repair_hosts()
+    sized, hosts = supervisor._sized()
+    assert (sized.workers, [h.name for h in hosts]) == (3, ["local-0", "local-1", "local-3"])
+    document = Cluster.from_spec(path).plan_document()
+    entry = document["elastic"]
+    assert (entry["min_workers"], entry["max_workers"], list(entry["sizes"])) == \
+        (1, 4, [4, 3, 2, 1])
+    assert [h["name"] for h in entry["spares"]] == ["local-2", "local-3"]
+    assert entry["summary"].startswith("from 2 up to 4 onto local-2, local-3 as the grow check "
+                                       "finds them; down to 1 worker(s)")
+    assert [h["name"] for h in document["hosts"]] == ["local-0", "local-1"]
 
 
 def test_a_command_job_keeps_its_own_batch() -> None:
@@ -202,6 +280,80 @@ def test_a_lost_host_shrinks_the_group_at_the_same_global_batch_and_its_return_g
     assert " on 2 of 3 workers (without " in shown.stdout, shown.stdout
     assert "; resized in -: " in shown.stdout, shown.stdout
     cluster.down()
+
+
+@pytest.mark.ssh
+@pytest.mark.tf
+def test_a_group_grows_past_workers_onto_a_spare_once_it_answers(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
+    """workers 2, elastic.max_workers 3: the third listed host is a spare, down as the run
+    starts, so the run starts on 2 and 'up' and the doctor never ask it. Once it answers, the
+    grow check prepares it (its root made, the code synced, as the unprivileged user), every
+    task saves at one step, and the group goes on with 3 from that step, its global batch and
+    learning rate grown with it (keep_per_replica). 'down' removes what was made on the spare
+    too."""
+    hosts = hostlab.hosts(3)
+    path = write_spec(tmp_path, hostlab, hosts, """\
+        name: elastic-grow
+        job: {module: tests.workloads.paced_digits, epochs: 1, steps_per_epoch: 80,
+              progress_every_steps: 1, per_replica_batch_size: 16}
+        checkpoint: {every_steps: 10}
+        retry: {max_restarts: 1, backoff_initial_s: 0.2, backoff_max_s: 1}
+        timeouts: {stop_grace_s: 30, poll_s: 4, hang_s: 10}
+        elastic: {min_workers: 2, max_workers: 3, grow_check_s: 1}
+        env: {DIGITS_PACE_S: "0.25"}
+        """, user=hostlab.plain_user())
+    path.write_text(path.read_text().replace("\nworkers: 3\n", "\nworkers: 2\n"))
+    roots = [paths.host_root(h.plain_home, "elastic-grow") for h in hosts]
+    done: list[str] = []
+    seen: list[RunView] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        seen[:] = [view]
+        if event is None or event.kind not in ("progress", "started"):
+            return
+        if event.attempt == 1 and event.kind == "progress" and int(event.get("step")) >= 10 \
+                and "restored" not in done:
+            done.append("restored")  # the spare answers now
+            hosts[2].restore()
+        elif event.attempt == 2 and event.kind == "started" and "released" not in done:
+            done.append("released")
+            for root in roots:
+                release_run(root, view.run_id)
+
+    hosts[2].cut()
+    cluster = Cluster.from_spec(path)
+    try:
+        result = cluster.train(listener=listener).wait()
+    finally:
+        hosts[2].heal()
+    assert done == ["restored", "released"], done
+    first, second = result.attempts
+    spare = "elastic-grow-2"
+    assert first.resized == f"2 of 3 workers (without {spare}: {SPARE})", first.resized
+    assert [t.host for t in first.tasks] == ["elastic-grow-0", "elastic-grow-1"]
+    assert any(m.startswith(f"1 spare(s) to grow onto (elastic.max_workers 3): {spare}")
+               for m in seen[0].messages), seen[0].messages
+    # grown: a planned stop, every task saved at one step, none redone
+    assert (first.status, first.cause) == ("stopped", "resized"), first.detail
+    assert first.detail.startswith(f"{spare} back: every task saves, and the group grows to 3 ")
+    assert second.resumed_from_step == first.last_step and first.steps_lost == 0
+    assert not second.resized
+    assert [t.host for t in second.tasks] == [f"elastic-grow-{i}" for i in range(3)]
+    sizes = [(2, 32, 0.002), (3, 48, 0.003)]
+    for number, attempt in enumerate(result.attempts):
+        for h, task in zip(hosts, attempt.tasks, strict=False):
+            assert task.log.startswith(h.plain_home)  # the unprivileged user's own home
+            built = next(e for e in events_in(h, task.log) if e.kind == "built")
+            replicas, batch, rate = sizes[number]
+            assert (built.get("replicas"), built.get("global_batch_size")) == (replicas, batch)
+            assert built.get("learning_rate") == pytest.approx(rate)
+    assert result.status == "succeeded" and len(result.digests) == 3
+    assert len(set(result.digests.values())) == 1
+    assert Path(roots[2]).is_dir()
+    report = cluster.down()
+    assert not Path(roots[2]).exists(), report
+    assert f"{spare}:{roots[2]}" in report.removed, report
 
 
 def test_a_loss_that_would_leave_fewer_than_min_workers_fails_the_run_saying_so(

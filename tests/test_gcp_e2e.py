@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -388,3 +389,66 @@ def test_an_elastic_group_goes_on_without_a_vm_the_quota_cannot_start_and_grows_
     finally:
         cluster.down()
     assert fake.instances(LABEL) == []
+
+
+# A command job that reports its group's size, and ends once the group is 3 (else waits to
+# be stopped: the planned stop that grows it).
+SIZED = ("python -c 'import json, os, time; n = len(json.loads(os.environ[\"TF_CONFIG\"])"
+         "[\"cluster\"][\"worker\"]); print(\"workers\", n, flush=True); "
+         "n < 3 and time.sleep(600)'")
+
+
+def test_a_group_grows_past_workers_onto_a_vm_created_once_the_quota_allows(
+        hostlab: HostLab, lab_hosts: list[LabHost], fake: FakeCompute, tmp_path: Path,
+        orchestrate_home: Path) -> None:
+    """workers 2, elastic.max_workers 3: 'up' creates 2 VMs, never the spare; the region's
+    quota takes no third, so the grow check's creates of gcp-e2e-2 fail inside the operation
+    (QUOTA_EXCEEDED, as Compute Engine's do) and the group trains on 2. The quota raised, the
+    next grow check creates the VM, reaches it with the host key it publishes, prepares it,
+    and the group grows to 3 at a planned stop. 'down' deletes the grown VM with the others.
+    (A command job: the growth itself is TensorFlow's in test_elastic; this is the VM's.)"""
+    region = "us-central1"
+    fake.set_quota(region, "CPUS", 2)
+    path = write_spec(tmp_path, hostlab, workers=2, job={"command": SIZED},
+                      retry={"max_restarts": 1, "backoff_initial_s": 0.2, "backoff_max_s": 1},
+                      timeouts={"stop_grace_s": 5},
+                      elastic={"min_workers": 2, "max_workers": 3, "grow_check_s": 1})
+    plan = cli("plan", str(path), home=orchestrate_home, endpoint=fake.url)
+    assert plan.returncode == 0, plan.stderr
+    assert "spares gcp-e2e-2, created as the group grows" in plan.stdout, plan.stdout
+    raised: list[int] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        if event is not None and event.kind == "started" and event.attempt == 1 and \
+                event.task == "worker:1" and not raised:
+            raised.append(fake.calls["instances.bulkInsert"])
+            # let a grow check or two fail on the quota first
+            timer = threading.Timer(3.0, lambda: fake.set_quota(region, "CPUS", 3))
+            timer.daemon = True
+            timer.start()
+
+    cluster = Cluster.from_spec(path)
+    try:
+        result = cluster.train(listener=listener, doctor=False).wait()
+        assert raised, "attempt 1 never started worker:1"
+        first, second = result.attempts
+        seen = [(a.number, a.status, a.cause, a.detail, a.resized) for a in result.attempts]
+        assert first.resized == "2 of 3 workers (without gcp-e2e-2: a spare, not grown onto yet)", \
+            seen
+        assert [t.host for t in first.tasks] == ["gcp-e2e-0", "gcp-e2e-1"], seen
+        assert (first.status, first.cause) == ("stopped", "resized"), seen
+        assert first.detail.startswith("gcp-e2e-2 back: every task saves, and the group grows "
+                                       "to 3 worker(s)"), seen
+        assert [t.host for t in second.tasks] == ["gcp-e2e-0", "gcp-e2e-1", "gcp-e2e-2"], seen
+        assert not second.resized and result.status == "succeeded", seen
+        creates = [sorted(body["perInstanceProperties"])
+                   for method, _, body in fake.requests if method == "instances.bulkInsert"]
+        assert creates[0] == ["gcp-e2e-0", "gcp-e2e-1"], creates
+        # the quota refused the spare at least once before it was made
+        assert len(creates) >= 3 and set(map(tuple, creates[1:])) == {("gcp-e2e-2",)}, creates
+        assert sorted(vm["name"] for vm in fake.instances(LABEL)) == \
+            ["gcp-e2e-0", "gcp-e2e-1", "gcp-e2e-2"]
+    finally:
+        cluster.down()
+    assert fake.instances(LABEL) == []
+

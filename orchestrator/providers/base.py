@@ -96,6 +96,17 @@ class Provider(ABC):
     def hosts(self) -> list[Host]:
         """The cluster's hosts as they are now, without creating anything."""
 
+    def spare_hosts(self) -> list[Host]:
+        """The machines an elastic group may grow onto past its tasks (``elastic.max_workers``),
+        as they are now, none created or reached: each is brought in by ``repair`` once the
+        grow check finds it; default: none."""
+        return []
+
+    def all_hosts(self) -> list[Host]:
+        """``hosts()`` and then ``spare_hosts()``: every machine a task of the cluster may run
+        on (for ``down`` and ``logs`` to find them)."""
+        return [*self.hosts(), *self.spare_hosts()]
+
     def notes(self) -> list[str]:
         """What the user should know about the last ``up`` (e.g. zones that refused VMs)."""
         return []
@@ -169,7 +180,7 @@ class Provider(ABC):
             time.sleep(min(5.0, deadline_s))
             waited += min(5.0, deadline_s)
         self.up()
-        return next(h for h in self.hosts() if h.name == host.name)
+        return next(h for h in self.all_hosts() if h.name == host.name)
 
     def give_up(self, host: Host) -> None:
         """An elastic run ended without ``host``: withdraw what still asks for it (a

@@ -84,6 +84,13 @@ class LocalProvider(Provider):
             for i in range(self.spec.num_tasks)
         ]
 
+    def spare_hosts(self) -> list[Host]:
+        """More processes on this machine, for a group that grows past workers: each is
+        'back' at the first grow check (its repair: this machine answers)."""
+        first = self.spec.num_tasks
+        return [Host(name=f"local-{i}", address=LOOPBACK, root=self.root)
+                for i in range(first, first + self.spec.spares)]
+
     def runner(self, host: Host) -> LocalRunner:
         return self._runner
 

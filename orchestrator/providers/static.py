@@ -33,12 +33,11 @@ class StaticProvider(SSHHostsProvider):
         return max(self.config.wait_for_host_s, self.config.connect_timeout_s)
 
     def hosts(self) -> list[Host]:
-        """The listed hosts; the first call asks each (in parallel) for its home directory,
-        except where ``up`` recorded the root of the same address and user: a later command
-        (``train --attach``, ``down``) lists a host that is down as it was."""
-        hosts = self._unrooted()
-        if not self._roots:
-            self._roots.update(self._recorded_roots(hosts))
+        """The listed hosts of the tasks; the first call asks each (in parallel) for its home
+        directory, except where ``up`` recorded the root of the same address and user: a later
+        command (``train --attach``, ``down``) lists a host that is down as it was."""
+        hosts = self._unrooted()[:self.spec.num_tasks]
+        self._load_roots()
         missing = [h for h in hosts if h.name not in self._roots]
         if missing:
             found = fan_out(missing, self.resolve_root, name_of=lambda h: h.name)
@@ -46,10 +45,23 @@ class StaticProvider(SSHHostsProvider):
             self._roots.update({r.name: str(r.value) for r in found.succeeded})
         return [replace(h, root=self._roots[h.name]) for h in hosts]
 
+    def spare_hosts(self) -> list[Host]:
+        """The hosts listed past the tasks (``elastic.max_workers``), none asked: the root of
+        one the group grew onto is the one its repair found (recorded), else empty (a spare
+        may well be down; its repair asks it once it answers)."""
+        self._load_roots()
+        return [replace(h, root=self._roots.get(h.name, ""))
+                for h in self._unrooted()[self.spec.num_tasks:]]
+
+    def _load_roots(self) -> None:
+        if not self._roots:
+            self._roots.update(self._recorded_roots(self._unrooted()))
+
     def planned_hosts(self) -> list[Host]:
-        """The listed hosts without SSH: roots read '~/...' of each SSH user until ``up``."""
+        """The listed hosts of the tasks without SSH: roots read '~/...' of each SSH user
+        until ``up``."""
         root = self.planned_root("~")
-        return [replace(h, root=root) for h in self._unrooted()]
+        return [replace(h, root=root) for h in self._unrooted()[:self.spec.num_tasks]]
 
     def _unrooted(self) -> list[Host]:
         base = self.spec_path.parent
@@ -93,10 +105,17 @@ class StaticProvider(SSHHostsProvider):
         self.upload()
         hosts = self.hosts()
         self.prepare_all(hosts)
+        self._record_roots(hosts)
+        return hosts
+
+    def _record_roots(self, hosts: list[Host]) -> None:
+        """Record the roots of ``hosts``, and of the spares prepared before (kept: ``down``
+        removes what was made on them)."""
+        prepared = {h.name for h in hosts}
+        kept = [h for h in self.spare_hosts() if h.root and h.name not in prepared]
         self.save_hosts([], extra={"roots": {
             h.name: {"address": h.ssh.address, "user": h.ssh.user, "root": h.root}
-            for h in hosts if h.ssh is not None}})
-        return hosts
+            for h in [*hosts, *kept] if h.ssh is not None}})
 
     def repair(self, host: Host, deadline_s: float) -> Host:
         """A listed host cannot be restarted from here: wait up to ``deadline_s`` for it to
@@ -119,13 +138,20 @@ class StaticProvider(SSHHostsProvider):
                 f"{exc.message}",
                 fix="bring the machine back (or replace it in the spec) and train again",
             ) from None
+        if not host.root:  # a spare, asked for the first time
+            host = replace(host, root=self.resolve_root(host))
         self.prepare_all([host])
-        return next(h for h in self.hosts() if h.name == host.name)
+        if host.name not in self._roots:
+            self._roots[host.name] = host.root
+            self._record_roots(self.hosts())
+        return next(h for h in self.all_hosts() if h.name == host.name)
 
     def down(self) -> DownReport:
-        """Remove this cluster's directory on every host, only where ``up`` made it (its marker
-        names this cluster); anything else is left, and the report says why."""
-        result = fan_out(self.hosts(), self.remove_root, name_of=lambda h: h.name)
+        """Remove this cluster's directory on every host (and every spare the group grew
+        onto), only where ``up`` made it (its marker names this cluster); anything else is
+        left, and the report says why."""
+        prepared = [h for h in self.spare_hosts() if h.root]  # the spares it grew onto
+        result = fan_out([*self.hosts(), *prepared], self.remove_root, name_of=lambda h: h.name)
         outcomes = [r.value for r in result.succeeded if r.value is not None]
         notes = [f"{r.name}: not cleaned: {r.error}" for r in result.failed]
         notes += [text for removed, text in outcomes if not removed]

@@ -97,10 +97,19 @@ class GcpProvider(SSHHostsProvider):
         """One VM per task, the chief's first."""
         return [names.instance_name(self.spec.name, i) for i in range(self.spec.num_tasks)]
 
+    @property
+    def spare_names(self) -> list[str]:
+        """The VMs an elastic group may grow onto (``elastic.max_workers``): created by the
+        grow check once a zone has room, never by ``up``."""
+        first = self.spec.num_tasks
+        return [names.instance_name(self.spec.name, i)
+                for i in range(first, first + self.spec.spares)]
+
     def describe(self) -> dict[str, Any]:
         """The VMs ``up`` creates (or finds), their shape, and the cluster's firewall rule."""
         config = self.config
-        return {"vms": self.vm_names, "machine_type": config.machine_type,
+        spares = {"spare_vms": self.spare_names} if self.spare_names else {}
+        return {"vms": self.vm_names, **spares, "machine_type": config.machine_type,
                 "accelerator": config.accelerator.model_dump() if config.accelerator else None,
                 "zones": list(config.zones), "spot": config.spot, "image": config.image,
                 "disk_size_gb": config.disk_size_gb,
@@ -196,6 +205,11 @@ class GcpProvider(SSHHostsProvider):
         known = self.remembered()
         return [known.get(name) or self._planned(name) for name in self.vm_names]
 
+    def spare_hosts(self) -> list[Host]:
+        """The spare VMs as their repair last reached them, else as planned (not created)."""
+        known = self.remembered()
+        return [known.get(name) or self._planned(name) for name in self.spare_names]
+
     def _planned(self, name: str) -> Host:
         zone = self.config.zones[0]
         dns = f"{name}.{zone}.c.{self.config.project}.internal"
@@ -275,7 +289,7 @@ class GcpProvider(SSHHostsProvider):
 
     def _save_hosts(self) -> None:
         failures = [{"zone": f.zone, "code": f.code, "message": f.message} for f in self.zone_failures]
-        self.save_hosts(self.vm_names, {"zone_failures": failures})
+        self.save_hosts([*self.vm_names, *self.spare_names], {"zone_failures": failures})
 
     def cloud_check(self) -> CloudCheck:
         """The doctor's first look, through the API only: the image, the machine type and the
