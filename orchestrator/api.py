@@ -22,8 +22,9 @@ from orchestrator.events import Event, LineBuffer, read_line
 from orchestrator.hosts import Host, one_per_machine
 from orchestrator.launchers import launcher_named
 from orchestrator.plan import ClusterPlan, TaskPlan
+from orchestrator.problems import Problem
 from orchestrator.providers import DownReport, Provider, for_spec
-from orchestrator.remote.base import TaskState
+from orchestrator.remote.base import Runner, TaskState
 from orchestrator.remote.fanout import fan_out
 from orchestrator.runtimes import GpuDescription, resolve_gpus, runtime_for
 from orchestrator.runtimes.base import JAX_ADDRESSES_ENV, JAX_PROCESS_ID_ENV, JAX_PROCESSES_ENV
@@ -327,9 +328,15 @@ class Cluster:
         machines = doctoring.existing(plan, machines, cloud.unprovisioned)
         found = [*cloud.problems, *(self.provider.image_problems()
                                     if tensorflow == "always" else [])]
-        with self.provider.check_runners([m.host for m in machines]) as runner:
+        # A static group's spares are asked meanwhile (a cloud's are made only as it grows)
+        spares = self.provider.spare_hosts() \
+            if isinstance(self.spec.provider, specs.StaticProvider) else []
+        with self.provider.check_runners([*(m.host for m in machines), *spares]) as runner, \
+                ThreadPoolExecutor(max_workers=1) as pool:
+            asked = pool.submit(_spare_problems, self.spec, spares, runner)
             report = doctoring.examine(self.spec, self.provider.kind, plan, machines, runner,
                                        tensorflow=tensorflow, found=found)
+            report = replace(report, problems=(*report.problems, *asked.result()))
         report = replace(report, seconds=time.monotonic() - started)
         self._keep_pass(report, tensorflow != "never" and not cloud.unprovisioned, pass_key)
         return report
@@ -738,6 +745,27 @@ def _host_entry(host: Host) -> dict[str, Any]:
             "ssh": None if ssh is None else {"user": ssh.user, "address": ssh.address,
                                              "port": ssh.port},
             "labels": dict(host.labels)}
+
+
+def _spare_problems(spec: specs.ClusterSpec, spares: list[Host],
+                    runner: Callable[[Host], Runner]) -> list[Problem]:
+    """The doctor's look at an elastic group's spares (``elastic.max_workers``): each that
+    does not answer now, and why. Not blocking: the group starts without its spares, and
+    grows onto each once it answers."""
+    if not spares or spec.elastic is None:
+        return []
+    asked = fan_out(spares, lambda h: runner(h).run(["true"], timeout_s=30),
+                    name_of=lambda h: h.name)
+    every = spec.elastic.grow_check_s
+    when = (f"the grow check asks it every {every:g}s" if every > 0 else
+            "elastic.grow_check_s is 0, so it is never asked for")
+    return [Problem("spare", f"spare {r.name} does not answer now "
+                    f"({str(r.error).splitlines()[0][:300]}): the group starts with "
+                    f"{spec.workers} worker(s) and grows onto it once it does ({when})",
+                    "bring it up, or mend its entry in provider.hosts (address, user, "
+                    "key_file, host key); the run does not wait for it",
+                    blocking=False, hosts=(r.name,))
+            for r in asked.failed]
 
 
 def _elastic_entry(spec: specs.ClusterSpec, spares: list[Host]) -> dict[str, Any]:

@@ -356,6 +356,32 @@ def test_a_group_grows_past_workers_onto_a_spare_once_it_answers(
     assert f"{spare}:{roots[2]}" in report.removed, report
 
 
+@pytest.mark.ssh
+def test_the_doctor_says_which_spare_does_not_answer_without_blocking(
+        hostlab: HostLab, tmp_path: Path) -> None:
+    """1 worker and 2 spares: the one cut off is named, with why and what the run does about
+    it, as a warning; the spare that answers is not; the worker's host is checked as ever."""
+    hosts = hostlab.hosts(3)
+    path = write_spec(tmp_path, hostlab, hosts, """\
+        name: spares
+        job: {command: "true"}
+        elastic: {min_workers: 1, max_workers: 3, grow_check_s: 30}
+        """)
+    path.write_text(path.read_text().replace("\nworkers: 3\n", "\nworkers: 1\n"))
+    hosts[2].cut()
+    try:
+        report = Cluster.from_spec(path).doctor(tensorflow="never")
+    finally:
+        hosts[2].heal()
+    spare = [p for p in report.problems if p.check == "spare"]
+    assert [(p.hosts, p.blocking) for p in spare] == [(("spares-2",), False)], report.problems
+    assert spare[0].message.startswith("spare spares-2 does not answer now (")
+    assert spare[0].message.endswith("): the group starts with 1 worker(s) and grows onto it "
+                                     "once it does (the grow check asks it every 30s)")
+    assert report.ok, report.problems
+    assert [c.name for c in report.hosts] == ["spares-0"]
+
+
 def test_a_loss_that_would_leave_fewer_than_min_workers_fails_the_run_saying_so(
         tmp_path: Path) -> None:
     """The supervisor's choice when a host's repair failed: go on without it while
