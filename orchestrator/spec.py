@@ -1071,8 +1071,9 @@ class Elastic(Model):
         default=None, ge=1, le=1024,
         description="The most workers the group grows to: above workers, the group starts "
         "with workers and grows onto the spares (static: the hosts listed past workers; gcp: "
-        "VMs created once a zone has room; local: more processes) as the grow check finds "
-        "them, each growth a planned stop. Default: workers.",
+        "VMs created once a zone has room; slurm: a one-node allocation each, once it runs; "
+        "local: more processes) as the grow check finds them, each growth a planned stop. "
+        "Default: workers.",
     )
     batch: Literal["keep_per_replica", "keep_global"] = Field(
         default="keep_per_replica",
@@ -1288,11 +1289,6 @@ class ClusterSpec(Model):
                           "with", fix=f"set elastic.max_workers to {workers} or more, or leave it "
                           "out (the group then grows back to workers, no further)")
         provider = info.data.get("provider")
-        if most > workers and isinstance(provider, SlurmProvider):
-            raise Invalid("a group that grows past workers works on static hosts, gcp and "
-                          "local for now, not on slurm (where a lost node's replacement is "
-                          "asked for, not a node of its own)",
-                          fix=f"leave out elastic.max_workers, or set workers to {most}")
         if provider is not None and not isinstance(
                 provider, (StaticProvider, GcpProvider, SlurmProvider, LocalProvider)):
             raise Invalid(f"elastic groups work on static hosts, gcp and slurm for now, not on "

@@ -471,6 +471,7 @@ class Supervisor:
             renewed = self.provider.renew()
             if renewed:
                 self._say(renewed)
+            self._await_spares(gone_only=True)
             self._repair_hosts()
         marks["repaired"] = time.time()
         plan = self._plan(run_id, number)
@@ -1143,20 +1144,28 @@ class Supervisor:
                   f"instead of {self.spec.workers}")
         self._start_growing()
 
-    def _await_spares(self) -> None:
+    def _await_spares(self, *, gone_only: bool = False) -> None:
         """A group that may grow past ``workers`` (``elastic.max_workers``) starts without its
         spares: each is left out until the grow check finds it ready (static: it answers;
-        gcp: a zone created its VM), and the group then grows at a planned stop."""
-        spares = [h.name for h in self.provider.spare_hosts() if h.name not in self._left_out]
+        gcp: a zone created its VM; slurm: its one-node allocation runs), and the group then
+        grows at a planned stop. ``gone_only`` (before each attempt): only a spare the group
+        grew onto that its provider no longer has (a scheduler's allocation that ended)."""
+        spares = [h.name for h in self.provider.spare_hosts() if h.name not in self._left_out
+                  and (not gone_only or not self.provider.placed(h))]
         if not spares:
             return
         with self._elastic_lock:
             for name in spares:
-                self._left_out[name] = SPARE
-        self._say(f"{len(spares)} spare(s) to grow onto (elastic.max_workers "
-                  f"{self.spec.max_workers}): {', '.join(spares)}"
-                  + ("" if self.spec.elastic and self.spec.elastic.grow_check_s > 0 else
-                     "; never looked for (elastic.grow_check_s is 0)"))
+                self._left_out[name] = SPARE if not gone_only else \
+                    "its allocation ended; asked for again"
+        if gone_only:
+            self._say(f"going on without {', '.join(spares)} (elastic): "
+                      f"{elastic.describe(self.spec, len(self._sized()[1]))}")
+        else:
+            self._say(f"{len(spares)} spare(s) to grow onto (elastic.max_workers "
+                      f"{self.spec.max_workers}): {', '.join(spares)}"
+                      + ("" if self.spec.elastic and self.spec.elastic.grow_check_s > 0 else
+                         "; never looked for (elastic.grow_check_s is 0)"))
         self._start_growing()
 
     def _start_growing(self) -> None:

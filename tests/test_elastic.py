@@ -58,9 +58,6 @@ def test_a_smaller_group_keeps_what_its_policy_says(policy: str, per_replica: in
      "job: {module: m, per_replica_batch_size: 4}",
      "keep_global keeps the global batch of 12 (3 x 4), which 5 worker(s) cannot split evenly",
      "lower elastic.max_workers"),
-    ("elastic: {min_workers: 2, max_workers: 4}\nprovider: {kind: slurm, partition: gpu}",
-     "a group that grows past workers works on static hosts, gcp and local for now, not on "
-     "slurm", "leave out elastic.max_workers, or set workers to 4"),
     ("elastic: {min_workers: 2}\ncontainer: {image: orchestrate-worker:0.1.0}\n"
      "provider: {kind: kubernetes, namespace: ml, volume: {claim: shared}}",
      "elastic groups work on static hosts, gcp and slurm for now, not on kubernetes",

@@ -4,12 +4,14 @@ TensorFlow trains over gRPC between the nodes' own addresses."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -349,6 +351,68 @@ def test_a_lost_node_with_no_spare_shrinks_an_elastic_group_and_its_return_grows
         messages = seen[0].messages
         assert any("going on without slurm-elastic-2" in m for m in messages), messages
     finally:
+        report = cluster.down()
+    assert sum("allocation" in r for r in report.removed) == 2, report
+    assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []
+
+
+# A command job that ends once its group is 3 (else waits to be stopped: the planned stop
+# that grows it).
+SIZED = ("python -c 'import json, os, time; n = len(json.loads(os.environ[\"TF_CONFIG\"])"
+         "[\"cluster\"][\"worker\"]); print(\"workers\", n, flush=True); "
+         "n < 3 and time.sleep(600)'")
+
+
+def test_a_group_grows_past_workers_onto_a_one_node_allocation_once_it_runs(
+        slurm: SlurmLab, tmp_path: Path) -> None:
+    """workers 2, elastic.max_workers 3, the partition's third node held by another job of the
+    user's: the spare's one-node allocation (on neither of the group's nodes) waits in the
+    queue, kept past each grow check's few seconds, while the group runs on 2. The other job
+    cancelled, it starts on the third node, the grow check finds it running, and the group
+    grows to 3 at a planned stop. 'down' cancels it with the group's allocation."""
+    n1, n2, n3 = slurm.nodes
+    hog = slurm.run("sbatch", "--parsable", f"--nodelist={n3.name}", "--exclusive", "--wrap",
+                    "sleep 300", user=slurm.user).stdout.strip()
+    path = slurm_spec(tmp_path, slurm, "slurm-spare", f"job: {{command: {json.dumps(SIZED)}}}\n"
+                      "retry: {max_restarts: 1, backoff_initial_s: 0.5, backoff_max_s: 2}\n"
+                      "timeouts: {stop_grace_s: 5}\n"
+                      "elastic: {min_workers: 2, max_workers: 3, grow_check_s: 1}\n", workers=2)
+    cluster = Cluster.from_spec(path)
+    queued: list[str] = []
+    seen: list[RunView] = []
+
+    def listener(view: RunView, event: Event | None) -> None:
+        seen[:] = [view]
+        if event is not None and event.kind == "started" and event.attempt == 1 and \
+                event.task == "worker:1" and not queued:
+            queued.append(event.task)
+            # a grow check or two find the spare's allocation pending first
+            timer = threading.Timer(8.0, lambda: slurm.run("scancel", hog, user=slurm.user))
+            timer.daemon = True
+            timer.start()
+
+    try:
+        cluster.up()
+        (job,) = [j for j in our_jobs(slurm) if j["id"] != hog]
+        result = cluster.train(listener=listener, doctor=False).wait()
+        assert queued, "attempt 1 never started worker:1"
+        first, second = result.attempts
+        seen_ = [(a.number, a.status, a.cause, a.detail, a.resized) for a in result.attempts]
+        assert first.resized == "2 of 3 workers (without slurm-spare-2: a spare, not grown " \
+            "onto yet)", seen_
+        assert [t.endpoint.rsplit(":", 1)[0] for t in first.tasks] == [n1.address, n2.address]
+        assert (first.status, first.cause) == ("stopped", "resized"), seen_
+        assert [t.endpoint.rsplit(":", 1)[0] for t in second.tasks] == \
+            [n1.address, n2.address, n3.address], seen_
+        assert result.status == "succeeded" and not second.resized, seen_
+        assert any(m.startswith("slurm-spare-2 back: the group grows to 3 worker(s)")
+                   for m in seen[0].messages), seen[0].messages
+        jobs = sorted(int(j["id"]) for j in our_jobs(slurm) if j["state"] == "RUNNING")
+        # the group's and the spare's: submitted once, kept queued while the node was held,
+        # never cancelled and submitted again (the lab's job ids follow each other)
+        assert jobs == [int(job["id"]), int(job["id"]) + 1], (jobs, job, hog)
+    finally:
+        slurm.run("scancel", hog, user=slurm.user, check=False)
         report = cluster.down()
     assert sum("allocation" in r for r in report.removed) == 2, report
     assert [j for j in our_jobs(slurm) if j["state"] not in ("COMPLETING", "CANCELLED")] == []

@@ -102,6 +102,12 @@ class Provider(ABC):
         grow check finds it; default: none."""
         return []
 
+    def placed(self, host: Host) -> bool:
+        """Whether a spare of ``spare_hosts()`` is a machine the group can run on now (a
+        scheduler's spare is one only once its allocation runs); default: yes, once its
+        repair brought it in."""
+        return True
+
     def all_hosts(self) -> list[Host]:
         """``hosts()`` and then ``spare_hosts()``: every machine a task of the cluster may run
         on (for ``down`` and ``logs`` to find them)."""

@@ -417,8 +417,14 @@ class SlurmProvider(SSHHostsProvider):
         to a node of the allocation, or a new replacement; what happened, or None."""
         ended = [h for h in self.hosts() if h.label(JOB_LABEL) not in (None, job_id)
                  and not self._runs(h.label(JOB_LABEL) or "")]
+        spares = [h.name for h in self.spare_hosts() if self.placed(h)
+                  and not self._runs(h.label(JOB_LABEL) or "")]
+        for name in spares:  # the supervisor leaves it out again, and asks for it anew
+            self.forget(name)
+        if spares:
+            self._record()
         if not ended:
-            return None
+            return f"the allocation of spare(s) {', '.join(spares)} ended" if spares else None
         hosts = {h.name: h for h in self.up()}
         moved = ", ".join(f"{h.name} on node {hosts[h.name].node}" for h in ended)
         return f"the replacement allocation of {', '.join(h.name for h in ended)} ended: {moved}"
@@ -430,6 +436,8 @@ class SlurmProvider(SSHHostsProvider):
     def _cancel_replacements(self) -> None:
         for job_id in self._job.get("replacements", []):
             self.slurm.cancel(job_id)
+        for name in self._spare_names():  # grown onto a replacement: gone with it
+            self.forget(name)
         self._job = {**self._job, "replacements": [], "lost": [], "waiting": {}}
 
     def _allocation(self, root: str) -> Job:
@@ -523,7 +531,7 @@ class SlurmProvider(SSHHostsProvider):
         Raises:
             ProviderError: a new allocation with too few nodes, or no replacement in time.
         """
-        names = [f"{self.spec.name}-{i}" for i in range(self.spec.num_tasks)]
+        names = self._names()
         nodes = self.slurm.hostnames(job.nodes)
         record = self._load()
         lost = set(record.get("lost", []))
@@ -664,7 +672,7 @@ class SlurmProvider(SSHHostsProvider):
         the root."""
         had = self.remembered()
         hosts = self._assign(self._allocation(root), root, replace_within_s)
-        self._save(hosts)
+        self._save([*hosts, *(h for h in self.spare_hosts() if self.placed(h))])
         moved = [h for h in hosts if had.get(h.name) is None or had[h.name].labels != h.labels]
         self._check_shared(moved or hosts, root)
         return hosts
@@ -709,11 +717,14 @@ class SlurmProvider(SSHHostsProvider):
     def repair(self, host: Host, deadline_s: float) -> Host:
         """A lost node's task goes to a replacement: a free node of the allocation, else a
         one-node allocation waited for up to ``deadline_s`` (the queue's reason said meanwhile).
-        A node that is not lost (it answers a step) stays.
+        A node that is not lost (it answers a step) stays. A spare (``elastic.max_workers``)
+        is a one-node allocation of its own (``_place_spare``).
 
         Raises:
             ProviderError: no replacement ran within ``deadline_s`` (it is cancelled).
         """
+        if host.name in self._spare_names():
+            return self._place_spare(host, deadline_s)
         lost = self._load().get("lost", [])
         if host.node not in lost and self.host_health(host) is HostHealth.RUNNING:
             return host
@@ -725,6 +736,52 @@ class SlurmProvider(SSHHostsProvider):
             raise ProviderError(f"{host.name}'s node {host.node} was lost and no node took its "
                                 f"place: {exc.message}", fix=exc.fix) from None
         return next(h for h in hosts if h.name == host.name)
+
+    def _place_spare(self, host: Host, deadline_s: float) -> Host:
+        """A node for a spare: a one-node allocation on none of the group's nodes, submitted
+        once and kept queued while it waits (its --exclude following the group, as a lost
+        node's replacement); the host once it runs, its node checked to see the root.
+
+        Raises:
+            ProviderError: it has not started within ``deadline_s`` (it stays queued).
+        """
+        lost = set(self._load().get("lost", []))
+        if self.placed(host) and host.node not in lost and \
+                self.host_health(host) is HostHealth.RUNNING:
+            return host
+        self.forget(host.name)
+        root = self.submit_host().root
+        group = {h.node for h in self.all_hosts() if h.node and h.name != host.name}
+        suspects = lost - self._down(lost)
+        placed = self._replacement(host.name, root, sorted((group - lost) | suspects),
+                                   deadline_s, suspects)
+        self._check_shared([placed], root)
+        self.remember(placed)
+        self._record()
+        return placed
+
+    def placed(self, host: Host) -> bool:
+        """A spare is a node once its allocation ran (``_place_spare``)."""
+        return host.node is not None
+
+    def _names(self) -> list[str]:
+        """The tasks' hosts, the chief's first."""
+        return [f"{self.spec.name}-{i}" for i in range(self.spec.num_tasks)]
+
+    def _spare_names(self) -> list[str]:
+        """The spares' (``elastic.max_workers``), after the tasks'."""
+        first = self.spec.num_tasks
+        return [f"{self.spec.name}-{i}" for i in range(first, first + self.spec.spares)]
+
+    def spare_hosts(self) -> list[Host]:
+        """Each spare as its allocation placed it, else a placeholder with no node (not
+        ``placed``) until the grow check gets it one."""
+        self._load()
+        had = self.remembered()
+        root = next((h.root for h in had.values()), "") or self.planned_root("~")
+        return [had.get(name) or Host(name=name, address=name, root=root,
+                                      ssh=self.login_endpoint(), shared_fs=True)
+                for name in self._spare_names()]
 
     def _check_shared(self, hosts: Sequence[Host], root: str) -> None:
         """Every node sees the root's marker, which was written on the submit side."""
@@ -752,9 +809,10 @@ class SlurmProvider(SSHHostsProvider):
         self.run_setup(self.submit_runner, self.runner(hosts[0]), submit.root, code_changed)
 
     def hosts(self) -> list[Host]:
-        """The nodes of the recorded allocation (none before 'up')."""
+        """The tasks' nodes in the recorded allocation (none before 'up')."""
         self._load()
-        return list(self.remembered().values())
+        had = self.remembered()
+        return [had[name] for name in self._names() if name in had]
 
     def planned_hosts(self) -> list[Host]:
         """The recorded nodes, else placeholders (the scheduler picks the nodes)."""

@@ -251,6 +251,11 @@ class SSHHostsProvider(Provider):
         with self._lock:
             self._known[host.name] = host
 
+    def forget(self, name: str) -> None:
+        """``name`` is no host of the cluster's any more (``save_hosts`` leaves it out)."""
+        with self._lock:
+            self._known.pop(name, None)
+
     def remembered(self) -> dict[str, Host]:
         """The hosts as last reached, here or (read from the cache file) by an earlier command."""
         with self._lock:
