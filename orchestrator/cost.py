@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.hosts import machine_id
@@ -51,6 +51,9 @@ class Price:
     provider: str = ""  # provider.kind
     region: str = ""  # gcp: the region of the first zone
     note: str = ""  # what is not priced, or why the catalog was not read
+    # The tasks the price is for (``workers``): an elastic group's attempt on more or fewer
+    # costs in proportion (``cost_of``). 0: not known (a record from before it was kept).
+    tasks: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,9 +73,10 @@ class Price:
             if not (per_hour is None or _number(per_hour)) or not isinstance(parts, dict) \
                     or not all(isinstance(k, str) and _number(v) for k, v in parts.items()):
                 raise ValueError("per_hour or parts is not a number")
-            for name in ("gpus", "machines"):
-                if not isinstance(data[name], int) or isinstance(data[name], bool) \
-                        or data[name] < 0:
+            counts = {name: data[name] for name in ("gpus", "machines")}
+            counts["tasks"] = data.get("tasks", 0)
+            for name, count in counts.items():
+                if not isinstance(count, int) or isinstance(count, bool) or count < 0:
                     raise ValueError(f"{name} is not a count")
             texts = {name: data[name] for name in ("currency", "source", "as_of")}
             texts.update({name: data.get(name, "") for name in ("provider", "region", "note")})
@@ -82,8 +86,8 @@ class Price:
         except KeyError as exc:
             raise ValueError(f"a price without {exc.args[0]!r}") from None
         return cls(per_hour=None if per_hour is None else float(per_hour),
-                   parts={k: float(v) for k, v in parts.items()}, gpus=data["gpus"],
-                   machines=data["machines"], spot=data["spot"], **texts)
+                   parts={k: float(v) for k, v in parts.items()}, spot=data["spot"],
+                   **counts, **texts)
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,10 @@ def price_of(spec: ClusterSpec, *, catalog: prices.Rates | None = None,
     if isinstance(provider, LocalProvider):
         return None
     if isinstance(provider, GcpProvider):
-        return _gcp_price(spec, provider, catalog or prices.TABLE)
-    return _gpu_hour_price(spec, gpus_counted)
+        price = _gcp_price(spec, provider, catalog or prices.TABLE)
+    else:
+        price = _gpu_hour_price(spec, gpus_counted)
+    return replace(price, tasks=spec.num_tasks)
 
 
 def lookup_price(spec: ClusterSpec, *, online: bool,
@@ -246,10 +252,26 @@ def cost_of(price: Price, run: RunRecord, now: float) -> Cost:
     recovery = sum(a.recovery_s or 0.0 for a in attempts)
     redone_s, redone, untimed = _redone(attempts)
     lost_hours = (recovery + redone_s) / 3600
-    return Cost(hours=hours, gpu_hours=hours * price.gpus, money=_money(price, hours),
+    sized = _sized_hours(price, run.started_at, end, attempts)
+    return Cost(hours=hours, gpu_hours=sized * price.gpus, money=_money(price, sized),
                 lost_seconds=recovery + redone_s, lost_gpu_hours=lost_hours * price.gpus,
                 lost_money=_money(price, lost_hours), recovery_s=recovery,
                 steps_redone=redone, steps_untimed=untimed, ended=run.ended_at is not None)
+
+
+def _sized_hours(price: Price, started: float, end: float,
+                 attempts: Sequence[AttemptRecord]) -> float:
+    """The run's hours at the price's size: each attempt's span (to the next one's start, or
+    the end) weighed by its tasks over the price's, where an elastic group trained on more or
+    fewer; before the first attempt, and where either count is not known, at full size."""
+    if not price.tasks or not attempts:
+        return max(0.0, end - started) / 3600
+    seconds = max(0.0, min(attempts[0].started_at, end) - started)
+    for attempt, after in zip(attempts, [*attempts[1:], None], strict=True):
+        stop = min(after.started_at if after is not None else end, end)
+        weight = len(attempt.tasks) / price.tasks if attempt.tasks else 1.0
+        seconds += max(0.0, stop - attempt.started_at) * weight
+    return seconds / 3600
 
 
 def _money(price: Price, hours: float) -> float | None:

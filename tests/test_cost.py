@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from orchestrator.errors import SpecError
 from orchestrator.paths import price_cache
 from orchestrator.providers.gcp import billing, prices
 from orchestrator.providers.gcp.prices import Rates, key
-from orchestrator.state import AttemptRecord, RunRecord
+from orchestrator.state import AttemptRecord, RunRecord, TaskRecord
 
 REPO = Path(__file__).resolve().parent.parent
 TODAY = datetime.now(timezone.utc).date().isoformat()
@@ -345,6 +346,28 @@ def test_a_runs_cost_and_the_restarts_share_of_it(
     assert c.lost_gpu_hours == pytest.approx(4 * lost / 3600)
     assert c.lost_money == pytest.approx(10.0 * lost / 3600)
     assert (c.steps_redone, c.steps_untimed, c.ended) == (redone, untimed, ended is not None)
+
+
+def test_an_elastic_groups_attempts_cost_in_proportion_to_their_tasks() -> None:
+    """A price for 3 tasks: the time before the first attempt and attempt 1 at 3 tasks, a
+    shrunk attempt 2 at 2 tasks (an hour), then attempt 3 grown to 4 (a spare: half an hour).
+    The wall hours are the run's; the money and GPU hours follow the sizes."""
+    price = replace(PRICED, tasks=3, gpus=3)
+    tasks = [TaskRecord(task=f"worker:{i}", host=f"h{i}", endpoint="", pgid=0, log="", rc="")
+             for i in range(4)]
+    attempts = [replace(attempt(1, 1000 + 600, 1610, 2200, 0, 10), tasks=tasks[:3]),
+                replace(attempt(2, 2200, 2210, 5800, 10, 400), tasks=tasks[:2]),
+                replace(attempt(3, 5800, 5810, 7600, 400, 600), tasks=tasks)]
+    c = cost.cost_of(price, run(attempts, 7600.0), 9999.0)
+    assert c.hours == pytest.approx(6600 / 3600)
+    sized = (600 + 600 + 3600 * 2 / 3 + 1800 * 4 / 3) / 3600  # 0.333 + 0.667 + 0.667 h
+    assert c.money == pytest.approx(10.0 * sized)
+    assert c.gpu_hours == pytest.approx(3 * sized)
+    # a record kept before the tasks were: at full size, as it was counted then
+    old = cost.Price.from_json({k: v for k, v in price.to_json().items() if k != "tasks"})
+    assert old.tasks == 0
+    assert cost.cost_of(old, run(attempts, 7600.0), 9999.0).money == pytest.approx(10 * 6600 / 3600)
+    assert cost.Price.from_json(price.to_json()) == price
 
 
 def test_the_cost_lines_say_money_gpu_hours_and_what_the_restarts_cost() -> None:
