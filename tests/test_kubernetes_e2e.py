@@ -438,11 +438,13 @@ def test_checkpoints_in_a_bucket_by_workload_identity_survive_a_killed_pod(
     key anywhere), a killed pod's group resumes from the bucket, and the chief's final model is
     left there."""
     with bucket_cluster(kube_cluster_factory, pods, (TRAINER,)) as (cluster, gcs):
+        # 2 pods, 90 steps (it was 3 and 120: the bucket is the point, and each pod and
+        # step was seconds of the suite's busiest lane); the kill at step 35 leaves 55
         path = k8s_spec(cluster, tmp_path, """\
-job: {module: digits, epochs: 4, steps_per_epoch: 30, progress_every_steps: 5}
+job: {module: digits, epochs: 3, steps_per_epoch: 30, progress_every_steps: 5}
 checkpoint: {dir: 'gs://ckpt-bucket/runs', every_steps: 10}
 retry: {max_restarts: 2, backoff_initial_s: 0}
-""", provider=NO_VOLUME)
+""", workers=2, provider=NO_VOLUME)
         cluster.store.create("serviceaccounts", {"metadata": {"name": "trainer"}}, namespace="ml")
         result = train_killing_worker_1(cluster, path)
         objects = gcs.objects("ckpt-bucket")
