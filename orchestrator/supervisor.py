@@ -330,7 +330,10 @@ class Supervisor:
         if attach:
             self._causes.update(Cause(a.cause) for a in previous
                                 if a.cause in Cause._value2member_map_)
-            if previous and previous[-1].resized and self.spec.elastic is not None:
+            # (an attempt that records no resize but whose controller died before it was
+            # written still left its spares out)
+            if previous and self.spec.elastic is not None and \
+                    (previous[-1].resized or self.spec.spares):
                 self._left_out_by(previous[-1])
             attach = self._attachable(run_id, previous)
         else:
@@ -1181,16 +1184,20 @@ class Supervisor:
         runs without are left out again, each with the reason its record gives, and the
         grow check goes on looking for them."""
         ran = {t.host for t in attempt.tasks}
-        names = [h.name for h in self.provider.all_hosts() if h.name not in ran]
         inside = attempt.resized.partition(" (without ")[2].removesuffix(")")
-        starts = sorted((inside.find(f"{name}: "), name) for name in names
-                        if inside.find(f"{name}: ") >= 0)
+        starts = sorted((inside.find(f"{h.name}: "), h.name) for h in self.provider.all_hosts()
+                        if h.name not in ran and inside.find(f"{h.name}: ") >= 0)
         reasons = {name: inside[at + len(name) + 2:(starts[i + 1][0] - 2 if i + 1 < len(starts)
                                                      else len(inside))]
                    for i, (at, name) in enumerate(starts)}
+        # Those its record names, and the spares it has no task on (an attempt whose
+        # controller died as it launched has tasks on some hosts only, and may record none)
+        spares = [h.name for h in self.provider.spare_hosts()
+                  if h.name not in ran and h.name not in reasons]
+        names = [name for _, name in starts] + spares
         with self._elastic_lock:
             for name in names:
-                self._left_out[name] = reasons.get(name) or "left out by an earlier controller"
+                self._left_out[name] = reasons.get(name) or SPARE
         if names:
             self._say(f"attempt {attempt.number} runs without {', '.join(names)} (elastic): "
                       "looking for them again")

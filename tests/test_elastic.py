@@ -423,3 +423,21 @@ def test_attach_to_a_smaller_attempt_leaves_out_what_it_ran_without_with_its_rea
         names[3]: "no zone could create 1 VM(s) (x)"}
     sized, hosts = supervisor._sized()
     assert (sized.workers, [h.name for h in hosts]) == (2, [names[0], names[2]])
+
+
+def test_attach_to_an_attempt_cut_short_leaves_out_only_the_spares(tmp_path: Path) -> None:
+    """An attempt whose controller died as it launched: its record may have no resize written
+    and tasks on some hosts only. The workers' hosts stay in the group (the next attempt
+    launches on them); the spares it has no task on wait for the grow check again."""
+    path = tmp_path / "e.yaml"
+    path.write_text(f"workdir: {REPO}\nname: e\nworkers: 2\njob: {{module: examples.digits}}\n"
+                    "elastic: {min_workers: 1, max_workers: 3, grow_check_s: 0}\n")
+    loaded = spec.load(path)
+    supervisor = Supervisor(loaded, LocalProvider(loaded, path), Store(), workdir=REPO)
+    task = TaskRecord(task="worker:0", host="local-0", endpoint="", pgid=0, log="", rc="")
+    attempt = AttemptRecord("r", 1, "running", 0.0, None, "", "", "", None, None, None, None,
+                            [task], resized="")
+    supervisor._left_out_by(attempt)
+    assert supervisor._left_out == {"local-2": SPARE}
+    sized, hosts = supervisor._sized()
+    assert (sized.workers, [h.name for h in hosts]) == (2, ["local-0", "local-1"])
