@@ -1399,6 +1399,12 @@ class ClusterSpec(Model):
         return self.max_workers - self.workers
 
     @property
+    def spare_indices(self) -> range:
+        """The host indices of the spares: after the tasks' (a provider names them as it
+        names the tasks' hosts)."""
+        return range(self.num_tasks, self.num_tasks + self.spares)
+
+    @property
     def engine_container(self) -> Container | None:
         """The image a host's container engine (docker, podman) runs the tasks in; None
         without ``container``, and on Kubernetes, where the pods are of the image."""

@@ -87,9 +87,8 @@ class LocalProvider(Provider):
     def spare_hosts(self) -> list[Host]:
         """More processes on this machine, for a group that grows past workers: each is
         'back' at the first grow check (its repair: this machine answers)."""
-        first = self.spec.num_tasks
         return [Host(name=f"local-{i}", address=LOOPBACK, root=self.root)
-                for i in range(first, first + self.spec.spares)]
+                for i in self.spec.spare_indices]
 
     def runner(self, host: Host) -> LocalRunner:
         return self._runner

@@ -770,8 +770,7 @@ class SlurmProvider(SSHHostsProvider):
 
     def _spare_names(self) -> list[str]:
         """The spares' (``elastic.max_workers``), after the tasks'."""
-        first = self.spec.num_tasks
-        return [f"{self.spec.name}-{i}" for i in range(first, first + self.spec.spares)]
+        return [f"{self.spec.name}-{i}" for i in self.spec.spare_indices]
 
     def spare_hosts(self) -> list[Host]:
         """Each spare as its allocation placed it, else a placeholder with no node (not

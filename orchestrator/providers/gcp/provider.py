@@ -101,9 +101,7 @@ class GcpProvider(SSHHostsProvider):
     def spare_names(self) -> list[str]:
         """The VMs an elastic group may grow onto (``elastic.max_workers``): created by the
         grow check once a zone has room, never by ``up``."""
-        first = self.spec.num_tasks
-        return [names.instance_name(self.spec.name, i)
-                for i in range(first, first + self.spec.spares)]
+        return [names.instance_name(self.spec.name, i) for i in self.spec.spare_indices]
 
     def describe(self) -> dict[str, Any]:
         """The VMs ``up`` creates (or finds), their shape, and the cluster's firewall rule."""
