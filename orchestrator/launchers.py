@@ -59,6 +59,10 @@ class Launcher(ABC):
         """Why the task's group waits in a scheduler's queue (``Runner.queued``)."""
         return runner.queued(handle)
 
+    def unplaced(self, runner: Runner, handle: TaskHandle) -> str | None:
+        """Why no machine can take the task now (``Runner.unplaced``)."""
+        return runner.unplaced(handle)
+
     def engine_failure(self, host: Host, exit_code: int | None,
                        output: str) -> containers.EngineFailure | None:
         """Whether a task that exited ``exit_code`` with ``output`` and no event never started

@@ -1059,8 +1059,8 @@ class CostSettings(Model):
 
 
 class Elastic(Model):
-    """Keep training on fewer machines when one cannot come back (see orchestrator/elastic.py):
-    static hosts, gcp and slurm for now."""
+    """Keep training on fewer machines when one cannot come back (see orchestrator/elastic.py),
+    on every provider."""
 
     min_workers: int = Field(
         ge=1, le=1024,
@@ -1072,8 +1072,8 @@ class Elastic(Model):
         description="The most workers the group grows to: above workers, the group starts "
         "with workers and grows onto the spares (static: the hosts listed past workers; gcp: "
         "VMs created once a zone has room; slurm: a one-node allocation each, once it runs; "
-        "local: more processes) as the grow check finds them, each growth a planned stop. "
-        "Default: workers.",
+        "kubernetes: a pod more, once a node has room for it; local: more processes) as the "
+        "grow check finds them, each growth a planned stop. Default: workers.",
     )
     batch: Literal["keep_per_replica", "keep_global"] = Field(
         default="keep_per_replica",
@@ -1288,12 +1288,6 @@ class ClusterSpec(Model):
             raise Invalid(f"max_workers is {most}, under the {workers} workers the group starts "
                           "with", fix=f"set elastic.max_workers to {workers} or more, or leave it "
                           "out (the group then grows back to workers, no further)")
-        provider = info.data.get("provider")
-        if provider is not None and not isinstance(
-                provider, (StaticProvider, GcpProvider, SlurmProvider, LocalProvider)):
-            raise Invalid(f"elastic groups work on static hosts, gcp and slurm for now, not on "
-                          f"{provider.kind} (where a lost node is replaced, or the run fails "
-                          "as before)", fix="remove elastic")
         if info.data.get("separate_chief"):
             raise Invalid("elastic groups take the chief's role to another worker when its "
                           "machine is lost, and separate_chief gives it a task of its own",

@@ -1136,11 +1136,14 @@ class Supervisor:
         policy = self.spec.elastic
         if policy is None:
             raise failure
-        left = len(self._sized()[1]) - 1
+        kept = self._sized()[1]
+        left = len(kept) - 1
         if left < policy.min_workers:
             raise ProviderError(
                 f"{failure.message}; without it {left} worker(s) would be left, fewer than "
                 f"elastic.min_workers ({policy.min_workers})", fix=failure.fix) from None
+        if self.provider.interchangeable_hosts:  # the group is the first N: the last goes
+            name = kept[-1].name
         with self._elastic_lock:
             self._left_out[name] = failure.message
         self._say(f"going on without {name} (elastic): {elastic.describe(self.spec, left)}, "
@@ -1212,11 +1215,13 @@ class Supervisor:
         assert self.spec.elastic is not None
         while not self._grow_stop.wait(self.spec.elastic.grow_check_s):
             with self._elastic_lock:
-                missing = sorted(set(self._left_out) - set(self._returned))
-            for name in missing:
+                missing = set(self._left_out) - set(self._returned)
+            for name in [h.name for h in self.provider.all_hosts() if h.name in missing]:
                 try:
                     host = self.provider.repair(self._host(name), self.provider.return_probe_s)
                 except Exception:  # not back yet (or the provider failing): the next check
+                    if self.provider.interchangeable_hosts:
+                        break  # the group grows onto them in order
                     continue
                 with self._elastic_lock:
                     if name in self._left_out:

@@ -130,6 +130,7 @@ class Watched:
     snapshotting: bool = False  # it said it began one
     snapshot_asked: bool = False  # the controller asked it to save one in the chief's place
     waiting: str = ""  # why it has not started yet, as its scheduler last said
+    unplaced: str = ""  # an elastic group's: why no machine can take it, as last said
 
     def __post_init__(self) -> None:
         if self.drops_alive < 0:  # started (or found) running: as of now
@@ -210,6 +211,7 @@ class AttemptWatch:
                 return {w.key: w.finished or Event("finished", w.key, 0, 0.0, {})
                         for w in self.watched}
             self._check_waiting()
+            self._check_unplaced()
             self._check_startup()
             self._check_hang()
             time.sleep(self.interval_s)
@@ -492,6 +494,8 @@ class AttemptWatch:
             try:
                 queued = self.launcher.queued(w.runner, w.handle)
                 reason = queued or self.launcher.waiting(w.runner, w.handle) or ""
+                if self.spec.elastic is not None:
+                    w.unplaced = self.launcher.unplaced(w.runner, w.handle) or ""
             except RemoteError:
                 continue
             if queued:  # the startup clock starts once the group leaves the queue
@@ -506,6 +510,25 @@ class AttemptWatch:
             if reason:
                 self.view.messages.append(f"{w.key} is waiting: {reason}")
             self.listener(self.view, None)
+
+    def _check_unplaced(self) -> None:
+        """An elastic group's task that no machine can take (a pod no node has room for, as
+        its scheduler says) once the attempt has waited ``timeouts.repair_s`` (or
+        ``startup_s``, if sooner) since it left any queue: its machine is lost, and the
+        provider's repair says whether the group goes on without it."""
+        if self.spec.elastic is None:
+            return
+        timeouts = self.spec.timeouts
+        limit, which = min((timeouts.repair_s, "repair_s"), (timeouts.startup_s, "startup_s"))
+        if time.time() - max(self.started, self._queued_at) <= limit:
+            return
+        for w in self.watched:
+            if w.unplaced and not w.reached_step and not w.ended:
+                raise AttemptFailed(
+                    Cause.HOST_LOST, w.key,
+                    f"no machine could take {w.key} within {limit:.0f}s (timeouts.{which}): "
+                    f"{w.unplaced}"[:2000], evidence=self._evidence(w), failed_at=self.started,
+                    before_first_step=True, host=w.plan.host.name)
 
     def _check_startup(self) -> None:
         late = [w.key for w in self.watched if not w.reached_step]

@@ -19,6 +19,7 @@ from orchestrator import elastic, paths, spec
 from orchestrator.api import Cluster
 from orchestrator.errors import ProviderError, SpecError
 from orchestrator.events import Event
+from orchestrator.hosts import Host
 from orchestrator.providers.local import LocalProvider
 from orchestrator.state import AttemptRecord, Store, TaskRecord
 from orchestrator.supervisor import SPARE, Supervisor
@@ -58,10 +59,6 @@ def test_a_smaller_group_keeps_what_its_policy_says(policy: str, per_replica: in
      "job: {module: m, per_replica_batch_size: 4}",
      "keep_global keeps the global batch of 12 (3 x 4), which 5 worker(s) cannot split evenly",
      "lower elastic.max_workers"),
-    ("elastic: {min_workers: 2}\ncontainer: {image: orchestrate-worker:0.1.0}\n"
-     "provider: {kind: kubernetes, namespace: ml, volume: {claim: shared}}",
-     "elastic groups work on static hosts, gcp and slurm for now, not on kubernetes",
-     "remove elastic"),
 ])
 def test_an_elastic_section_that_cannot_work_is_refused_with_its_fix(
         text: str, said: str, fix: str) -> None:
@@ -399,6 +396,38 @@ def test_a_loss_that_would_leave_fewer_than_min_workers_fails_the_run_saying_so(
                                     "left, fewer than elastic.min_workers (2)")
     assert caught.value.fix == "wait"
     assert supervisor._grow_thread is None  # grow_check_s: 0, never looked for
+
+
+def test_hosts_that_are_slots_leave_out_the_last_and_grow_back_in_order(tmp_path: Path) -> None:
+    """A provider whose hosts are slots the scheduler places (a JobSet's pods, named by their
+    index): whichever one could not be placed, the group is the first N, and the grow check
+    asks for the missing ones in order, stopping at the first not back."""
+    path = tmp_path / "e.yaml"
+    path.write_text(f"workdir: {REPO}\n" + SPEC.format(job="{module: examples.digits}") +
+                    "elastic: {min_workers: 1, grow_check_s: 0.01}\n")
+    loaded = spec.load(path)
+    asked: list[str] = []
+
+    class Slots(LocalProvider):
+        interchangeable_hosts = True
+
+        def repair(self, host: Host, deadline_s: float) -> Host:
+            asked.append(host.name)
+            supervisor._grow_stop.set()  # one round of the grow check
+            raise ProviderError("no node has room", fix="add one")
+
+    supervisor = Supervisor(loaded, Slots(loaded, path), Store(), workdir=REPO)
+    names = [h.name for h in supervisor.provider.hosts()]
+    supervisor._leave_out(names[0], ProviderError("no node can take a worker's pod", fix="x"))
+    supervisor._leave_out(names[1], ProviderError("no node can take a worker's pod", fix="x"))
+    assert supervisor._left_out == {names[2]: "no node can take a worker's pod",
+                                    names[1]: "no node can take a worker's pod"}
+    assert [h.name for h in supervisor._sized()[1]] == names[:1]
+    supervisor._grow_stop.set()  # the thread _leave_out started: stopped; then one round here
+    supervisor._grow_thread.join(5)  # type: ignore[union-attr]
+    supervisor._grow_stop.clear()
+    supervisor._check_for_returns()
+    assert asked == [names[1]]  # the first missing slot; the next waits for it
 
 
 def test_attach_to_a_smaller_attempt_leaves_out_what_it_ran_without_with_its_reasons(

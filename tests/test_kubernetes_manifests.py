@@ -217,6 +217,37 @@ def test_gpus_spot_queue_and_placement() -> None:
     assert pod["terminationGracePeriodSeconds"] == 60  # timeouts.stop_grace_s
 
 
+def test_a_reservation_pod_is_placed_as_a_task_pod_and_holds_nothing_else() -> None:
+    """An elastic group's reservation (the room of a pod it goes on without, or a spare's):
+    valid, the task pod's requests, node selector, tolerations and identity, the lost nodes
+    avoided, the tasks' image; no volume, no code, no grace; labelled for 'down', never as a
+    task of an attempt."""
+    spec = make_spec(2, extra="elastic: {min_workers: 1, max_workers: 3}\n", provider="""\
+  gpus_per_pod: 8
+  spot: true
+  service_account: trainer
+  resources: {cpu: 7500m, memory: 60Gi}
+  run_as_user: 1000
+""")
+    task = jobset_of(spec)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    spare = manifests.hosts(spec, spares=True)[2]
+    assert spare.name == "demo-worker-2-0" and len(manifests.hosts(spec)) == 2
+    pod = manifests.reservation(spec, spare, 2, avoid_nodes=["node-b", "node-a"])
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    assert pod["metadata"]["name"] == "demo-worker-2-0-r"
+    assert pod["metadata"]["labels"] == {**manifests.labels("demo"), manifests.ROLE_LABEL:
+                                         "reserve", manifests.SLOT_LABEL: "2"}
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"] == task["containers"][0]["resources"]
+    assert container["image"] == task["containers"][0]["image"]
+    for field in ("nodeSelector", "tolerations", "serviceAccountName", "securityContext"):
+        assert pod["spec"][field] == task[field], field
+    assert manifests.avoided(pod) == ["node-a", "node-b"]
+    assert "volumes" not in pod["spec"] and "env" not in container
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 0
+    assert manifests.avoided(manifests.reservation(spec, spare, 2)) == []
+
+
 @pytest.mark.parametrize(("change", "checkpoints"), [
     ("checkpoint: {dir: 'gs://ckpt-bucket/runs'}\n",
      "gs://ckpt-bucket/runs/demo/20261125-101500-abc123"),

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.providers.kubernetes import nodes
+from orchestrator.providers.kubernetes import manifests, nodes
+from orchestrator.providers.kubernetes.runner import node_marked_not_ready
 
 GPU = "nvidia.com/gpu"
 
@@ -100,3 +101,24 @@ def test_a_cordoned_node_holds_nothing() -> None:
     cordoned = node(labels={"pool": "gpu"})
     cordoned["spec"]["unschedulable"] = True
     assert holds(cordoned) == (0, "n1 is cordoned")
+
+
+def pod_with(ready: str, containers_ready: str, state: dict[str, Any]) -> dict[str, Any]:
+    return {"spec": {"nodeName": "node-1"}, "status": {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": ready},
+                       {"type": "ContainersReady", "status": containers_ready}],
+        "containerStatuses": [{"name": manifests.CONTAINER, "state": state}]}}
+
+
+@pytest.mark.parametrize(("ready", "containers_ready", "state", "marked"), [
+    # the node lifecycle controller's mark: only Ready, on a pod whose container still runs
+    ("False", "True", {"running": {}}, True),
+    ("True", "True", {"running": {}}, False),
+    # the kubelet's own: the container ended (or is not ready: a probe), both conditions go
+    ("False", "False", {"terminated": {"exitCode": 1}}, False),
+    ("False", "False", {"running": {}}, False),
+])
+def test_a_running_pod_marked_not_ready_by_the_node_controller_is_lost(
+        ready: str, containers_ready: str, state: dict[str, Any], marked: bool) -> None:
+    assert node_marked_not_ready(pod_with(ready, containers_ready, state)) is marked

@@ -62,6 +62,10 @@ class Provider(ABC):
     reclaims_hosts: bool = False
     # Whether the next attempt's tasks may wait warm beside the running ones (retry.warm_tasks).
     warm_tasks: bool = True
+    # Whether the hosts are slots the scheduler places, named by their index in the group (a
+    # JobSet's pods): an elastic group of fewer workers then runs on the first N of them,
+    # whichever one could not be placed, and grows back onto them in order.
+    interchangeable_hosts: bool = False
     # An elastic group's check for a host it lost: how long each ``repair`` may take (off the
     # training's path). A listed machine answers its SSH port within moments once it is back.
     return_probe_s: float = 10.0

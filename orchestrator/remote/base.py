@@ -249,6 +249,12 @@ class Runner(ABC):
         holds it up that anyone reports (the default: a process starts at once)."""
         return None
 
+    def unplaced(self, handle: TaskHandle) -> str | None:
+        """Why no machine can take the task now, as its scheduler says (a pod no node has
+        room for), where the wait is for a machine rather than a turn: an elastic group goes
+        on without it past ``timeouts.repair_s``; None (the default) when it has one."""
+        return None
+
     def queued(self, handle: TaskHandle) -> str | None:
         """Why the task's whole group waits in a scheduler's queue for its turn (quota), not
         yet placed: a wait that does not count against ``timeouts.startup_s``, whose clock

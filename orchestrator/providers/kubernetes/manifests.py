@@ -52,6 +52,8 @@ RUN_LABEL = "orchestrate/run"
 ATTEMPT_LABEL = "orchestrate/attempt"
 ROLE_LABEL = "orchestrate/role"
 CONTENT_LABEL = "orchestrate/content"  # a ConfigMap's: what it carries (code, lib)
+SLOT_LABEL = "orchestrate/slot"  # a reservation pod's: the task index it holds room for
+RESERVE_ROLE = "reserve"  # a reservation pod's role label (never a task's)
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 HOSTNAME_LABEL = "kubernetes.io/hostname"  # every node's, its name
 JOB_INDEX_KEY = "jobset.sigs.k8s.io/job-index"
@@ -82,15 +84,22 @@ def roles(spec: ClusterSpec) -> list[tuple[Role, int]]:
     return chief + [("worker", i) for i in range(spec.workers)]
 
 
-def hosts(spec: ClusterSpec) -> list[Host]:
+def hosts(spec: ClusterSpec, *, spares: bool = False) -> list[Host]:
     """A host per task: its pod, reached at its JobSet DNS name (``host.subdomain``, which
     the pods' search path completes), each pod a machine of its own (its own IP), all with the
     same ``ROOT`` whose ``runs/`` every pod shares (``provider.volume``), or, without a
-    volume, its own ``runs/`` that is gone with the pod (checkpoints and the model in gs://)."""
+    volume, its own ``runs/`` that is gone with the pod (checkpoints and the model in gs://).
+
+    ``spares``: then the workers past ``workers`` an elastic group may grow to
+    (``elastic.max_workers``), named as the workers are. A pod's name is its index in the
+    group, so an elastic group's hosts are always the first N of these: a group of fewer
+    workers leaves out the last ones, whichever pod could not be placed."""
     config = _config(spec)
     shared = config.volume is not None
     out = []
-    for role, index in roles(spec):
+    more: list[tuple[Role, int]] = \
+        [("worker", spec.workers + i) for i in range(spec.spares)] if spares else []
+    for role, index in [*roles(spec), *more]:
         name = pod_hostname(spec.name, role, index)
         if len(name) > DNS_LABEL_MAX:  # the cluster name is at most 40: never; kept honest
             raise PlanError(f"pod host name {name!r} is over {DNS_LABEL_MAX} characters",
@@ -272,7 +281,6 @@ def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPl
     if requests or limits:
         container["resources"] = {**({"requests": requests} if requests else {}),
                                   **({"limits": limits} if limits else {})}
-    node_selector, tolerations = placement(config)
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         # the grace a planned stop gives every task to save at one step (timeouts.stop_grace_s)
@@ -281,14 +289,22 @@ def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPl
         "containers": [container],
         "volumes": volumes,
     }
+    _place_as_a_task(pod, config, avoid_nodes)
+    return {"metadata": {"labels": pod_labels}, "spec": pod}
+
+
+def _place_as_a_task(pod: dict[str, Any], config: KubernetesProvider,
+                     avoid_nodes: Sequence[str]) -> None:
+    """Set what places a task's pod and who it runs as on ``pod`` (its spec): the node
+    selector and tolerations (``placement``), the lost nodes avoided, the service account,
+    the image pull secrets and the security context."""
+    node_selector, tolerations = placement(config)
     if node_selector:
         pod["nodeSelector"] = node_selector
     if tolerations:
         pod["tolerations"] = tolerations
     if avoid_nodes:
-        pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [
-                {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(avoid_nodes)}]}]}}}
+        pod["affinity"] = _avoiding(avoid_nodes)
     if config.service_account:
         pod["serviceAccountName"] = config.service_account
     if config.image_pull_secrets:
@@ -296,7 +312,59 @@ def _pod_template(spec: ClusterSpec, config: KubernetesProvider, plan: ClusterPl
     security = security_context(config)
     if security:
         pod["securityContext"] = security
-    return {"metadata": {"labels": pod_labels}, "spec": pod}
+
+
+def reservation(spec: ClusterSpec, host: Host, index: int,
+                avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
+    """A pod that holds a node's room for worker ``index`` of an elastic group that goes on
+    without it: placed as a task's pod is (its requests, node selector, tolerations, the
+    lost nodes avoided), of the tasks' image (so the node pulls it before the task needs
+    it), sleeping until the group grows onto it and the attempt's JobSet takes its place.
+    Pending, it is the scheduler's queue for that room: the pod is bound the moment a node
+    has it."""
+    assert spec.container is not None  # the spec requires it on kubernetes
+    config = _config(spec)
+    requests, limits = pod_resources(config)
+    container: dict[str, Any] = {
+        "name": CONTAINER, "image": spec.container.image,
+        "imagePullPolicy": {"missing": "IfNotPresent", "always": "Always",
+                            "never": "Never"}[spec.container.pull],
+        "command": [spec.container.python, "-c",
+                    "import time\nwhile True: time.sleep(3600)"],
+    }
+    if requests or limits:
+        container["resources"] = {**({"requests": requests} if requests else {}),
+                                  **({"limits": limits} if limits else {})}
+    pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                           "enableServiceLinks": False, "containers": [container]}
+    _place_as_a_task(pod, config, avoid_nodes)
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": reservation_name(host), "namespace": config.namespace,
+                         "labels": labels(spec.name, **{ROLE_LABEL: RESERVE_ROLE,
+                                                        SLOT_LABEL: str(index)})},
+            "spec": pod}
+
+
+def reservation_name(host: Host) -> str:
+    """The reservation pod of ``host`` (one at a time): its host name and ``-r``."""
+    return f"{host.name}-r"
+
+
+def _avoiding(nodes: Sequence[str]) -> dict[str, Any]:
+    """A pod's affinity that keeps it off ``nodes`` (by their ``kubernetes.io/hostname``)."""
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(nodes)}]}]}}}
+
+
+def avoided(pod: dict[str, Any]) -> list[str]:
+    """The nodes ``pod``'s affinity keeps it off (``_avoiding``), sorted."""
+    terms = pod.get("spec", {}).get("affinity", {}).get("nodeAffinity", {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms") or []
+    return sorted(value for term in terms for expression in term.get("matchExpressions") or []
+                  if expression.get("key") == HOSTNAME_LABEL
+                  and expression.get("operator") == "NotIn"
+                  for value in expression.get("values") or [])
 
 
 def runs_mount(cluster: str, config: KubernetesProvider) -> dict[str, Any]:

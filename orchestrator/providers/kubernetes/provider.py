@@ -45,6 +45,7 @@ from orchestrator.providers.kubernetes.runner import (
     PodRunner,
     command_pod,
     pod_waiting,
+    unschedulable,
 )
 from orchestrator.remote.base import ExecResult, Runner, TaskHandle, probe_argv
 from orchestrator.remote.fanout import fan_out
@@ -81,6 +82,10 @@ class KubernetesProvider(Provider):
 
     kind = "kubernetes"
     warm_tasks = False  # a warm task would be a second pod per task: not yet
+    interchangeable_hosts = True  # a pod's name is its index: a smaller group is the first N
+    # An elastic group's check for the room of a pod it goes on without: a reservation pod
+    # is bound within moments of a node having room (it stays queued between checks).
+    return_probe_s = 5.0
 
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
         super().__init__(spec, spec_path)
@@ -97,6 +102,8 @@ class KubernetesProvider(Provider):
         self._unanswered: dict[str, str] = {}  # pod -> why its kubelet did not answer
         self._submitted: dict[int, float] = {}  # attempt -> when its JobSet was created
         self._queue_seen: tuple[float, int, str | None] = (float("-inf"), 0, None)
+        self._group: set[str] | None = None  # the hosts of the attempt this controller started
+        self._started: tuple[str, int] | None = None  # and its run and number
         self._lock = threading.Lock()
         self.state_path = paths.hosts_cache(spec.name, self.kind)
 
@@ -135,6 +142,17 @@ class KubernetesProvider(Provider):
     # -- hosts ---------------------------------------------------------------------------
     def hosts(self) -> list[Host]:
         return manifests.hosts(self.spec)
+
+    def spare_hosts(self) -> list[Host]:
+        """The pods past ``workers`` an elastic group may grow to (``elastic.max_workers``):
+        each one once a node has room for it (``repair``'s reservation pod)."""
+        return manifests.hosts(self.spec, spares=True)[self.spec.num_tasks:]
+
+    def _slots(self) -> dict[str, tuple[str, int]]:
+        """Every host, spares included, and the (role, JobSet index) of its pod."""
+        spares = [("worker", self.spec.workers + i) for i in range(self.spec.spares)]
+        return dict(zip((h.name for h in self.all_hosts()), [*manifests.roles(self.spec),
+                                                             *spares], strict=True))
 
     def python(self, host: Host) -> str:
         assert self.spec.container is not None  # the spec requires it on kubernetes
@@ -384,6 +402,12 @@ class KubernetesProvider(Provider):
             dataclasses.replace(t, env={k: v for k, v in t.env.items() if k not in values})
             for t in plan.tasks))
         self._remove_jobset(wait=True)
+        # the room an elastic group's reservation pods held passes to the tasks' pods
+        for task in plan.tasks:
+            self._release(task.host)
+        with self._lock:
+            self._group = {t.host.name for t in plan.tasks}
+            self._started = (plan.run_id, plan.attempt)
         jobset = manifests.jobset(self.spec, plain, code=code, lib=lib, secrets=names,
                                   avoid_nodes=self._nodes_to_avoid())
         if names:
@@ -452,19 +476,21 @@ class KubernetesProvider(Provider):
         kubelet does not answer: a node that just died still counts Ready for the node
         monitor's grace (40 to 50 s), but the API server cannot reach its kubelet for the
         pod's log. The next attempts' pods avoid a lost node (``start_group``)."""
-        keys = dict(zip((h.name for h in manifests.hosts(self.spec)),
-                        manifests.roles(self.spec), strict=True))
+        keys = self._slots()
         newest: dict[str, PodState] = {}
         for state in list(self.watch().pods.values()):
             labels = state.labels
             for host in hosts:
                 role, index = keys.get(host.name, ("", -1))
                 if (labels.get(manifests.ROLE_LABEL), labels.get(manifests.JOB_INDEX_KEY)) != \
-                        (role, str(index)) or not state.pod["spec"].get("nodeName"):
+                        (role, str(index)):
                     continue
                 had = newest.get(host.name)
                 if had is None or _attempt(state) > _attempt(had):
                     newest[host.name] = state
+        # a task whose newest pod was never placed lost no node (the scheduler had none)
+        newest = {name: state for name, state in newest.items()
+                  if state.pod["spec"].get("nodeName")}
         seen: dict[str, dict[str, Any] | None] = {}
         try:
             for state in newest.values():
@@ -767,8 +793,113 @@ class KubernetesProvider(Provider):
         return HostHealth.RUNNING
 
     def repair(self, host: Host, deadline_s: float) -> Host:
-        """A lost pod needs no repair: the next JobSet makes a new one."""
+        """A lost pod needs no repair: the next JobSet makes a new one (away from a lost
+        node). An elastic group's pod that no node could take (the watch gave up on it after
+        ``timeouts.repair_s``) is refused, with the scheduler's reason; one the group goes on
+        without (or a spare) is back once its reservation pod is bound to a node.
+
+        Raises:
+            ProviderError: no node can take the pod (now, or within ``deadline_s``).
+        """
+        if self.spec.elastic is None:
+            return host
+        fix = ("free or add a node the pods fit on (a cluster autoscaler may be adding one): "
+               "the group grows back once one has room")
+        unplaced = self._unplaced(host)
+        if unplaced:
+            raise ProviderError(f"no node can take a worker's pod: {unplaced}", fix=fix)
+        if host.name in self._current_group():
+            return host
+        why = self._reserve(host, deadline_s)
+        if why:
+            raise ProviderError(f"no node has room for another worker's pod yet: {why}; its "
+                                "reservation pod stays queued", fix=fix)
         return host
+
+    def give_up(self, host: Host) -> None:
+        """An elastic run ended without ``host``: its reservation pod goes."""
+        self._release(host)
+
+    def _unplaced(self, host: Host) -> str | None:
+        """The scheduler's reason when ``host``'s pod of the newest attempt was never placed
+        (as the watch saw it last, deleted or not)."""
+        key = self._slots()[host.name]
+        found = [p for p in self._newest_pods() if _slot(p) == key]
+        return unschedulable(found[0].pod) if found else None
+
+    def _current_group(self) -> set[str]:
+        """The hosts of the newest attempt: the one this controller started, else (``train
+        --attach``) those with a pod of the newest attempt the watch sees."""
+        with self._lock:
+            if self._group is not None:
+                return set(self._group)
+        names = {key: name for name, key in self._slots().items()}
+        return {names[key] for p in self._newest_pods() if (key := _slot(p)) in names}
+
+    def _newest_pods(self) -> list[PodState]:
+        """The task pods of the newest attempt (deleted ones as last seen): the one this
+        controller started, else the newest the watch has seen."""
+        with self._lock:
+            started = self._started
+        pods = [p for p in self.watch().snapshot() if _slot(p) is not None]
+        if started is None and pods:
+            newest = max(pods, key=lambda p: (not p.deleted, _attempt(p)))
+            started = (newest.labels.get(manifests.RUN_LABEL, ""), _attempt(newest))
+        return [p for p in pods
+                if (p.labels.get(manifests.RUN_LABEL, ""), _attempt(p)) == started]
+
+    def _reservation(self, host: Host) -> PodState | None:
+        state = self.watch().pods.get(manifests.reservation_name(host))
+        return None if state is None or state.deleted else state
+
+    def _reserve(self, host: Host, deadline_s: float) -> str | None:
+        """Hold a node's room for ``host``'s pod with a reservation pod (made once, kept
+        while it waits: the scheduler binds it the moment a node has room); None once it
+        is bound, else the scheduler's reason after ``deadline_s``."""
+        kube, watch = self.kube, self.watch()
+        avoid = self._nodes_to_avoid()
+        found = self._reservation(host)
+        if found is not None and (
+                found.pod.get("metadata", {}).get("deletionTimestamp")
+                or found.pod.get("status", {}).get("phase") in ("Failed", "Succeeded")
+                or (not found.pod["spec"].get("nodeName")
+                    and manifests.avoided(found.pod) != sorted(avoid))):
+            # its node was lost or preempted, or (still waiting) it avoids a node that is
+            # back, or not one lost since: ask again
+            self._release(host)
+            found = None
+        if found is None:
+            _, index = self._slots()[host.name]
+            pod = manifests.reservation(self.spec, host, index, avoid)
+            try:
+                kube.call(f"create pod {pod['metadata']['name']}",
+                          kube.core.create_namespaced_pod, kube.namespace, pod)
+            except KubeError as exc:
+                if exc.code != 409:  # made by an earlier check, not yet in the watch: kept
+                    raise
+        deadline = time.monotonic() + deadline_s
+        version = watch.version
+        while True:
+            found = self._reservation(host)
+            if found is not None and found.pod.get("spec", {}).get("nodeName"):
+                return None
+            if time.monotonic() >= deadline:
+                return (unschedulable(found.pod) if found is not None else None) or \
+                    "the scheduler has not placed it yet"
+            version = watch.wait(version, min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _release(self, host: Host) -> None:
+        """Delete ``host``'s reservation pod, if any, at once (it holds no work)."""
+        name = manifests.reservation_name(host)
+        state = self.watch().pods.get(name)
+        if state is None or state.deleted:
+            return
+        kube = self.kube
+        kube.call(f"delete pod {name}", kube.core.delete_namespaced_pod, name, kube.namespace,
+                  grace_period_seconds=0, missing_ok=True)
+        deadline = time.monotonic() + GONE_WAIT_S
+        while time.monotonic() < deadline and not self.watch().pods[name].deleted:
+            self.watch().wait(self.watch().version, 0.5)
 
     # -- down ----------------------------------------------------------------------------
     def down(self) -> DownReport:
@@ -810,6 +941,17 @@ class KubernetesProvider(Provider):
 
 def _quote(text: str) -> str:
     return shlex.quote(text)
+
+
+def _slot(state: PodState) -> tuple[str, int] | None:
+    """A task pod's (role, JobSet index); None for any other pod (a command's, a
+    reservation's)."""
+    labels = state.labels
+    role, index = labels.get(manifests.ROLE_LABEL), labels.get(manifests.JOB_INDEX_KEY, "")
+    if role not in ("chief", "worker") or not index.isdigit() or \
+            not labels.get(manifests.ATTEMPT_LABEL, "").isdigit():
+        return None
+    return role, int(index)
 
 
 def _attempt(state: PodState) -> int:

@@ -89,13 +89,37 @@ STUCK_WAITING = {
 }
 
 
-def pod_waiting(pod: dict[str, Any]) -> str | None:
-    """Why ``pod`` is not running, with the fix: unschedulable, or its container stuck."""
+def node_marked_not_ready(pod: dict[str, Any]) -> bool:
+    """Whether the node lifecycle controller marked the running pod not ready: its Ready
+    condition False while ContainersReady stays True and its container runs. A task's pod has
+    no readiness probe, so only that controller does this, once the pod's node stopped
+    posting its status (the node's grace, 40 to 50 s): the pod's kubelet is gone, and the pod
+    would otherwise count as running until its eviction (300 s) and after."""
+    conditions = {c.get("type"): c.get("status")
+                  for c in pod.get("status", {}).get("conditions") or []}
+    return conditions.get("Ready") == "False" and conditions.get("ContainersReady") == "True" \
+        and container_state(pod)[0] == "running"
+
+
+def unschedulable(pod: dict[str, Any]) -> str | None:
+    """The scheduler's message for a pod no node can take now (PodScheduled False,
+    Unschedulable, not bound), with the fix; None once it is placed or while it is merely
+    on its way."""
+    if pod.get("spec", {}).get("nodeName"):
+        return None
     for condition in pod.get("status", {}).get("conditions") or []:
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
                 and condition.get("reason") == "Unschedulable":
             message = str(condition.get("message") or "")
-            return f"no node can take its pod: {message} ({_scheduling_fix(message)})"
+            return f"{message} ({_scheduling_fix(message)})"
+    return None
+
+
+def pod_waiting(pod: dict[str, Any]) -> str | None:
+    """Why ``pod`` is not running, with the fix: unschedulable, or its container stuck."""
+    unplaced = unschedulable(pod)
+    if unplaced:
+        return f"no node can take its pod: {unplaced}"
     kind, fields = container_state(pod)
     reason = str(fields.get("reason") or "")
     if kind == "waiting" and reason in STUCK_WAITING:
@@ -181,6 +205,8 @@ class PodRunner(Runner):
                               _epoch(fields.get("finishedAt")))
         if found.deleted or found.pod.get("status", {}).get("phase") in ("Failed", "Succeeded"):
             return TaskStatus(TaskState.LOST)  # gone (its node lost, evicted) with no exit code
+        if node_marked_not_ready(found.pod):
+            return TaskStatus(TaskState.LOST)  # its node stopped reporting: nothing more will
         return TaskStatus(TaskState.RUNNING) if status else None
 
     def waiting(self, handle: TaskHandle) -> str | None:
@@ -188,6 +214,11 @@ class PodRunner(Runner):
         container's, with the fix; None while it is merely on its way."""
         found = self.provider.pod(PodRef.of(handle))
         return None if found is None or found.deleted else pod_waiting(found.pod)
+
+    def unplaced(self, handle: TaskHandle) -> str | None:
+        """The scheduler's reason when no node can take the task's pod now."""
+        found = self.provider.pod(PodRef.of(handle))
+        return None if found is None or found.deleted else unschedulable(found.pod)
 
     def queued(self, handle: TaskHandle) -> str | None:
         """Why the attempt's JobSet waits in its Kueue queue (while its pod is not made)."""
