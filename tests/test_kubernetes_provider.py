@@ -448,6 +448,12 @@ def test_up_says_when_the_nodes_cannot_hold_the_pods_and_goes_on(tmp_path: Path,
             "gpu-2 has 1 nvidia.com/gpu, a pod asks 2"), problem.message
         assert "gcloud container node-pools create" in problem.fix
         made.up()  # said, not refused
+        with_elastic(made, "{min_workers: 2, max_workers: 4}")
+        (problem,) = [p for p in made.cluster_problems() if "node" in p.message]
+        assert problem.message.startswith(
+            "the nodes now hold 2 of the 3 pods at most (each asks 20Gi memory, 2 "
+            "nvidia.com/gpu); elastic: the group goes on with 2 once the pods left waiting "
+            "pass timeouts.repair_s: cpu-1 lacks"), problem.message
         # a fourth GPU node: the pods fit, nothing is said
         ready_node(fake, "gpu-3", "2026-11-25T09:00:00Z")
         node = fake.store.get("nodes", "gpu-3")
@@ -455,6 +461,15 @@ def test_up_says_when_the_nodes_cannot_hold_the_pods_and_goes_on(tmp_path: Path,
         node = fake.store.update("nodes", node)
         node["status"]["allocatable"] = {"memory": "64Gi", "nvidia.com/gpu": "8"}
         fake.store.update_status("nodes", node)
+        # gpu-3 holds 3 (its memory): room for the 3 workers and 2 spares, not for
+        # elastic.max_workers' 6: said, not blocking
+        with_elastic(made, "{min_workers: 2, max_workers: 6}")
+        (problem,) = [p for p in made.cluster_problems() if "node" in p.message]
+        assert not problem.blocking and problem.message.startswith(
+            "the nodes now hold 5 pods at most (each asks 20Gi memory, 2 nvidia.com/gpu): the "
+            "group starts with 3 and grows to 5 of elastic.max_workers (6) until more nodes "
+            "are added: cpu-1 lacks"), problem.message
+        with_elastic(made, None)
         assert not [p for p in made.cluster_problems() if "node" in p.message]
         # credentials that may not list nodes: said, with the fix
         fake.forbid("list", "nodes")
@@ -463,6 +478,13 @@ def test_up_says_when_the_nodes_cannot_hold_the_pods_and_goes_on(tmp_path: Path,
         assert "ClusterRole" in problem.fix
     finally:
         made.close()
+
+
+def with_elastic(made: KubernetesProvider, elastic: str | None) -> None:
+    """The provider's spec with ``elastic`` (YAML flow text), or without it."""
+    made.spec = specs.ClusterSpec.model_validate({
+        **made.spec.model_dump(), "elastic": None if elastic is None else
+        specs.parse(f"name: x\njob: {{module: m}}\nworkers: 3\nelastic: {elastic}\n").elastic})
 
 
 def test_up_checks_the_kueue_queue_it_is_given(tmp_path: Path, fake: FakeKube) -> None:

@@ -299,20 +299,30 @@ class KubernetesProvider(Provider):
             holds += count
             if why:
                 why_not.append(why)
-        wanted = self.spec.num_tasks
-        if holds >= wanted:
+        wanted, most = self.spec.num_tasks, self.spec.num_tasks + self.spec.spares
+        if holds >= most:
             return []
         asks = ", ".join(f"{v} {k}" for k, v in requests.items()) or "nothing"
         shown = "; ".join(why_not[:3]) + (f"; and {len(why_not) - 3} more"
                                           if len(why_not) > 3 else "")
+        fix = ("add a node pool that matches provider.node_selector, tolerations, gpus_per_pod "
+               "and resources (GKE: gcloud container node-pools create ... --accelerator "
+               "type=TYPE,count=N), or let one autoscale: the pods wait for it, with the reason "
+               "in the view")
+        if holds >= wanted:  # elastic.max_workers past what the nodes can ever hold
+            return [Problem(
+                "kubernetes", f"the nodes now hold {holds} pods at most (each asks {asks}): "
+                f"the group starts with {wanted} and grows to {holds} of elastic.max_workers "
+                f"({most}) until more nodes are added: {shown or 'every node is full'}",
+                fix, blocking=False)]
         said = f"no node now can hold a pod (each asks {asks})" if holds == 0 else \
             f"the nodes now hold {holds} of the {wanted} pods at most (each asks {asks})"
-        return [Problem(
-            "kubernetes", f"{said}: {shown or 'the cluster has no node'}",
-            "add a node pool that matches provider.node_selector, tolerations, gpus_per_pod "
-            "and resources (GKE: gcloud container node-pools create ... --accelerator "
-            "type=TYPE,count=N), or let one autoscale: the pods wait for it, with the reason "
-            "in the view", blocking=False)]
+        policy = self.spec.elastic
+        if policy is not None and holds >= policy.min_workers:
+            said += (f"; elastic: the group goes on with {holds} once the pods left waiting "
+                     "pass timeouts.repair_s")
+        return [Problem("kubernetes", f"{said}: {shown or 'the cluster has no node'}", fix,
+                        blocking=False)]
 
     def _may_read_namespaces(self) -> bool:
         return self.kube.allowed("get", "namespaces")[0]
