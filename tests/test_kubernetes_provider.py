@@ -24,7 +24,7 @@ from orchestrator.errors import ProviderError
 from orchestrator.plan import build
 from orchestrator.providers.kubernetes import manifests
 from orchestrator.providers.kubernetes import provider as provider_module
-from orchestrator.providers.kubernetes.client import KubeError, LogFollower
+from orchestrator.providers.kubernetes.client import KubeError, LogFollower, PodState
 from orchestrator.providers.kubernetes.provider import KubernetesProvider
 from orchestrator.providers.kubernetes.runner import PodRef
 from orchestrator.remote.base import TaskState
@@ -567,3 +567,43 @@ def test_a_node_whose_kubelet_was_silent_for_a_moment_is_avoided_only_for_a_whil
     time.sleep(0.6)
     provider.start_group(plan_of(provider, attempt=3))
     assert avoided() == []
+
+
+def test_an_elastic_slot_whose_pod_was_never_placed_is_refused_and_a_later_controller_sees_it(
+        tmp_path: Path, fake: FakeKube) -> None:
+    """repair, for an elastic group: a slot whose pod of the newest attempt the scheduler never
+    placed is refused with its reason (even once the pod is deleted, as the stop deletes it);
+    one whose pod ran is back at once (the next JobSet places it again); a controller that did
+    not start the attempt (train --attach) finds the group from the watch."""
+    made = make_provider(tmp_path, fake, workers=3, extra="elastic: {min_workers: 2}\n")
+    later = make_provider(tmp_path, fake, workers=3, extra="elastic: {min_workers: 2}\n")
+    try:
+        made.up()
+        hosts = made.hosts()
+        for provider in (made, later):
+            provider.watch()  # the controllers' watches, from the attempt's start
+        for index in (0, 1):
+            write_pod(fake, PodRef("r1", 2, "worker", index), f"demo-worker-{index}-abcde")
+        unplaced = write_pod(fake, PodRef("r1", 2, "worker", 2), "demo-worker-2-abcde",
+                             node="")  # never bound
+        message = "0/3 nodes are available: 3 Insufficient cpu."
+        unplaced["status"] = {"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": message}]}
+        fake.store.update_status("pods", unplaced, "ml")
+        fake.store.delete("pods", "demo-worker-2-abcde", "ml")  # the stop deleted it
+        for provider in (made, later):  # (later: a controller that did not start it)
+            eventually(lambda p=provider: "Unschedulable" in str(
+                p.watch().pods.get("demo-worker-2-abcde", PodState({})).pod.get("status")))
+            with pytest.raises(ProviderError) as caught:
+                provider.repair(hosts[2], 5)
+            assert caught.value.message.startswith(
+                f"no node can take a worker's pod: {message} (fix: ask for less"), \
+                caught.value.message
+            assert provider.repair(hosts[1], 5) is hosts[1]  # it ran: placed again
+        assert later._current_group() == {hosts[0].name, hosts[1].name, hosts[2].name}
+        assert fake.store.list("pods", "ml", label_selector=f"{manifests.ROLE_LABEL}="
+                               f"{manifests.RESERVE_ROLE}") == []  # none asked for yet
+    finally:
+        made.close()
+        later.close()
