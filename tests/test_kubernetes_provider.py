@@ -602,6 +602,22 @@ def test_an_elastic_slot_whose_pod_was_never_placed_is_refused_and_a_later_contr
                 caught.value.message
             assert provider.repair(hosts[1], 5) is hosts[1]  # it ran: placed again
         assert later._current_group() == {hosts[0].name, hosts[1].name, hosts[2].name}
+        # seen unplaced by the watch, then bound as the stop freed its peers' room, its
+        # container never started: still refused
+        bound = write_pod(fake, PodRef("r1", 3, "worker", 1), "demo-worker-1-fghij", node="")
+        bound["status"] = unplaced["status"]
+        fake.store.update_status("pods", bound, "ml")
+        ref = PodRef("r1", 3, "worker", 1)
+        eventually(lambda: made.unplaced(ref))
+        made._started = ("r1", 3)
+        fake.store.bind("ml", "demo-worker-1-fghij", "node-1")
+        pod = fake.store.get("pods", "demo-worker-1-fghij", "ml")
+        pod["status"] = {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "True"}]}
+        fake.store.update_status("pods", pod, "ml")
+        eventually(lambda: made.watch().pods["demo-worker-1-fghij"].pod["spec"].get("nodeName"))
+        with pytest.raises(ProviderError, match="no node can take a worker's pod: 0/3 nodes"):
+            made.repair(hosts[1], 5)
         assert fake.store.list("pods", "ml", label_selector=f"{manifests.ROLE_LABEL}="
                                f"{manifests.RESERVE_ROLE}") == []  # none asked for yet
     finally:

@@ -100,7 +100,10 @@ def test_killed_worker_recovers_from_the_chief_checkpoint_copied_to_other_hosts(
 
     def listener(view: RunView, event: Event | None) -> None:
         if event is None:
-            if view.messages and view.messages[-1].startswith("copying the chief's checkpoint"):
+            # the first view with the message: a later one (with no message since) may come
+            # once the copy is done
+            if view.messages and view.messages[-1].startswith(
+                    "copying the chief's checkpoint") and not before_copy:
                 for h in hosts[1:]:
                     ckpt = f"{h.home}/.orchestrate/clusters/static-kill/runs/{view.run_id}/checkpoints"
                     before_copy[h.name] = h.run(f"ls -A {ckpt}/chief 2>/dev/null; true").stdout

@@ -44,6 +44,7 @@ from orchestrator.providers.kubernetes.runner import (
     PodRef,
     PodRunner,
     command_pod,
+    container_state,
     pod_waiting,
     unschedulable,
 )
@@ -104,6 +105,7 @@ class KubernetesProvider(Provider):
         self._queue_seen: tuple[float, int, str | None] = (float("-inf"), 0, None)
         self._group: set[str] | None = None  # the hosts of the attempt this controller started
         self._started: tuple[str, int] | None = None  # and its run and number
+        self._seen_unplaced: dict[str, str] = {}  # pod -> the scheduler's reason, as last seen
         self._lock = threading.Lock()
         self.state_path = paths.hosts_cache(spec.name, self.kind)
 
@@ -830,12 +832,34 @@ class KubernetesProvider(Provider):
         """An elastic run ended without ``host``: its reservation pod goes."""
         self._release(host)
 
+    def unplaced(self, ref: PodRef) -> str | None:
+        """The scheduler's reason when no node can take the task's pod now (remembered: a pod
+        bound only as the attempt is stopped, into the room its peers' deletion freed, was
+        still never placed while it ran)."""
+        found = self.pod(ref)
+        if found is None or found.deleted:
+            return None
+        reason = unschedulable(found.pod)
+        if reason:
+            with self._lock:
+                self._seen_unplaced[found.name] = reason
+        return reason
+
     def _unplaced(self, host: Host) -> str | None:
         """The scheduler's reason when ``host``'s pod of the newest attempt was never placed
-        (as the watch saw it last, deleted or not)."""
+        while the attempt ran (as the watch saw it last, deleted or not): not bound, or bound
+        with its container never started after this controller saw it unplaced."""
         key = self._slots()[host.name]
         found = [p for p in self._newest_pods() if _slot(p) == key]
-        return unschedulable(found[0].pod) if found else None
+        if not found:
+            return None
+        reason = unschedulable(found[0].pod)
+        with self._lock:
+            seen = self._seen_unplaced.get(found[0].name)
+        if reason is None and seen and \
+                container_state(found[0].pod)[0] not in ("running", "terminated"):
+            reason = seen
+        return reason
 
     def _current_group(self) -> set[str]:
         """The hosts of the newest attempt: the one this controller started, else (``train

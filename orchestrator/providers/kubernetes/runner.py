@@ -217,8 +217,7 @@ class PodRunner(Runner):
 
     def unplaced(self, handle: TaskHandle) -> str | None:
         """The scheduler's reason when no node can take the task's pod now."""
-        found = self.provider.pod(PodRef.of(handle))
-        return None if found is None or found.deleted else unschedulable(found.pod)
+        return self.provider.unplaced(PodRef.of(handle))
 
     def queued(self, handle: TaskHandle) -> str | None:
         """Why the attempt's JobSet waits in its Kueue queue (while its pod is not made)."""
