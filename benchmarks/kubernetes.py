@@ -82,11 +82,7 @@ def fake_cluster(lab: PodLab) -> Iterator[FakeCluster]:
     cluster = FakeCluster(kube, lab, images={IMAGE}, node_monitor_grace_s=1.0, eviction_s=2)
     cluster.start()
     try:
-        store = cluster.store
-        store.create("namespaces", {"metadata": {"name": NAMESPACE}})
-        store.create("persistentvolumeclaims", {"metadata": {"name": "shared"}, "spec": {
-            "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}},
-            namespace=NAMESPACE)
+        cluster.namespace_with_claim(NAMESPACE)
         yield cluster
     finally:
         cluster.close()

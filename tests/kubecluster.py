@@ -412,6 +412,14 @@ class FakeCluster:
                 loop.errors.append(f"{type(exc).__name__}: {exc}")
                 time.sleep(self.poll_s)
 
+    def namespace_with_claim(self, namespace: str = "ml", claim: str = "shared") -> None:
+        """Namespace ``namespace`` with a ReadWriteMany claim ``claim`` of 1Gi in it (bound by
+        the storage loop), as a team's namespace for training has."""
+        self.store.create("namespaces", {"metadata": {"name": namespace}})
+        self.store.create("persistentvolumeclaims", {"metadata": {"name": claim}, "spec": {
+            "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}},
+            namespace=namespace)
+
     # -- faults --------------------------------------------------------------------------
     def lose_node(self, node: str) -> None:
         """The node stops: its processes are gone, nothing reports for it any more."""

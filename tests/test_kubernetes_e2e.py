@@ -40,11 +40,7 @@ def k8s_spec(cluster: FakeCluster, tmp_path: Path, body: str, workers: int = 3,
              provider: str = "  volume: {claim: shared}\n") -> Path:
     """A project with the digits example, and its spec for ``cluster``'s namespace ml
     (``provider``: more of the provider's fields; by default the claim ``shared``)."""
-    store = cluster.store
-    store.create("namespaces", {"metadata": {"name": "ml"}})
-    store.create("persistentvolumeclaims", {"metadata": {"name": "shared"}, "spec": {
-        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}},
-        namespace="ml")
+    cluster.namespace_with_claim()
     kubeconfig = cluster.kube.write_kubeconfig(tmp_path / "kubeconfig")
     project = tmp_path / "project"
     project.mkdir()

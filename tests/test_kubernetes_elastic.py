@@ -44,11 +44,7 @@ def flags() -> Iterator[Path]:
 
 def elastic_spec(cluster: FakeCluster, tmp_path: Path, workers: int, elastic: str,
                  repair_s: int = 6) -> Path:
-    store = cluster.store
-    store.create("namespaces", {"metadata": {"name": "ml"}})
-    store.create("persistentvolumeclaims", {"metadata": {"name": "shared"}, "spec": {
-        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}},
-        namespace="ml")
+    cluster.namespace_with_claim()
     kubeconfig = cluster.kube.write_kubeconfig(tmp_path / "kubeconfig")
     user = cluster.lab.plain_user()
     project = tmp_path / "project"

@@ -78,10 +78,12 @@ def pod_hostname(cluster: str, role: Role, index: int) -> str:
     return f"{jobset_name(cluster)}-{role}-{index}-0"
 
 
-def roles(spec: ClusterSpec) -> list[tuple[Role, int]]:
-    """Every task, the chief first (worker 0 unless ``separate_chief``)."""
+def roles(spec: ClusterSpec, *, spares: bool = False) -> list[tuple[Role, int]]:
+    """Every task, the chief first (worker 0 unless ``separate_chief``); ``spares``: then
+    the workers past ``workers`` an elastic group may grow to (``elastic.max_workers``)."""
     chief: list[tuple[Role, int]] = [("chief", 0)] if spec.separate_chief else []
-    return chief + [("worker", i) for i in range(spec.workers)]
+    most = spec.workers + (spec.spares if spares else 0)
+    return chief + [("worker", i) for i in range(most)]
 
 
 def hosts(spec: ClusterSpec, *, spares: bool = False) -> list[Host]:
@@ -97,9 +99,7 @@ def hosts(spec: ClusterSpec, *, spares: bool = False) -> list[Host]:
     config = _config(spec)
     shared = config.volume is not None
     out = []
-    more: list[tuple[Role, int]] = \
-        [("worker", spec.workers + i) for i in range(spec.spares)] if spares else []
-    for role, index in [*roles(spec), *more]:
+    for role, index in roles(spec, spares=spares):
         name = pod_hostname(spec.name, role, index)
         if len(name) > DNS_LABEL_MAX:  # the cluster name is at most 40: never; kept honest
             raise PlanError(f"pod host name {name!r} is over {DNS_LABEL_MAX} characters",

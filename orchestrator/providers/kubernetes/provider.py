@@ -152,9 +152,8 @@ class KubernetesProvider(Provider):
 
     def _slots(self) -> dict[str, tuple[str, int]]:
         """Every host, spares included, and the (role, JobSet index) of its pod."""
-        spares = [("worker", self.spec.workers + i) for i in range(self.spec.spares)]
-        return dict(zip((h.name for h in self.all_hosts()), [*manifests.roles(self.spec),
-                                                             *spares], strict=True))
+        return dict(zip((h.name for h in self.all_hosts()),
+                        manifests.roles(self.spec, spares=True), strict=True))
 
     def python(self, host: Host) -> str:
         assert self.spec.container is not None  # the spec requires it on kubernetes
