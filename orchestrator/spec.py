@@ -1151,9 +1151,10 @@ class Retry(Model):
         default=True,
         description="When a task dies or its host is lost, the chief (if it lives) saves its "
         "state at the last step every task completed, before it is stopped: the relaunch "
-        "resumes from there, so a crash redoes at most the step under way. Managed jobs on "
-        "TensorFlow (JAX ends every process when a peer dies); false: back to the last "
-        "periodic checkpoint.",
+        "resumes from there, so a crash redoes at most the step under way. Managed jobs (on "
+        "JAX with data parallelism; there the step keeps its input state, one more copy of "
+        "the state on each device while a step runs, and a dead chief ends every process); "
+        "false: back to the last periodic checkpoint.",
     )
     warm_tasks: bool | Literal["auto"] = Field(
         default="auto",

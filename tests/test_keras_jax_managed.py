@@ -109,26 +109,83 @@ def test_two_processes_reproduce_one_process_at_the_same_global_batch(
                                rtol=1e-4)
 
 
-# worker:0 is JAX's coordinator; with warm tasks, the relaunch's processes were started, JAX,
-# Keras and the module imported, before the kill.
-@pytest.mark.parametrize(("task", "warm"), [("worker:1", True), ("worker:0", False)])
-def test_a_killed_process_restarts_the_group_from_the_chiefs_checkpoint_bit_identical(
-        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult, task: str,
-        warm: bool) -> None:
-    path = local_spec(tmp_path, "jax-kill", PACED, warm=warm)
-    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL), task=task)
+def killed_at(log: str) -> int:
+    """The last step a killed task said it completed."""
+    return max(e.get("step") for e in events_of(log) if e.kind == "progress")
+
+
+def snapshots_in(attempt: AttemptRecord) -> list[int]:
+    """The steps of the snapshots the chief saved in ``attempt``."""
+    return [e.get("step") for e in events_of(attempt.tasks[0].log)
+            if e.kind == "checkpoint" and e.get("reason") == "snapshot"]
+
+
+# With warm tasks, the relaunch's processes were started, JAX, Keras and the module imported,
+# before the kill.
+def test_a_killed_process_resumes_from_the_chiefs_snapshot_at_the_step_it_broke_bit_identical(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    path = local_spec(tmp_path, "jax-kill", PACED, warm=True)
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL))
     result = train(path, listener=listener)
 
     assert result.status == "succeeded"
     first, second = result.attempts
-    assert (first.cause, first.failed_task) == ("crashed", task)
+    assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    # The chief's step failed at once on the lost peer (gloo: the connection reset), and it
+    # saved the state of the last step it completed, kept on its devices: at most one away
+    # from worker:1's last (the one it did not say, or the one the chief lacked).
+    killed = killed_at(first.tasks[1].log)
+    assert snapshots_in(first) == [first.snapshot_step] and \
+        abs(first.snapshot_step - killed) <= 1, (snapshots_in(first), killed, first.snapshot)
+    assert first.snapshot == \
+        f"worker:0 saved its state at step {first.snapshot_step} after worker:1 failed"
+    assert second.resumed_from_step == first.snapshot_step and first.steps_lost <= 1
+    resumed = [e for e in events_of(second.tasks[1].log) if e.kind == "resumed"]
+    assert resumed[0].get("step") == first.snapshot_step  # the other process restored it
+    assert set(result.digests.values()) == set(unbroken.digests.values())  # bit-identical
+    gone = [[e.get("cold") for e in events_of(t.log) if e.kind == "go"] for t in second.tasks]
+    assert gone == [[False], [False]]
+
+
+def test_the_coordinator_killed_ends_every_process_and_the_group_resumes_from_the_checkpoint(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    """worker:0 is JAX's coordinator: its death ends the others at once (the service is gone),
+    so no survivor can save; the record says so, and the relaunch starts cold from the chief's
+    last periodic checkpoint."""
+    path = local_spec(tmp_path, "jax-kill0", PACED, warm=False)
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL), task="worker:0")
+    result = train(path, listener=listener)
+
+    assert result.status == "succeeded"
+    first, second = result.attempts
+    assert (first.cause, first.failed_task) == ("crashed", "worker:0")
+    assert first.snapshot_step is None and first.snapshot == (
+        "the chief (worker:0) died, and JAX's coordination service ran in its process: every "
+        "other process ended with it"), first.snapshot
     checkpoints = [e.get("step") for e in events_of(first.tasks[0].log) if e.kind == "checkpoint"]
     assert second.resumed_from_step == checkpoints[-1] >= 20  # from the chief's, not from 0
     resumed = [e for e in events_of(second.tasks[1].log) if e.kind == "resumed"]
     assert resumed[0].get("step") == checkpoints[-1]  # the other process restored the chief's
     assert set(result.digests.values()) == set(unbroken.digests.values())  # bit-identical
     gone = [[e.get("cold") for e in events_of(t.log) if e.kind == "go"] for t in second.tasks]
-    assert gone == ([[False], [False]] if warm else [[], []])
+    assert gone == [[], []]
+
+
+def test_with_snapshots_off_a_killed_process_resumes_from_the_last_periodic_checkpoint(
+        tmp_path: Path, orchestrate_home: Path, unbroken: RunResult) -> None:
+    path = local_spec(tmp_path, "jax-nosnap", PACED, warm=False)
+    path.write_text(path.read_text().replace("retry: {", "retry: {snapshot_on_crash: false, "))
+    listener = at_step(25, lambda pid: os.kill(pid, signal.SIGKILL))
+    result = train(path, listener=listener)
+
+    assert result.status == "succeeded"
+    first, second = result.attempts
+    checkpoints = [e.get("step") for e in events_of(first.tasks[0].log) if e.kind == "checkpoint"]
+    assert all(step % 10 == 0 for step in checkpoints) and \
+        (first.snapshot_step, first.snapshot) == (None, "")
+    assert second.resumed_from_step == checkpoints[-1] > 0
+    assert second.resumed_from_step <= first.last_step < 80
+    assert set(result.digests.values()) == set(unbroken.digests.values())  # bit-identical
 
 
 def test_sigterm_to_one_process_saves_every_process_at_one_step_and_redoes_none(
@@ -286,10 +343,11 @@ def test_a_torn_newest_checkpoint_is_dropped_for_the_one_before_without_tensorfl
 
 
 @pytest.mark.ssh
-def test_on_three_ssh_hosts_as_a_plain_user_a_killed_process_resumes_from_the_copied_checkpoint(
+def test_on_three_ssh_hosts_as_a_plain_user_a_killed_process_resumes_from_the_copied_snapshot(
         hostlab: HostLab, tmp_path: Path, orchestrate_home: Path) -> None:
     """Each host checkpoints to its own disk: before the relaunch the controller verifies the
-    chief's newest (Keras's .weights.h5 and the .state.npz) and copies it to the others."""
+    chief's newest (its snapshot: Keras's .weights.h5 and the .state.npz) and copies it to the
+    others."""
     hosts = hostlab.hosts(3)
     path = write_spec(tmp_path, hostlab, hosts, """\
         name: jax-static
@@ -305,7 +363,16 @@ def test_on_three_ssh_hosts_as_a_plain_user_a_killed_process_resumes_from_the_co
     result = cluster.train(listener=listener).wait()
     first, second = result.attempts
     assert (first.cause, first.failed_task) == ("crashed", "worker:2")
-    assert second.resumed_from_step and second.resumed_from_step % 10 == 0
+    # Of 3 processes in gloo's ring, the chief's step waits on worker:1, whose own waits on
+    # the dead one: it neither completes nor fails. The controller's request, read on a thread
+    # of the chief's, saved the state of the last step it completed while the step waited.
+    killed = max(e.get("step") for e in events_in(hosts[2], first.tasks[2].log)
+                 if e.kind == "progress")
+    assert first.snapshot == \
+        f"worker:0 saved its state at step {first.snapshot_step} after worker:2 failed", \
+        first.snapshot
+    assert abs(first.snapshot_step - killed) <= 1, (first.snapshot_step, killed)
+    assert second.resumed_from_step == first.snapshot_step
     for h, task in zip(hosts, second.tasks, strict=True):
         assert task.log.startswith(h.plain_home)  # the unprivileged user's own home
         resumed = [e for e in events_in(h, task.log) if e.kind == "resumed"]

@@ -469,7 +469,7 @@ def test_a_keras3_module_on_jax_checkpoints_to_a_bucket_and_a_killed_pod_resumes
         kube_cluster_factory: Callable[..., FakeCluster], pods: PodLab, tmp_path: Path) -> None:
     """``job.backend: jax`` with no volume: the chief's Keras-format checkpoints (.weights.h5,
     .state.npz and the index) go to gs:// through TensorFlow's file systems, as Keras reaches
-    remote paths; a killed pod's group verifies and resumes from the bucket."""
+    remote paths; a killed pod's group verifies and resumes from the chief's snapshot there."""
     with bucket_cluster(kube_cluster_factory, pods, (TRAINER,)) as (cluster, gcs):
         path = k8s_spec(cluster, tmp_path, """\
 job: {module: keras3_digits, backend: jax, epochs: 1, steps_per_epoch: 40,
@@ -487,7 +487,11 @@ tensorboard: {dir: 'gs://ckpt-bucket/tb', every_steps: 5, profile_steps: [3, 4]}
     assert result.status == "succeeded"
     first, second = result.attempts
     assert (first.cause, first.failed_task) == ("crashed", "worker:1")
-    assert second.resumed_from_step in (10, 20), second.resumed_from_step
+    # The chief's pod lives: it saved the state of the step the kill broke, into the bucket.
+    assert first.snapshot == \
+        f"worker:0 saved its state at step {first.snapshot_step} after worker:1 failed", \
+        first.snapshot
+    assert second.resumed_from_step == first.snapshot_step >= 15
     assert len(result.digests) == 2 and len(set(result.digests.values())) == 1
     run = f"runs/k8s-e2e/{result.run_id}"
     index = objects[f"{run}/chief/checkpoint"].decode()
@@ -496,7 +500,8 @@ tensorboard: {dir: 'gs://ckpt-bucket/tb', every_steps: 5, profile_steps: [3, 4]}
     assert objects[f"{run}/chief/ckpt-40.state.npz"][:2] == b"PK"
     kept = sorted(key.rsplit("/", 1)[1] for key in objects
                   if key.startswith(f"{run}/chief/") and not key.endswith("/"))
-    assert kept == ["checkpoint", *(f"ckpt-{s}.{kind}" for s in (20, 30, 40)
+    newest = sorted({10, 20, 30, 40, first.snapshot_step})[-3:]  # the snapshot's among them
+    assert kept == ["checkpoint", *(f"ckpt-{s}.{kind}" for s in newest
                                     for kind in ("state.npz", "weights.h5"))], kept
     assert objects[f"{run}/model/model.keras"][:2] == b"PK"
     assert result.model_path == f"gs://ckpt-bucket/{run}/model/model.keras"

@@ -45,8 +45,9 @@ class TfKerasFit(JobRuntime[ManagedJob]):
                                                      else set()))
         payload["checkpoint_every_steps"] = spec.checkpoint.every_steps
         payload["collective_timeout_s"] = spec.timeouts.collective_s
-        if job.backend == "tensorflow":  # JAX ends every process when a peer dies
-            payload["snapshot_on_crash"] = spec.retry.snapshot_on_crash
+        payload["snapshot_on_crash"] = spec.retry.snapshot_on_crash
+        if job.backend == "jax":  # how long JAX's service spares a survivor that saves
+            payload["snapshot_s"] = spec.timeouts.snapshot_s
         return (python, "-m", "worker", self.mode, "--job", json.dumps(payload, sort_keys=True))
 
     def env(self, spec: ClusterSpec) -> dict[str, str]:

@@ -29,6 +29,19 @@ jax 0.10.2 and keras 3.15 (the facts are in issue 30), and how this runtime does
   the runtime knows the signal came here); every process checks
   ``multihost_utils.reached_preemption_sync_point`` after each step, so all of them stop at
   one agreed step, save it and exit with STOPPED_EXIT.
+- A crash (``snapshot_on_crash``, data parallelism): the step function keeps its input state
+  (no buffer donation: one more copy of the state on each device while a step runs) and the
+  runtime waits for every step's result, so the state of the last step this process completed
+  is always at hand, whole on its devices. When a peer dies, the chief's next step fails at
+  once (gloo: "Connection reset by peer"); it then writes that state as an ordinary checkpoint
+  from its own memory, with no collective (``JaxTraining.snapshot``). A step that hangs on a
+  peer that is gone (a host cut off) never fails: the controller's snapshot request, read on a
+  thread of its own, saves the same state while the step waits. The coordination service, which
+  ends every process once it has missed a dead one's heartbeats, waits ``timeouts.snapshot_s``
+  longer for that (JAX's recoverability mode, which would not end them, lets the coordinator
+  leave before the others have disconnected at a clean end: they then abort). The service runs
+  in the chief's process, so when the chief dies every other process ends at once and the
+  group goes back to the last checkpoint.
 """
 
 from __future__ import annotations
@@ -36,10 +49,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import math
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,11 +73,14 @@ from worker.checkpoints import (
 )
 from worker.events import emit
 from worker.runtimes.common import (
+    SnapshotRefused,
     await_port,
     emit_error,
     emit_progress,
     exit_stopped,
     save_model,
+    save_snapshot,
+    snapshot_request,
     weights_digest,
 )
 from worker.runtimes.managed import BuildError, Job
@@ -105,7 +123,7 @@ def run(job: Job) -> int:
     phase: Phase = "connect"
     try:
         processes = Processes.from_env()
-        jax = _connect(processes)
+        jax = _connect(processes, snapshot_s=job.snapshot_s if job.snapshot_on_crash else 0.0)
         import keras
 
         emit("connected", replicas=jax.device_count(), local_replicas=jax.local_device_count(),
@@ -115,7 +133,16 @@ def run(job: Job) -> int:
         phase = "build"
         training = _build(jax, keras, job, processes)
         phase = "train"
-        metrics, step = training.fit()
+        try:
+            metrics, step = training.fit()
+        except Exception:
+            # The chief saves the state of the last step it completed, whatever broke the step
+            # after it (a computation's collective, or a checkpoint's, whose peer is gone; the
+            # other processes end with the chief when it dies: the coordination service runs
+            # in it). That state is whole whatever the error: the step that failed left it be.
+            if training.snapshots and processes.chief:
+                training.snapshot_once()
+            raise
         phase = "save"
         model_path = training.save_model()
         emit("finished", metrics=metrics, model_path=model_path,
@@ -126,7 +153,11 @@ def run(job: Job) -> int:
         return 1
 
 
-def _connect(processes: Processes) -> Any:
+def _connect(processes: Processes, *, snapshot_s: float = 0.0) -> Any:
+    """JAX's distributed service, the coordinator in the chief's process. ``snapshot_s``: how
+    long a survivor may take to save its snapshot after a peer died; the service, which ends
+    every process once it has missed a dead one's heartbeats for ``heartbeat_timeout``, waits
+    that much longer (the controller sees a death itself, and stops the group)."""
     import jax
 
     _cache_compilations(jax)
@@ -134,7 +165,8 @@ def _connect(processes: Processes) -> Any:
         await_port(processes.coordinator)
     jax.distributed.initialize(
         coordinator_address=processes.coordinator, num_processes=processes.count,
-        process_id=processes.index, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        process_id=processes.index,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S + math.ceil(snapshot_s),
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     return jax
 
@@ -556,6 +588,14 @@ class JaxTraining:
             model.build(features.shape)
         model.optimizer.build(model.trainable_variables)
         self.step = self.saved_step = 0
+        # The snapshot after a crash: the newest state whose step this process completed (its
+        # step, and the trainer's state lists), and the lock that makes one save of it, from
+        # the main thread after a step failed or from the request's thread while one hangs.
+        self.snapshots = job.snapshot_on_crash
+        self._completed: tuple[int, dict[str, list[Any]]] | None = None
+        self._snapshot_lock = threading.Lock()
+        self._saving = False  # the main thread writes a checkpoint (a collective)
+        self._snapshot_taken = False
 
     def restore(self) -> None:
         """From the chief's newest checkpoint, where there is one."""
@@ -583,32 +623,123 @@ class JaxTraining:
         """A checkpoint of this step. Every process saves (a save is a collective); the chief's
         goes to its directory and is named in the index, the others' are written to a scratch
         directory and removed."""
+        with self._snapshot_lock:
+            if self._snapshot_taken:  # the request's thread saved this process's state
+                raise RuntimeError("a snapshot of this process's state was saved: the attempt ends")
+            self._saving = True
+        try:
+            self._save(reason)
+        finally:
+            self._saving = False
+
+    def _save(self, reason: str | None) -> None:
+        self.model.jax_state_sync()  # inside fit, the newest state is the trainer's, not yet the model's
+        if not self.processes.chief:
+            directory = tempfile.mkdtemp(prefix="orchestrate-ckpt-")
+            try:
+                self._write(directory, self.step, gather=True)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            self.saved_step = self.step
+            return
+        self._write(self.chief_dir, self.step, gather=True)
+        self.saved_step = self.step
+        emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
+             **({"reason": reason} if reason else {}))
+
+    def _write(self, directory: str, step: int, *, gather: bool) -> None:
+        """The model's variables as checkpoint ``ckpt-STEP`` in ``directory``, named last in its
+        index there (for the chief's). ``gather``: split variables are gathered from every
+        process (a collective); else only this process's memory is read."""
         import numpy as np
 
-        self.model.jax_state_sync()  # inside fit, the newest state is the trainer's, not yet the model's
-        if self.processes.chief:
-            makedirs(self.chief_dir)
-            directory = self.chief_dir
-        else:
-            directory = tempfile.mkdtemp(prefix="orchestrate-ckpt-")
-        name = f"ckpt-{self.step}"
+        makedirs(directory)
+        name = f"ckpt-{step}"
         path = join(directory, name)
-        with _gathering():
+        with _gathering() if gather else _alone():
             self.model.save_weights(path + WEIGHTS)  # a gs:// URL: Keras uploads it with gfile
         state: dict[str, Any] = {v.path: to_host(v.value)
                                  for v in self.model.non_trainable_variables}
-        state[STEP_KEY] = np.asarray(self.step)
+        state[STEP_KEY] = np.asarray(step)
         buffer = io.BytesIO()
         np.savez(buffer, **state)
         write_bytes(path + STATE, buffer.getvalue())
-        self.saved_step = self.step
-        if not self.processes.chief:
-            shutil.rmtree(directory, ignore_errors=True)
+        if directory == self.chief_dir:
+            kept = [n for n in index_names(directory) if n != name][-(KEEP - 1):]
+            write_index(directory, [*kept, name])
+
+    # -- the snapshot after a crash ----------------------------------------------------------
+
+    def completed(self, state: dict[str, list[Any]]) -> None:
+        """After step ``self.step`` was dispatched (its new ``state``): wait for its result.
+        A step that failed raises here (its collective lost a peer); one that completed becomes
+        the state a snapshot saves, and the one before it is let go."""
+        import jax
+        import numpy as np
+
+        values = [value for values in state.values() for value in values or ()]
+        jax.block_until_ready(values)
+        # A step that failed leaves every result an error, which block_until_ready does not
+        # raise (measured: jax 0.10.2, gloo): reading one raises it. The smallest is read.
+        if values:
+            np.asarray(min(values, key=lambda value: value.size))
+        with self._snapshot_lock:  # a snapshot being saved meanwhile ends first
+            pass
+        self._completed = (self.step, state)
+
+    def snapshot_once(self) -> None:
+        """Save the snapshot (``save_snapshot`` reports it), unless one was saved already."""
+        with self._snapshot_lock:
+            if self._snapshot_taken:
+                return
+            self._snapshot_taken = True
+            save_snapshot(self.snapshot, self.chief_dir)
+
+    def snapshot(self) -> tuple[int, int]:
+        """The state of the last step this process completed, written as an ordinary checkpoint
+        in the chief's directory from this process's memory alone (no collective: a peer is
+        gone); (step, epoch). Call under the snapshot lock."""
+        if self.job.distribution != "data_parallel":
+            raise SnapshotRefused(
+                "the variables are split over the processes (job.distribution: "
+                f"{self.job.distribution}): a survivor holds only its part of them")
+        if self._completed is None:
+            raise SnapshotRefused("no step had completed in this attempt")
+        step, state = self._completed
+        epoch = max(step - 1, 0) // self.job.steps_per_epoch
+        if step == self.saved_step:  # the checkpoint of that step is there already
+            return step, epoch
+        model = self.model
+        for variables, key in ((model.trainable_variables, "trainable_variables"),
+                               (model.non_trainable_variables, "non_trainable_variables"),
+                               (model.optimizer.variables, "optimizer_variables"),
+                               (model.metrics_variables, "metrics_variables")):
+            for variable, value in zip(variables, state.get(key) or (), strict=False):
+                variable._value = value  # no assign: that may place the value, a collective
+        self._write(self.chief_dir, step, gather=False)
+        self.saved_step = step
+        return step, epoch
+
+    def _watch_for_the_request(self) -> None:
+        """On a thread of its own: once the controller asks this task for the snapshot
+        (``snapshot_request``), save it from here: a step that waits on a peer that is gone
+        (a host cut off; of 3 or more processes, a neighbour in the ring whose own step waits
+        on the dead one) neither completes nor fails. The main thread meanwhile never reads
+        the model's variables but at an epoch's end, where it sets them to the same state."""
+        task = os.environ.get("ORCHESTRATE_TASK")
+        if not os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST") or not task:
             return
-        kept = [n for n in index_names(directory) if n != name][-(KEEP - 1):]
-        write_index(directory, [*kept, name])
-        emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
-             **({"reason": reason} if reason else {}))
+
+        def watch() -> None:
+            if snapshot_request(None, every_s=0.05) != task:
+                return
+            with self._snapshot_lock:
+                if self._snapshot_taken or self._saving:
+                    return  # saved already; or the main thread writes a checkpoint (its own)
+                self._snapshot_taken = True
+                save_snapshot(self.snapshot, self.chief_dir)
+
+        threading.Thread(target=watch, name="snapshot-request", daemon=True).start()
 
     def save_model(self) -> str:
         """Every process saves the model (a collective); only the chief's is kept."""
@@ -640,26 +771,44 @@ class JaxTraining:
         self._rate = learning_rate(self.model.optimizer)
         if self._board is not None:
             self._board.begin(self.step)
+        if self._keeps_snapshots and self.processes.chief:
+            self._watch_for_the_request()
         callback = _reporter(self)
         batches = self.batches.from_step(self.step)
         epoch, done = divmod(self.step, job.steps_per_epoch)
-        if done:
-            self._fit(batches, callback, epochs=epoch + 1, initial_epoch=epoch,
-                      steps=job.steps_per_epoch - done)
-            epoch += 1
-        if epoch < job.epochs:
-            self._fit(batches, callback, epochs=job.epochs, initial_epoch=epoch,
-                      steps=job.steps_per_epoch)
+        try:
+            if done:
+                self._fit(batches, callback, epochs=epoch + 1, initial_epoch=epoch,
+                          steps=job.steps_per_epoch - done)
+                epoch += 1
+            if epoch < job.epochs:
+                self._fit(batches, callback, epochs=job.epochs, initial_epoch=epoch,
+                          steps=job.steps_per_epoch)
+        finally:
+            self._close_board()
         if self._profile is not None:
             self._profile.close()
         if self.saved_step != self.step:  # the end is a checkpoint: a failure after it costs
             self.save()                   # no step (the relaunch goes straight to the save)
         return self._logs, self.step
 
+    def _close_board(self) -> None:
+        """The TensorBoard log closed (in a bucket: uploaded whole), not left to the garbage
+        collector at exit, which never runs for what a thread still holds (the request's)."""
+        if self._board is not None:
+            self._board.close()
+
     def _fit(self, batches: Any, callback: Any, *, epochs: int, initial_epoch: int,
              steps: int) -> None:
-        self.model.fit(batches, epochs=epochs, initial_epoch=initial_epoch,
-                       steps_per_epoch=steps, callbacks=[callback], verbose=0)
+        with _keeping_the_input_state() if self._keeps_snapshots else contextlib.nullcontext():
+            self.model.fit(batches, epochs=epochs, initial_epoch=initial_epoch,
+                           steps_per_epoch=steps, callbacks=[callback], verbose=0)
+
+    @property
+    def _keeps_snapshots(self) -> bool:
+        """Whether every step's state is kept for a snapshot: data parallelism only (split
+        variables would be a survivor's part alone: ``snapshot`` refuses)."""
+        return self.snapshots and self.job.distribution == "data_parallel"
 
     def after_step(self, logs: dict[str, Any]) -> None:
         """What follows every step: a stop the group agreed on, a checkpoint, a progress event.
@@ -668,6 +817,8 @@ class JaxTraining:
 
         job = self.job
         self.step += 1
+        if self._keeps_snapshots:
+            self.completed(self.model._jax_state)
         if self._profile is not None:
             self._profile.after(self.step)
         if self.step < job.total_steps and \
@@ -714,12 +865,36 @@ class JaxTraining:
 
     def _stop(self) -> None:
         """The group agreed to stop at this step: save it, say so, exit."""
+        self._close_board()  # exit_stopped leaves at once, without the interpreter's clean-up
         if self.saved_step != self.step:
             self.save(reason="stop")
         elif self.processes.chief:
             emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
                  reason="stop")
         exit_stopped(self.step, self.signalled)
+
+
+@contextlib.contextmanager
+def _keeping_the_input_state() -> Iterator[None]:
+    """While ``fit`` makes the model's train function, make it keep its input state: Keras
+    compiles it to donate the state's buffers to its result (``donate_argnums=0``), so that once
+    a step is under way the state of the step before it is gone from the devices, and a step
+    that fails leaves none. Kept, the last completed step's state is what a survivor saves
+    after a crash; it costs one more copy of the state (weights, optimizer slots) on each
+    device while a step runs."""
+    from keras.src.backend.jax import trainer
+
+    compile_with = trainer.jit
+
+    def undonated(function: Any, **options: Any) -> Any:
+        options.pop("donate_argnums", None)
+        return compile_with(function, **options)
+
+    trainer.jit = undonated
+    try:
+        yield
+    finally:
+        trainer.jit = compile_with
 
 
 def to_host(value: Any) -> Any:
@@ -735,6 +910,21 @@ def to_host(value: Any) -> Any:
 
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return np.asarray(value)
+
+
+@contextlib.contextmanager
+def _alone() -> Iterator[None]:
+    """While one process saves by itself (a snapshot: a peer is gone), no distribution: under
+    one, Keras's saving puts values on every process's devices, which JAX checks are equal
+    across processes with a collective (``device_put`` -> ``multihost_utils.assert_equal``)."""
+    import keras
+
+    distribution = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(distribution)
 
 
 @contextlib.contextmanager

@@ -80,8 +80,9 @@ class Job:
     mesh: tuple[int, int] | None = None  # model_parallel's [batch, model]
     layout_map_fn: str = "layout_map"  # model_parallel: the module's LayoutMap of a DeviceMesh
     # The chief saves its state at the last completed step when a peer's loss breaks a step
-    # (TensorFlow only: JAX ends every process when a peer dies).
+    # (on JAX, with data parallelism: keras_jax.JaxTraining.snapshot).
     snapshot_on_crash: bool = False
+    snapshot_s: float = 0.0  # timeouts.snapshot_s: on JAX, how long the service spares a survivor
 
     @classmethod
     def from_json(cls, text: str) -> Job:
