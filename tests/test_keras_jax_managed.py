@@ -410,6 +410,11 @@ def test_model_parallel_splits_the_variables_over_both_processes_and_resumes_bit
     result = train(local_spec(tmp_path, "jax-mp-kill", paced, batch=64), listener=listener)
     first, second = result.attempts
     assert (first.cause, first.failed_task) == ("crashed", "worker:1")
+    # No snapshot of split variables: the chief holds only its part of each kernel.
+    assert first.snapshot == (
+        "worker:0 could not save one: the variables are split over the processes "
+        "(job.distribution: model_parallel): a survivor holds only its part of them"), \
+        first.snapshot
     assert second.resumed_from_step == 20
     assert set(result.digests.values()) == set(whole.digests.values())
 
