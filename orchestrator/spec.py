@@ -1153,7 +1153,7 @@ class Retry(Model):
         "state at the last step every task completed, before it is stopped: the relaunch "
         "resumes from there, so a crash redoes at most the step under way. Managed jobs (on "
         "JAX with data parallelism; there the step keeps its input state, one more copy of "
-        "the state on each device while a step runs, and a dead chief ends every process); "
+        "the state on each device while a step runs); "
         "false: back to the last periodic checkpoint.",
     )
     warm_tasks: bool | Literal["auto"] = Field(

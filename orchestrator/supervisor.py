@@ -612,7 +612,7 @@ class Supervisor:
     @property
     def _snapshots(self) -> bool:
         """Whether the tasks save a snapshot after a crash (retry.snapshot_on_crash): managed
-        jobs (on JAX, the chief alone: see ``_snapshot_taker``)."""
+        jobs."""
         return self.spec.retry.snapshot_on_crash and self.spec.job.mode == "managed"
 
     def _snapshot_taker(self, failure: AttemptFailed,
@@ -630,9 +630,6 @@ class Supervisor:
         if chief.key == failure.task or host_lost:
             gone = f"the chief's host {chief_host} was lost" if host_lost else \
                 f"the chief ({chief.key}) died"
-            if getattr(self.spec.job, "backend", "tensorflow") == "jax":
-                return None, (f"{gone}, and JAX's coordination service ran in its process: "
-                              "every other process ended with it")
             survivor = next((w for w in watched if w is not chief and w.unreachable is None
                              and w.reached_step
                              and not (host_lost and w.plan.host.name == chief_host)), None)

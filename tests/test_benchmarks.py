@@ -151,7 +151,6 @@ def check_jax(record: dict[str, Any]) -> None:
     assert recovery["warm_told_to_go"]["median"] == 2  # the relaunch used the warm tasks
     # The chief's snapshot: the crash redid at most the step under way; and what it costs.
     assert recovery["steps_repeated"]["max"] <= 1, recovery["snapshots"]
-    assert result["snapshot_steps_per_s_ratio"] > 0
 
 
 def check_chaos(record: dict[str, Any]) -> None:

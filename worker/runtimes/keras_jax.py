@@ -40,8 +40,9 @@ jax 0.10.2 and keras 3.15 (the facts are in issue 30), and how this runtime does
   ends every process once it has missed a dead one's heartbeats, waits ``timeouts.snapshot_s``
   longer for that (JAX's recoverability mode, which would not end them, lets the coordinator
   leave before the others have disconnected at a clean end: they then abort). The service runs
-  in the chief's process, so when the chief dies every other process ends at once and the
-  group goes back to the last checkpoint.
+  in a process of its own beside the chief's (``worker.jax_service``): in the chief's, its
+  death would end every other process at once; beside it, the process the controller asks
+  saves the same state in the chief's place.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ import math
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -74,6 +77,7 @@ from worker.checkpoints import (
 from worker.events import emit
 from worker.runtimes.common import (
     SnapshotRefused,
+    asked_for_snapshot,
     await_port,
     emit_error,
     emit_progress,
@@ -123,7 +127,11 @@ def run(job: Job) -> int:
     phase: Phase = "connect"
     try:
         processes = Processes.from_env()
-        jax = _connect(processes, snapshot_s=job.snapshot_s if job.snapshot_on_crash else 0.0)
+        # Started first, so that it serves by the time JAX is imported here.
+        service = _Service.start(processes, job.snapshot_s) \
+            if job.snapshot_on_crash and processes.chief and processes.count > 1 else None
+        jax = _connect(processes, snapshot_s=job.snapshot_s if job.snapshot_on_crash else 0.0,
+                       service=service)
         import keras
 
         emit("connected", replicas=jax.device_count(), local_replicas=jax.local_device_count(),
@@ -132,15 +140,17 @@ def run(job: Job) -> int:
              jax_version=jax.__version__, keras_version=keras.__version__)
         phase = "build"
         training = _build(jax, keras, job, processes)
+        training.service = service
         phase = "train"
         try:
             metrics, step = training.fit()
         except Exception:
             # The chief saves the state of the last step it completed, whatever broke the step
-            # after it (a computation's collective, or a checkpoint's, whose peer is gone; the
-            # other processes end with the chief when it dies: the coordination service runs
-            # in it). That state is whole whatever the error: the step that failed left it be.
-            if training.snapshots and processes.chief:
+            # after it (a computation's collective, or a checkpoint's, whose peer is gone):
+            # that state is whole, the step that failed left it be. Another process saves only
+            # when the controller asks it to (the chief is the peer that died: the coordination
+            # service, in a process of its own, outlives it).
+            if training.snapshots and (processes.chief or asked_for_snapshot()):
                 training.snapshot_once()
             raise
         phase = "save"
@@ -153,22 +163,89 @@ def run(job: Job) -> int:
         return 1
 
 
-def _connect(processes: Processes, *, snapshot_s: float = 0.0) -> Any:
-    """JAX's distributed service, the coordinator in the chief's process. ``snapshot_s``: how
-    long a survivor may take to save its snapshot after a peer died; the service, which ends
-    every process once it has missed a dead one's heartbeats for ``heartbeat_timeout``, waits
-    that much longer (the controller sees a death itself, and stops the group)."""
+def _connect(processes: Processes, *, snapshot_s: float = 0.0,
+             service: _Service | None = None) -> Any:
+    """JAX's distributed service, the coordinator at the chief's address: in the chief's
+    process, or in ``service``, a process of its own that the chief started. ``snapshot_s``:
+    how long a survivor may take to save its snapshot after a peer died; the service, which
+    ends every process once it has missed a dead one's heartbeats for ``heartbeat_timeout``,
+    waits that much longer (the controller sees a death itself, and stops the group)."""
     import jax
 
     _cache_compilations(jax)
-    if not processes.chief:
+    if not processes.chief or service is not None:
         await_port(processes.coordinator)
-    jax.distributed.initialize(
-        coordinator_address=processes.coordinator, num_processes=processes.count,
-        process_id=processes.index,
-        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S + math.ceil(snapshot_s),
-        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+    with service.in_place_of_jaxs() if service is not None else contextlib.nullcontext():
+        jax.distributed.initialize(
+            coordinator_address=processes.coordinator, num_processes=processes.count,
+            process_id=processes.index, heartbeat_timeout_seconds=_heartbeat_s(snapshot_s),
+            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     return jax
+
+
+def _heartbeat_s(snapshot_s: float) -> int:
+    return HEARTBEAT_TIMEOUT_S + math.ceil(snapshot_s)
+
+
+class _Service:
+    """JAX's coordination service in a process of its own (``worker.jax_service``), started by
+    the chief so that it outlives the chief's death: the other processes then live on, and the
+    one the controller asks saves the group's state in the chief's place. A child of the
+    chief's task, in its process group: stopping the task stops it. It ends when the chief
+    writes a line to its stdin (``shutdown``, ``end``); with its stdin closed without one (the
+    chief died) it serves on for the survivors' heartbeat timeout."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+
+    @classmethod
+    def start(cls, processes: Processes, snapshot_s: float) -> _Service:
+        port = processes.coordinator.rsplit(":", 1)[1]
+        bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}")  # as JAX binds
+        argv = [sys.executable, "-m", "worker.jax_service", bind, str(processes.count),
+                str(_heartbeat_s(snapshot_s)), str(SHUTDOWN_TIMEOUT_S),
+                str(_heartbeat_s(snapshot_s))]
+        return cls(subprocess.Popen(argv, stdin=subprocess.PIPE))
+
+    @contextlib.contextmanager
+    def in_place_of_jaxs(self) -> Iterator[None]:
+        """While ``jax.distributed.initialize`` runs in the chief: the service it would start
+        in this process is this one (``jax._src.distributed``'s ``_jax`` is replaced for that
+        call alone); JAX's ``shutdown`` calls ``shutdown`` here after its client's."""
+        from jax._src import distributed
+
+        real, service = distributed._jax, self  # type: ignore[attr-defined]
+
+        class Ours:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            @staticmethod
+            def get_distributed_runtime_service(*args: Any, **options: Any) -> Any:
+                return service
+
+        distributed._jax = Ours()  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            distributed._jax = real  # type: ignore[attr-defined]
+
+    def end(self) -> None:
+        """Tell the service to end now (the processes are leaving)."""
+        stdin = self.process.stdin
+        if stdin is not None and not stdin.closed:
+            with contextlib.suppress(OSError):
+                stdin.write(b"end\n")
+                stdin.close()
+
+    def shutdown(self) -> None:
+        """At JAX's shutdown, once every process has left its barrier (the chief's client
+        shut down): end the service and wait for it."""
+        self.end()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
 def _cache_compilations(jax: Any) -> None:
@@ -592,6 +669,7 @@ class JaxTraining:
         # step, and the trainer's state lists), and the lock that makes one save of it, from
         # the main thread after a step failed or from the request's thread while one hangs.
         self.snapshots = job.snapshot_on_crash
+        self.service: _Service | None = None  # the chief's coordination service, if its own
         self._completed: tuple[int, dict[str, list[Any]]] | None = None
         self._snapshot_lock = threading.Lock()
         self._saving = False  # the main thread writes a checkpoint (a collective)
@@ -697,8 +775,9 @@ class JaxTraining:
 
     def snapshot(self) -> tuple[int, int]:
         """The state of the last step this process completed, written as an ordinary checkpoint
-        in the chief's directory from this process's memory alone (no collective: a peer is
-        gone); (step, epoch). Call under the snapshot lock."""
+        in the chief's directory (on this process's host: a worker saves in a dead chief's
+        place) from this process's memory alone (no collective: a peer is gone); (step,
+        epoch). Call under the snapshot lock."""
         if self.job.distribution != "data_parallel":
             raise SnapshotRefused(
                 "the variables are split over the processes (job.distribution: "
@@ -707,7 +786,7 @@ class JaxTraining:
             raise SnapshotRefused("no step had completed in this attempt")
         step, state = self._completed
         epoch = max(step - 1, 0) // self.job.steps_per_epoch
-        if step == self.saved_step:  # the checkpoint of that step is there already
+        if step == self.saved_step and self.processes.chief:  # that checkpoint is there already
             return step, epoch
         model = self.model
         for variables, key in ((model.trainable_variables, "trainable_variables"),
@@ -771,7 +850,7 @@ class JaxTraining:
         self._rate = learning_rate(self.model.optimizer)
         if self._board is not None:
             self._board.begin(self.step)
-        if self._keeps_snapshots and self.processes.chief:
+        if self._keeps_snapshots:
             self._watch_for_the_request()
         callback = _reporter(self)
         batches = self.batches.from_step(self.step)
@@ -871,6 +950,8 @@ class JaxTraining:
         elif self.processes.chief:
             emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
                  reason="stop")
+        if self.service is not None:  # every process saved the agreed step and leaves
+            self.service.end()
         exit_stopped(self.step, self.signalled)
 
 
