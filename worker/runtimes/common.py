@@ -291,25 +291,36 @@ def asked_for_snapshot(wait_s: float = SNAPSHOT_ASK_WAIT_S) -> bool:
     return named is not None and named == os.environ.get("ORCHESTRATE_TASK")
 
 
-def abort_when_asked(tf: Any) -> None:
+def when_asked(action: Callable[[], None]) -> None:
     """Watch, on a thread of its own, for the controller's snapshot request naming this task
-    (``snapshot_request``), and then abort this process's collective ops: a step that waits
-    on a peer that will never answer (a machine cut off, a peer that died before it joined
-    the step's collective) then fails at once as on a lost peer, and the task saves the step
-    it completed, where it would otherwise wait for TensorFlow's own timeouts."""
+    (``snapshot_request``), and then call ``action`` there. Nothing is watched where no request
+    can come (no request file or task key set)."""
     task = os.environ.get("ORCHESTRATE_TASK")
     if not os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST") or not task:
         return
 
     def watch() -> None:
         if snapshot_request(None, every_s=0.05) == task:
-            from tensorflow.python.eager import context
-
-            context.context().abort_collective_ops(
-                tf.errors.UNAVAILABLE, "a peer was lost: the controller asked this task "
-                "to save the group's state")
+            action()
 
     threading.Thread(target=watch, name="snapshot-request", daemon=True).start()
+
+
+def abort_when_asked(tf: Any) -> None:
+    """Once the controller asks this task for the snapshot (``when_asked``), abort this
+    process's collective ops: a step that waits on a peer that will never answer (a machine cut
+    off, a peer that died before it joined the step's collective) then fails at once as on a
+    lost peer, and the task saves the step it completed, where it would otherwise wait for
+    TensorFlow's own timeouts."""
+
+    def abort() -> None:
+        from tensorflow.python.eager import context
+
+        context.context().abort_collective_ops(
+            tf.errors.UNAVAILABLE, "a peer was lost: the controller asked this task "
+            "to save the group's state")
+
+    when_asked(abort)
 
 
 def save_snapshot(snapshot: Callable[[], tuple[int, int]], path: str) -> None:

@@ -76,6 +76,7 @@ from worker.checkpoints import (
 )
 from worker.events import emit
 from worker.runtimes.common import (
+    COORDINATOR_WAIT_S,
     SnapshotRefused,
     asked_for_snapshot,
     await_port,
@@ -84,8 +85,8 @@ from worker.runtimes.common import (
     exit_stopped,
     save_model,
     save_snapshot,
-    snapshot_request,
     weights_digest,
+    when_asked,
 )
 from worker.runtimes.managed import BuildError, Job
 from worker.tensorboard import Board, Profile, learning_rate
@@ -173,7 +174,9 @@ def _connect(processes: Processes, *, snapshot_s: float = 0.0,
     import jax
 
     _cache_compilations(jax)
-    if not processes.chief or service is not None:
+    if service is not None:
+        service.await_serving()
+    elif not processes.chief:
         await_port(processes.coordinator)
     with service.in_place_of_jaxs() if service is not None else contextlib.nullcontext():
         jax.distributed.initialize(
@@ -195,8 +198,8 @@ class _Service:
     writes a line to its stdin (``shutdown``, ``end``); with its stdin closed without one (the
     chief died) it serves on for the survivors' heartbeat timeout."""
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        self.process = process
+    def __init__(self, process: subprocess.Popen[bytes], bind: str) -> None:
+        self.process, self.bind = process, bind
 
     @classmethod
     def start(cls, processes: Processes, snapshot_s: float) -> _Service:
@@ -205,7 +208,23 @@ class _Service:
         argv = [sys.executable, "-m", "worker.jax_service", bind, str(processes.count),
                 str(_heartbeat_s(snapshot_s)), str(SHUTDOWN_TIMEOUT_S),
                 str(_heartbeat_s(snapshot_s))]
-        return cls(subprocess.Popen(argv, stdin=subprocess.PIPE))
+        return cls(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE), bind)
+
+    def await_serving(self, limit_s: float = COORDINATOR_WAIT_S) -> None:
+        """Until the service says it serves (at most ``limit_s``; then JAX's own wait goes
+        on). One that exits first could not bind its port: that is raised, where JAX would
+        wait for a service that never comes (or talk to whatever holds the port)."""
+        import select
+
+        stdout = self.process.stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], limit_s)
+        if ready and not stdout.readline():
+            code = self.process.wait()
+            raise RuntimeError(
+                f"JAX's coordination service (worker.jax_service) exited with {code} before it "
+                f"served on {self.bind}: is the port taken? (`orchestrate doctor` names what "
+                "holds a task's port; move the spec's `ports: {start, end}` to free ones)")
 
     @contextlib.contextmanager
     def in_place_of_jaxs(self) -> Iterator[None]:
@@ -722,7 +741,7 @@ class JaxTraining:
             return
         self._write(self.chief_dir, self.step, gather=True)
         self.saved_step = self.step
-        emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
+        emit("checkpoint", step=self.step, epoch=self._epoch(self.step), path=self.chief_dir,
              **({"reason": reason} if reason else {}))
 
     def _write(self, directory: str, step: int, *, gather: bool) -> None:
@@ -766,9 +785,11 @@ class JaxTraining:
         self._completed = (self.step, state)
 
     def snapshot_once(self) -> None:
-        """Save the snapshot (``save_snapshot`` reports it), unless one was saved already."""
+        """Save the snapshot (``save_snapshot`` reports it), unless one was saved already or
+        the main thread writes a checkpoint (its own, of the same step: a request's thread
+        then saves nothing)."""
         with self._snapshot_lock:
-            if self._snapshot_taken:
+            if self._snapshot_taken or self._saving:
                 return
             self._snapshot_taken = True
             save_snapshot(self.snapshot, self.chief_dir)
@@ -785,7 +806,7 @@ class JaxTraining:
         if self._completed is None:
             raise SnapshotRefused("no step had completed in this attempt")
         step, state = self._completed
-        epoch = max(step - 1, 0) // self.job.steps_per_epoch
+        epoch = self._epoch(step)
         if step == self.saved_step and self.processes.chief:  # that checkpoint is there already
             return step, epoch
         model = self.model
@@ -800,25 +821,12 @@ class JaxTraining:
         return step, epoch
 
     def _watch_for_the_request(self) -> None:
-        """On a thread of its own: once the controller asks this task for the snapshot
-        (``snapshot_request``), save it from here: a step that waits on a peer that is gone
-        (a host cut off; of 3 or more processes, a neighbour in the ring whose own step waits
-        on the dead one) neither completes nor fails. The main thread meanwhile never reads
-        the model's variables but at an epoch's end, where it sets them to the same state."""
-        task = os.environ.get("ORCHESTRATE_TASK")
-        if not os.environ.get("ORCHESTRATE_SNAPSHOT_REQUEST") or not task:
-            return
-
-        def watch() -> None:
-            if snapshot_request(None, every_s=0.05) != task:
-                return
-            with self._snapshot_lock:
-                if self._snapshot_taken or self._saving:
-                    return  # saved already; or the main thread writes a checkpoint (its own)
-                self._snapshot_taken = True
-                save_snapshot(self.snapshot, self.chief_dir)
-
-        threading.Thread(target=watch, name="snapshot-request", daemon=True).start()
+        """Once the controller asks this task for the snapshot (``when_asked``), save it from
+        that thread: a step that waits on a peer that is gone (a host cut off; of 3 or more
+        processes, a neighbour in the ring whose own step waits on the dead one) neither
+        completes nor fails. The main thread meanwhile never reads the model's variables but
+        at an epoch's end, where it sets them to the same state."""
+        when_asked(self.snapshot_once)
 
     def save_model(self) -> str:
         """Every process saves the model (a collective); only the chief's is kept."""
@@ -922,8 +930,9 @@ class JaxTraining:
         self._mark = emit_progress(self.step, self.job.total_steps, means,
                                    self.batches.global_batch, self._mark)
 
-    def _epoch(self) -> int:
-        return max(self.step - 1, 0) // self.job.steps_per_epoch
+    def _epoch(self, step: int) -> int:
+        """The epoch that ``step`` (the steps done) ends in."""
+        return max(step - 1, 0) // self.job.steps_per_epoch
 
     # -- SIGTERM -----------------------------------------------------------------------------
 
@@ -948,7 +957,7 @@ class JaxTraining:
         if self.saved_step != self.step:
             self.save(reason="stop")
         elif self.processes.chief:
-            emit("checkpoint", step=self.step, epoch=self._epoch(), path=self.chief_dir,
+            emit("checkpoint", step=self.step, epoch=self._epoch(self.step), path=self.chief_dir,
                  reason="stop")
         if self.service is not None:  # every process saved the agreed step and leaves
             self.service.end()
