@@ -355,13 +355,21 @@ class Cluster:
             return None
         plan = self.plan()
         python = self.provider.python
-        found = fan_out(kept_pass.hosts_of(plan),
+        hosts = kept_pass.hosts_of(plan)
+        # This machine's tasks (no SSH, no node) that run one Python share its stamp: asked
+        # once, a Python's start (about 50 ms of CPU) fewer per task beside the warm tasks'.
+        def stamped_by(h: Host) -> tuple[str, str]:
+            return ("" if h.is_local else h.name), python(h)
+
+        asked = {stamped_by(h): h for h in reversed(hosts)}  # the first host of each
+        found = fan_out(list(asked.values()),
                         lambda h: self.provider.runner(h).run(kept_pass.stamp_argv(python(h)),
                                                               timeout_s=30).stdout.strip(),
                         name_of=lambda h: h.name)
         if found.failed:
             return None
-        stamps = {r.name: str(r.value) for r in found.succeeded}
+        stamped = {r.name: str(r.value) for r in found.succeeded}
+        stamps = {h.name: stamped[asked[stamped_by(h)].name] for h in hosts}
         return kept_pass.key_of(self.spec, plan, python, stamps)
 
     def _keep_pass(self, report: DoctorReport, complete: bool, key: str | None) -> None:

@@ -44,6 +44,7 @@ PLAN_ENV = {
                   "modules under workdir",
     "PYTHONUNBUFFERED": "the orchestrator reads the tasks' output as it is written",
     "TF_USE_LEGACY_KERAS": "set job.keras instead",
+    "KERAS_BACKEND": "set job.backend instead (a Keras 3 job's tasks get its backend)",
 }
 
 # Bounds that every real job fits, and that keep later arithmetic, sleeps and launches sane

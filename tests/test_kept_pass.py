@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,8 @@ from orchestrator import kept_pass, paths
 from orchestrator.api import Cluster
 from orchestrator.doctor import DoctorReport
 from orchestrator.errors import RunFailed
+from orchestrator.hosts import Host
+from orchestrator.remote.base import Runner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -151,3 +154,34 @@ def test_a_hosts_stamp_changes_with_what_is_installed_for_its_python(tmp_path: P
     assert installed != empty
     (tmp_path / "tensorflow-2.21.0.dist-info").rename(tmp_path / "tensorflow-2.20.0.dist-info")
     assert stamp() not in (empty, installed)
+
+
+def test_this_machines_tasks_are_stamped_once_for_their_one_python(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local tasks share this machine and its Python: one stamp for all of them (a Python's
+    start each fewer beside the warm tasks' imports), and the key holds it for every host."""
+    cluster = Cluster.from_spec(spec_file(tmp_path, LOCAL.format(repo=REPO, epochs=1)
+                                          .replace("workers: 2", "workers: 3")))
+    runner_for, stamped = cluster.provider.runner, []
+
+    def counting(host: Host) -> Runner:
+        runner = runner_for(host)
+        run = runner.run
+
+        def counted(argv: Any, **options: Any) -> Any:
+            if list(argv)[:3] == kept_pass.stamp_argv(cluster.provider.python(host))[:3]:
+                stamped.append(host.name)
+            return run(argv, **options)
+
+        monkeypatch.setattr(runner, "run", counted)
+        return runner
+
+    monkeypatch.setattr(cluster.provider, "runner", counting)
+    key = cluster._pass_key()
+    assert len(stamped) == 1, stamped
+    hosts = kept_pass.hosts_of(cluster.plan())
+    assert len(hosts) == 3
+    stamp = subprocess.run(kept_pass.stamp_argv(cluster.provider.python(hosts[0])),
+                           capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    assert key == kept_pass.key_of(cluster.spec, cluster.plan(), cluster.provider.python,
+                                   {h.name: stamp for h in hosts})

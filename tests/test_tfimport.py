@@ -61,3 +61,52 @@ def test_with_keras_3_on_jax_tensorflow_loads_jax_and_keras_works() -> None:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "jax Dropout"
+
+
+DRAWS = """
+import json, sys
+from worker.tfimport import {which}
+{which}()
+import keras
+loaded = {{name: name in sys.modules for name in ("jax", "matplotlib", "tensorflow")}}
+layer = keras.layers.Dense(2)
+layer.build((None, 3))
+images = keras.ops.convert_to_numpy(keras.random.uniform((2, 4, 4, 3), seed=1))
+import matplotlib, os
+matplotlib.use("Agg")
+# keras's own check for pyplot, taken at import, comes first: "requires matplotlib" without it
+keras.visualization.plot_image_gallery(images, rows=1, cols=2, path={path!r})
+print(json.dumps({{"loaded": loaded, "backend": keras.backend.backend(),
+                  "png": open({path!r}, "rb").read(8) == bytes([137, 80, 78, 71, 13, 10, 26, 10]),
+                  "kernel": list(layer.kernel.shape)}}))
+"""
+
+
+def draws(which: str, env: dict[str, str], path: Path) -> dict[str, object]:
+    code = DRAWS.format(which=which, path=str(path / "gallery.png"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO,
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_keras_3_on_tensorflow_loads_neither_jax_nor_matplotlib_and_still_draws(
+        tmp_path: Path) -> None:
+    """TensorFlow with Keras 3 as a Keras 3 job on TensorFlow has it (the controller says
+    KERAS_BACKEND=tensorflow): JAX and matplotlib are left out of the import, and Keras's
+    plotting, which took pyplot at import, gets it when it draws."""
+    pytest.importorskip("matplotlib")
+    result = draws("tensorflow", {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "tensorflow"},
+                   tmp_path)
+    assert result["loaded"] == {"jax": False, "matplotlib": False, "tensorflow": True}
+    assert result["backend"] == "tensorflow" and result["kernel"] == [3, 2]
+    assert result["png"] is True
+
+
+def test_keras_3_on_jax_loads_without_matplotlib_and_still_draws(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    result = draws("keras", {"KERAS_BACKEND": "jax"}, tmp_path)
+    assert result["loaded"] == {"jax": True, "matplotlib": False, "tensorflow": False}
+    assert result["backend"] == "jax" and result["kernel"] == [3, 2]
+    assert result["png"] is True

@@ -38,7 +38,7 @@ from typing import Any
 
 from worker import verified
 from worker.events import emit
-from worker.tfimport import tensorflow
+from worker.tfimport import keras, tensorflow
 
 GO_ENV = "ORCHESTRATE_WARM"
 VERIFY_ENV = "ORCHESTRATE_WARM_VERIFY"  # "DIR:RESULT_FILE:REQUEST_FILE" (JSON list)
@@ -113,7 +113,7 @@ def _prepare(argv: list[str]) -> str:
     if os.environ["TF_USE_LEGACY_KERAS"] == "1":
         import tf_keras  # noqa: F401
     else:
-        import keras  # noqa: F401
+        keras()  # imported with TensorFlow: here for a TensorFlow that did not
     module = _import_module(argv)
     if _runtime_started():
         return (f"importing {module} runs TensorFlow ops (the runtime started before the "
@@ -126,7 +126,8 @@ def _prepare_jax(argv: list[str]) -> str:
     """A JAX job: JAX, Keras and the module imported; JAX's backends must not be started yet
     (``jax.distributed.initialize`` must come first)."""
     import jax  # noqa: F401  (the point: imported before the go)
-    import keras  # noqa: F401
+
+    keras()
     from jax._src import xla_bridge
 
     module = _import_module(argv)

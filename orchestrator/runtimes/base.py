@@ -66,9 +66,11 @@ JAX_PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
 
 def backend_env(job: GpuJob) -> dict[str, str]:
-    """What every task of a JAX job shares: the backend Keras loads, JAX's memory growth."""
+    """The backend Keras 3 loads, said (a ``~/.keras/keras.json`` on a host could say another);
+    on JAX, JAX's memory growth too. On TensorFlow it also lets the worker import TensorFlow
+    without JAX (worker/tfimport.py)."""
     if job.backend != "jax":
-        return {}
+        return {"KERAS_BACKEND": "tensorflow"} if getattr(job, "keras", None) == "3" else {}
     return {"KERAS_BACKEND": "jax",
             **({JAX_PREALLOCATE_ENV: "false"} if job.gpu_memory_growth else {})}
 

@@ -90,6 +90,7 @@ from worker.runtimes.common import (
 )
 from worker.runtimes.managed import BuildError, Job
 from worker.tensorboard import Board, Profile, learning_rate
+from worker.tfimport import keras as import_keras
 
 KEEP = 3  # checkpoints kept in the chief's directory, as for the TensorFlow runtimes
 # Long enough for a loaded machine's missed beats; short enough that a process whose peer died
@@ -133,7 +134,7 @@ def run(job: Job) -> int:
             if job.snapshot_on_crash and processes.chief and processes.count > 1 else None
         jax = _connect(processes, snapshot_s=job.snapshot_s if job.snapshot_on_crash else 0.0,
                        service=service)
-        import keras
+        keras = import_keras()
 
         emit("connected", replicas=jax.device_count(), local_replicas=jax.local_device_count(),
              gpus=sum(1 for d in jax.local_devices() if d.platform == "gpu"),
