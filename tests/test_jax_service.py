@@ -6,6 +6,7 @@ tests/test_keras_jax_managed.py."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 
@@ -25,38 +26,39 @@ def listener() -> Iterator[socket.socket]:
         yield held
 
 
+@contextlib.contextmanager
+def service_on(port: int) -> Iterator[_Service]:
+    """The chief's service for 2 processes on ``port``, killed afterwards if it still runs."""
+    service = _Service.start(Processes(f"[::1]:{port}", 2, 0), snapshot_s=0.0)
+    try:
+        yield service
+    finally:
+        if service.process.poll() is None:
+            service.process.kill()
+            service.process.wait()
+
+
 def test_a_service_that_cannot_bind_its_port_is_an_error_naming_it_not_a_wait(
         listener: socket.socket) -> None:
     port = listener.getsockname()[1]
     # The port takes connections (the listener's): a wait for the port alone would pass, and
     # JAX would then talk to whatever holds it, or wait its own 300 s.
     socket.create_connection(("::1", port), timeout=5).close()
-    service = _Service.start(Processes(f"[::1]:{port}", 2, 0), snapshot_s=0.0)
-    try:
-        with pytest.raises(RuntimeError) as raised:
-            service.await_serving(limit_s=120)
-        assert service.process.poll() is not None
-        message = str(raised.value)
-        assert f"before it served on [::]:{port}" in message
-        assert "is the port taken?" in message and "`ports: {start, end}`" in message
-    finally:
-        if service.process.poll() is None:
-            service.process.kill()
-            service.process.wait()
+    with service_on(port) as service, pytest.raises(RuntimeError) as raised:
+        service.await_serving(limit_s=120)
+    assert service.process.poll() is not None
+    message = str(raised.value)
+    assert f"before it served on [::]:{port}" in message
+    assert "is the port taken?" in message and "`ports: {start, end}`" in message
 
 
 def test_a_service_that_serves_says_so_takes_connections_and_ends_when_told() -> None:
     with socket.socket(socket.AF_INET6) as probe:
         probe.bind(("::", 0))
         port = probe.getsockname()[1]
-    service = _Service.start(Processes(f"[::1]:{port}", 2, 0), snapshot_s=0.0)
-    try:
+    with service_on(port) as service:
         service.await_serving(limit_s=120)
         assert service.process.poll() is None
         socket.create_connection(("::1", port), timeout=5).close()
         service.shutdown()  # "end" on its stdin: it exits at once, not after its grace
         assert service.process.returncode == 0
-    finally:
-        if service.process.poll() is None:
-            service.process.kill()
-            service.process.wait()

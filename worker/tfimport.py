@@ -55,7 +55,8 @@ def tensorflow() -> ModuleType:
               *(() if legacy else ("matplotlib",))]  # Keras 3 comes with TensorFlow
     with _hidden(hidden):
         import tensorflow  # noqa: F401
-    _lend_keras_matplotlib()
+    if not legacy:
+        _lend_keras_matplotlib()
     return sys.modules["tensorflow"]
 
 

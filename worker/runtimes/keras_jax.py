@@ -206,9 +206,9 @@ class _Service:
     def start(cls, processes: Processes, snapshot_s: float) -> _Service:
         port = processes.coordinator.rsplit(":", 1)[1]
         bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}")  # as JAX binds
-        argv = [sys.executable, "-m", "worker.jax_service", bind, str(processes.count),
-                str(_heartbeat_s(snapshot_s)), str(SHUTDOWN_TIMEOUT_S),
-                str(_heartbeat_s(snapshot_s))]
+        beat = str(_heartbeat_s(snapshot_s))  # also its grace once the chief is gone
+        argv = [sys.executable, "-m", "worker.jax_service", bind, str(processes.count), beat,
+                str(SHUTDOWN_TIMEOUT_S), beat]
         return cls(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE), bind)
 
     def await_serving(self, limit_s: float = COORDINATOR_WAIT_S) -> None:
