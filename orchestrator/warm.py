@@ -25,7 +25,14 @@ from typing import Any
 from orchestrator.errors import OrchestratorError
 from orchestrator.launchers import Launcher, ProcessLauncher
 from orchestrator.plan import ClusterPlan, TaskPlan
-from orchestrator.remote.base import Runner, TaskHandle, _ours, group_lives, module_source
+from orchestrator.remote.base import (
+    Runner,
+    TaskHandle,
+    _ours,
+    group_lives,
+    module_source,
+    sibling_of,
+)
 from orchestrator.spec import ClusterSpec, CommandJob, is_url
 from orchestrator.state import Store, TaskRecord
 from worker import verified as verified_module
@@ -43,7 +50,9 @@ def wanted(spec: ClusterSpec) -> bool:
 
 
 def go_path(task: TaskPlan) -> str:
-    return task.rc_path.rsplit(".", 1)[0] + ".go"
+    """The file ``task``'s warm task waits for (``LaunchSpec.go_path``: its launch removes one
+    an earlier task left)."""
+    return sibling_of(task.rc_path, "go")
 
 
 def verify_files(plan: ClusterPlan) -> tuple[str, str]:
@@ -105,8 +114,7 @@ class WarmTasks:
             if wait_s is not None:
                 env[WAIT_ENV] = f"{wait_s:g}"
             runner = self.runner_for(task.host.name)
-            try:
-                runner.run(f"rm -f {shlex.quote(go_path(task))}", check=False)
+            try:  # the launch removes a go file an earlier task with these paths left
                 return task, self.launcher.start(runner, dataclasses.replace(task, env=env))
             except OrchestratorError as exc:
                 self.say(f"no warm task on {task.host.name}: {exc.message}")

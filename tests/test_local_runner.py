@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -268,3 +269,21 @@ def test_a_start_never_reads_the_pid_a_previous_task_left_at_the_same_paths(
             assert os.getsid(handle.pgid) == handle.pgid
         finally:
             runner.stop(handle, grace_s=0.5)
+
+
+def test_a_start_removes_the_go_file_an_earlier_task_left_before_the_task_runs(
+        tmp_path: Path) -> None:
+    """A warm task waits for its go file (orchestrator/warm.py): one left at its paths by an
+    earlier task would start it at once, with that task's TF_CONFIG. The launch removes it in
+    the same command, before the task starts: the task never sees it."""
+    runner, spec = launch(tmp_path, "import os, sys; print(os.path.exists(sys.argv[1]))")
+    spec = dataclasses.replace(spec, argv=(*spec.argv, spec.go_path))
+    Path(spec.go_path).parent.mkdir(parents=True)
+    Path(spec.go_path).write_text("{}\n")
+    handle = runner.start(spec)
+    try:
+        wait_for(lambda: Path(spec.rc_path).exists(), timeout=30)
+        assert Path(spec.log_path).read_text() == "False\n"
+        assert not Path(spec.go_path).exists()
+    finally:
+        runner.stop(handle, grace_s=0.5)

@@ -19,6 +19,7 @@ from orchestrator import cost
 from orchestrator.api import Cluster
 from orchestrator.errors import AuthError, HostKeyError, RemoteError, RunFailed
 from orchestrator.events import Event
+from orchestrator.remote.ssh import SSHRunner
 from orchestrator.state import Store
 from orchestrator.view import RunView
 
@@ -260,3 +261,61 @@ def test_down_from_another_process_stops_a_running_job_for_good(
         assert h.run(["test", "-e", f"{h.home}/.orchestrate/clusters/stop-me"]).returncode != 0
         if h.namespace:
             assert namespace_commands(h) <= {"sshd", "sshd-session"}
+
+
+def test_up_reads_what_a_host_holds_in_one_command_and_runs_setup_only_when_it_or_the_code_changed(
+        hostlab: HostLab, tmp_path: Path, orchestrate_home: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    (host,) = hostlab.hosts(1)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('v1')\n")
+
+    def spec(setup: str) -> Path:
+        path = write_spec(tmp_path, hostlab, [host], f"""\
+            name: setup-once
+            workdir: {project}
+            job: {{command: python train.py}}
+            """, provider_extra=f"  setup: ['echo {setup} >> \"$HOME/setup-ran\"']\n")
+        path.write_text(path.read_text().replace(f"workdir: {REPO}\n", ""))
+        return path
+
+    commands: list[str] = []
+    original = SSHRunner._exec
+
+    def counted(self: SSHRunner, script: str, *args: object, **kwargs: object) -> object:
+        commands.append(script)
+        return original(self, script, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SSHRunner, "_exec", counted)
+
+    def up(setup: str) -> list[str]:
+        commands.clear()
+        Cluster.from_spec(spec(setup)).up()
+        return list(commands)
+
+    def ran() -> list[str]:
+        return host.run(["cat", f"{host.home}/setup-ran"]).stdout.split()
+
+    try:
+        first = up("a")
+        assert ran() == ["a"]
+        again = up("a")  # nothing changed: setup does not run, nothing is uploaded
+        assert ran() == ["a"]
+        assert len(again) < len(first)
+        # $HOME, the root's claim, and one command for both trees' stamps and setup's
+        assert len(again) == 3, again
+        assert "orchestrate-setup" in again[2] and again[2].count(".orchestrate-sync") == 2
+
+        (project / "train.py").write_text("print('v2')\n")  # the code changed: setup again
+        up("a")
+        assert ran() == ["a", "a"]
+        up("b")  # the setup changed
+        assert ran() == ["a", "a", "b"]
+        up("b")
+        assert ran() == ["a", "a", "b"]
+        assert host.run(["cat", f"{host.home}/.orchestrate/clusters/setup-once/code/train.py"]
+                        ).stdout == "print('v2')\n"
+    finally:
+        Cluster.from_spec(spec("b")).down()
+        host.run(["rm", "-f", f"{host.home}/setup-ran"])

@@ -33,6 +33,7 @@ from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.local import LocalRunner
 from orchestrator.remote.slurm import SRUN_BY_WRAPPER, StepRunner, srun_options
 from orchestrator.remote.ssh import SSHRunner
+from orchestrator.remote.sync import remote_stamps
 from orchestrator.spec import ClusterSpec
 
 JOB_LABEL, NODE_LABEL = "slurm_job", "slurm_node"
@@ -804,8 +805,11 @@ class SlurmProvider(SSHHostsProvider):
     def _prepare(self, submit: Host, hosts: Sequence[Host]) -> None:
         """Sync once from the submit side; setup runs as a step on the first node (the nodes'
         environment, modules and CUDA, not the login node's)."""
-        code_changed, _ = self.sync_code(self.submit_runner, submit.root)
-        self.run_setup(self.submit_runner, self.runner(hosts[0]), submit.root, code_changed)
+        code, lib, setup = remote_stamps(self.submit_runner, self.trees(submit.root),
+                                         [self.setup_stamp_path(submit.root)])
+        code_changed, _ = self.sync_code(self.submit_runner, submit.root, stamps=(code, lib))
+        self.run_setup(self.submit_runner, self.runner(hosts[0]), submit.root, code_changed,
+                       setup)
 
     def hosts(self) -> list[Host]:
         """The tasks' nodes in the recorded allocation (none before 'up')."""

@@ -30,7 +30,7 @@ from orchestrator.providers.keys import PRIVATE_NAME, KeyPair, ensure_key_pair, 
 from orchestrator.remote.base import Runner, probe_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import Packer, Upload, sync_dir, upload_of
+from orchestrator.remote.sync import Packer, Upload, remote_stamps, sync_dir, upload_of
 
 SETUP_STAMP = ".orchestrate-setup"
 SYNC_DIGESTS = "sync-digests.json"  # under the cluster's home here: the digests of trees packed (Packer)
@@ -323,13 +323,16 @@ class SSHHostsProvider(Provider):
     def prepare(self, host: Host, packer: Packer | None = None) -> bool:
         """Make and mark the root, sync the code and the worker package, run setup when it or
         the code changed (``packer``: the archives shared by the hosts prepared together).
+        What the host holds (both trees' stamps and setup's) is read in one command.
 
         Idempotent: returns whether anything changed on the host.
         """
         runner = self.runner(host)
         self.claim_root(host)
-        code_changed, lib_changed = self.sync_code(runner, host.root, packer)
-        return self.run_setup(runner, runner, host.root, code_changed) or code_changed \
+        code, lib, setup = remote_stamps(runner, self.trees(host.root),
+                                         [self.setup_stamp_path(host.root)])
+        code_changed, lib_changed = self.sync_code(runner, host.root, packer, (code, lib))
+        return self.run_setup(runner, runner, host.root, code_changed, setup) or code_changed \
             or lib_changed
 
     def packer(self) -> Packer:
@@ -337,30 +340,45 @@ class SSHHostsProvider(Provider):
         unchanged since, is known by its digest without being packed again."""
         return Packer(paths.cluster_home(self.spec.name) / SYNC_DIGESTS)
 
-    def sync_code(self, runner: Runner, root: str,
-                  packer: Packer | None = None) -> tuple[bool, bool]:
-        """Sync the workdir and the worker package under ``root``; whether each changed."""
+    @staticmethod
+    def trees(root: str) -> tuple[str, str]:
+        """Where the workdir and the worker package go under ``root``."""
+        return paths.code_dir(root), f"{paths.lib_dir(root)}/worker"
+
+    @staticmethod
+    def setup_stamp_path(root: str) -> str:
+        """The file that says which setup last ran under ``root`` (its digest)."""
+        return f"{root}/{SETUP_STAMP}"
+
+    def sync_code(self, runner: Runner, root: str, packer: Packer | None = None,
+                  stamps: tuple[str, str] | None = None) -> tuple[bool, bool]:
+        """Sync the workdir and the worker package under ``root``; whether each changed
+        (``stamps``: what ``remote_stamps`` read of both trees, when it was read already)."""
         workdir = specs.workdir_of(self.spec, self.spec_path)
+        code_dir, lib_dir = self.trees(root)
+        code, lib = stamps or (None, None)
         packs = packer or self.packer()
         try:
-            code_changed = sync_dir(runner, str(workdir), paths.code_dir(root),
-                                    self.config.sync_excludes,
-                                    allowed_secrets=self.upload().allowed_secrets, packer=packs)
-            lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent),
-                                   f"{paths.lib_dir(root)}/worker", ("__pycache__", "*.pyc"),
-                                   packer=packs)
+            code_changed = sync_dir(runner, str(workdir), code_dir, self.config.sync_excludes,
+                                    allowed_secrets=self.upload().allowed_secrets, packer=packs,
+                                    stamp=code)
+            lib_changed = sync_dir(runner, str(Path(worker_package.__file__).parent), lib_dir,
+                                   ("__pycache__", "*.pyc"), packer=packs, stamp=lib)
         finally:
             if packer is None:
                 packs.close()
         return code_changed, lib_changed
 
-    def run_setup(self, files: Runner, runner: Runner, root: str, code_changed: bool) -> bool:
+    def run_setup(self, files: Runner, runner: Runner, root: str, code_changed: bool,
+                  current: str | None = None) -> bool:
         """Run ``setup`` through ``runner`` when it or the code changed since it last ran (its
-        stamp under ``root``, read and written through ``files``); whether it ran."""
+        stamp under ``root``, read and written through ``files``, unless ``current`` is what
+        was read already); whether it ran."""
         setup = self.config.setup
         stamp = hashlib.sha256("\n".join(setup).encode()).hexdigest()
-        stamp_path = shlex.quote(f"{root}/{SETUP_STAMP}")
-        current = files.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
+        stamp_path = shlex.quote(self.setup_stamp_path(root))
+        if current is None:
+            current = files.run(f"cat {stamp_path} 2>/dev/null || true").stdout.strip()
         if not setup or (current == stamp and not code_changed):
             return False
         code_dir = shlex.quote(paths.code_dir(root))

@@ -53,7 +53,18 @@ class LaunchSpec:
     @property
     def pid_path(self) -> str:
         """Written by the task's session leader once it runs in its own session."""
-        return self.rc_path.rsplit(".", 1)[0] + ".pid"
+        return sibling_of(self.rc_path, "pid")
+
+    @property
+    def go_path(self) -> str:
+        """The go file a warm task waits for (``orchestrator/warm.py``): one an earlier task
+        with these paths left would start this one at once, so the launch removes it."""
+        return sibling_of(self.rc_path, "go")
+
+
+def sibling_of(rc_path: str, suffix: str) -> str:
+    """A task's file beside its exit-code file: the same name with ``suffix`` for ``rc``."""
+    return rc_path.rsplit(".", 1)[0] + "." + suffix
 
 
 @dataclass(frozen=True)
@@ -109,8 +120,11 @@ def module_source(module: ModuleType) -> str:
 
 def probe_argv(python: str, *args: str) -> list[str]:
     """The command line that runs ``worker/probes.py`` (stdlib only) with ``args`` on a host;
-    this machine imports the same functions directly."""
-    return [python, "-c", module_source(probes), *args]
+    this machine imports the same functions directly. Without ``site`` (``-S``: a third of a
+    Python's start, where a virtual environment's ``.pth`` files are many) but where the probe
+    imports TensorFlow."""
+    site = () if args[:1] == ("tensorflow",) else ("-S",)
+    return [python, *site, "-c", module_source(probes), *args]
 
 
 def quote_argv(argv: Sequence[str]) -> str:
@@ -137,7 +151,7 @@ def launch_script(spec: LaunchSpec) -> str:
             raise RemoteError(f"invalid environment variable name {name!r}")
     exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in spec.env.items())
     rc, rc_tmp = shlex.quote(spec.rc_path), shlex.quote(spec.rc_path + ".tmp")
-    pid = shlex.quote(spec.pid_path)
+    pid, go = shlex.quote(spec.pid_path), shlex.quote(spec.go_path)
     log = shlex.quote(spec.log_path)
     # ``trap : TERM``: a planned stop TERMs the whole group; the task saves and exits, and this
     # shell must outlive it to record its exit code (a trap with a command is not inherited).
@@ -152,9 +166,10 @@ def launch_script(spec: LaunchSpec) -> str:
     dirs = {p.rpartition("/")[0] or "." for p in (spec.log_path, spec.rc_path, spec.pid_path)}
     # The old files go, and only then does the task start: `A && B && C &` would put the whole
     # list in the background, and the wait below could read the pid a previous task with the
-    # same paths left there (or lose it to the late `rm`: "cat: No such file").
+    # same paths left there (or lose it to the late `rm`: "cat: No such file"). The go file
+    # too, in the same command: a warm task's launch is one round trip.
     return (
-        f"mkdir -p {quote_argv(sorted(dirs))} && rm -f {rc} {rc_tmp} {pid} || exit 1; "
+        f"mkdir -p {quote_argv(sorted(dirs))} && rm -f {rc} {rc_tmp} {pid} {go} || exit 1; "
         f"( {exports}exec setsid sh -c {shlex.quote(inner)} ) >/dev/null 2>&1 </dev/null & "
         f"i=0; while [ ! -s {pid} ] && [ $i -lt {PID_POLLS_FAST + PID_POLLS_SLOW} ]; do "
         f"if [ $i -lt {PID_POLLS_FAST} ]; then sleep 0.01; else sleep 0.1; fi; i=$((i+1)); "

@@ -122,7 +122,8 @@ def upload_of(workdir: Path, config: specs.SSHHosts) -> Upload:
 
 def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence[str], *,
              allowed_secrets: Sequence[str] = (),
-             max_bytes: int | None = MAX_UPLOAD_BYTES, packer: Packer | None = None) -> bool:
+             max_bytes: int | None = MAX_UPLOAD_BYTES, packer: Packer | None = None,
+             stamp: str | None = None) -> bool:
     """Make ``remote_dir`` on the host hold exactly the tree under ``local_dir``.
 
     ``remote_dir`` is owned by the sync: anything else in it is replaced. It is
@@ -137,6 +138,8 @@ def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence
         max_bytes: refuse a tree whose files add up to more (None: no limit).
         packer: the ``Packer`` of a sync to several hosts (each tree packed once for all of
             them); without one, the tree is packed for this host alone.
+        stamp: the stamp of the host's tree, already read with others (``remote_stamps``: one
+            command for several trees); without it, it is read here.
 
     Returns:
         False when the host already had this exact tree, True when it was uploaded.
@@ -153,7 +156,8 @@ def sync_dir(runner: Runner, local_dir: str, remote_dir: str, excludes: Sequence
     try:
         tree = packs.tree(local_dir, excludes, allowed_secrets=allowed_secrets,
                           max_bytes=max_bytes)
-        if _remote_stamp(runner, target) == tree.digest():
+        found = remote_stamps(runner, [target])[0] if stamp is None else stamp
+        if found == tree.digest():
             return False
         archive, digest = tree.archive()
         token = uuid.uuid4().hex[:12]
@@ -528,13 +532,25 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _remote_stamp(runner: Runner, target: str) -> str:
-    """The stamp of the tree on the host; first the directory that will hold the tree, made
-    private (umask 077) if missing, so the archive lands in a directory of ours."""
-    parent = shlex.quote(os.path.dirname(target) or ".")
-    stamp = shlex.quote(f"{target}/{STAMP}")
-    result = runner.run(f"umask 077 && mkdir -p -- {parent} && cat -- {stamp}", check=False)
-    return result.stdout.strip() if result.ok else ""
+def remote_stamps(runner: Runner, targets: Sequence[str], files: Sequence[str] = ()) -> list[str]:
+    """In one command: the stamp of the tree each of ``targets`` holds, then the first line of
+    each of ``files`` ("" for one that is missing or unreadable). First the directory that will
+    hold each tree is made private (umask 077) if missing, so an archive lands in a directory of
+    ours. ``up`` reads a host's two trees and its setup stamp so: one round trip, not three.
+    Where the directories cannot be made, every answer is "" (the upload then fails, saying
+    why).
+    """
+    targets = [t.rstrip("/") for t in targets]
+    parents = " ".join(shlex.quote(os.path.dirname(t) or ".") for t in targets)
+    reads = [*(f"{t}/{STAMP}" for t in targets), *files]
+    # One line per file: a stamp is one line, and a hostile file's others are not read.
+    script = f"umask 077 && mkdir -p -- {parents} || exit 1; " + "".join(
+        f"printf '%s\\n' \"$(head -n 1 -- {shlex.quote(f)} 2>/dev/null)\"; " for f in reads)
+    result = runner.run(script, check=False)
+    lines = result.stdout.split("\n") if result.ok else []
+    if len(lines) < len(reads):
+        return [""] * len(reads)
+    return [line.strip() for line in lines[:len(reads)]]
 
 
 def _swap_script(archive: str, target: str, token: str, digest: str) -> str:
