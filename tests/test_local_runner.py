@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -287,3 +288,26 @@ def test_a_start_removes_the_go_file_an_earlier_task_left_before_the_task_runs(
         assert not Path(spec.go_path).exists()
     finally:
         runner.stop(handle, grace_s=0.5)
+
+
+def test_stopping_a_task_that_exited_kills_what_it_left_running_in_its_group(
+        tmp_path: Path) -> None:
+    """A task that ended by itself may leave a child in its group: JAX's coordination service
+    outlives a dead chief by design, so that a survivor can save. Once the attempt is stopped,
+    that child must go: it held the chief's port into the next attempt, whose chief's
+    connection it took."""
+    code = ("import subprocess, sys; p = subprocess.Popen(['sleep', '300']); "
+            "print(p.pid, flush=True)")
+    runner, spec = launch(tmp_path, code)
+    handle = runner.start(spec)
+    try:
+        wait_for(lambda: Path(spec.rc_path).exists(), timeout=30)
+        child = int(Path(spec.log_path).read_text().split()[0])
+        assert process_stat(child) is not None  # left running in the task's group
+        status = runner.stop(handle, grace_s=5.0)
+        assert (status.state, status.exit_code) == (TaskState.EXITED, 0)
+        wait_for(lambda: (process_stat(child) or ("Z", 0))[0] == "Z")  # gone, or a zombie
+        assert live_group_members(handle.pgid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(handle.pgid, signal.SIGKILL)

@@ -200,3 +200,34 @@ def test_a_holder_ends_by_itself_once_its_pid_file_is_gone(tmp_path: Path) -> No
     assert netns.ensure(pid_file) == holder  # found again, not a second one
     pid_file.unlink()
     assert netns.wait_gone(holder, 10)
+
+
+def test_the_ports_probe_looks_in_the_tasks_namespace_not_this_machines(
+        tmp_path: Path, orchestrate_home: Path) -> None:
+    """The next attempt's ports are those free where the tasks listen: a port a process left
+    in the tasks' namespace holds is taken (a dead JAX chief's coordination service, serving
+    there, once took the next chief's connection for 70 s), one this machine's other processes
+    hold is no task's."""
+    from orchestrator.api import Cluster
+    from orchestrator.remote.base import LaunchSpec
+
+    spec, _ = setup(tmp_path / "probe", "net-probe", "auto", 24850)
+    cluster = Cluster.from_spec(spec)
+    provider = cluster.provider
+    hosts = provider.up()
+    runner = provider.runner(hosts[0])
+    outside = socket.create_server(("", 24851))  # this machine's network, not the tasks'
+    hold = ("import socket, time; s = socket.create_server(('', 24850)); "
+            "open('held', 'w').close(); time.sleep(300)")
+    handle = runner.start(LaunchSpec((sys.executable, "-c", hold), str(tmp_path),
+                                     str(tmp_path / "hold.log"), str(tmp_path / "hold.rc")))
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "held").exists():
+            assert time.monotonic() < deadline, (tmp_path / "hold.log").read_text()
+            time.sleep(0.05)
+        assert provider.busy_ports(hosts) == {("127.0.0.1", 24850)}
+    finally:
+        outside.close()
+        runner.stop(handle, grace_s=0.0)
+        cluster.down()

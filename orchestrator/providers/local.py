@@ -13,6 +13,7 @@ from orchestrator.files import private_dir
 from orchestrator.hosts import Host
 from orchestrator.providers.base import DownReport, Provider
 from orchestrator.remote import netns
+from orchestrator.remote.base import probe_argv
 from orchestrator.remote.local import LocalRunner
 from orchestrator.remote.sync import sync_dir
 from orchestrator.spec import ClusterSpec
@@ -104,6 +105,18 @@ class LocalProvider(Provider):
                           notes=(f"run files are kept under {self.root}",))
 
     def busy_ports(self, hosts: Sequence[Host]) -> set[tuple[str, int]]:
-        """Probe the range until every task has a free port; return the taken ones seen."""
-        taken = probes.taken_ports(self.spec.ports.start, self.spec.ports.end, len(hosts))
+        """Probe the range until every task has a free port; return the taken ones seen: in
+        the tasks' network namespace where they have one (a port this machine's other
+        processes hold is no task's, and one a process left in there holds is; measured: a
+        dead JAX chief's coordination service, still serving there, took the next chief's
+        connection for 70 s), else here."""
+        ports = self.spec.ports
+        holder = self._runner.netns
+        if holder is None:
+            taken = probes.taken_ports(ports.start, ports.end, len(hosts))
+        else:
+            argv = [*holder.enter(), *probe_argv(sys.executable, "ports", str(ports.start),
+                                                 str(ports.end), str(len(hosts)))]
+            out = self._runner.run(argv, timeout_s=30).stdout
+            taken = [int(p) for p in out.split()]
         return {(LOOPBACK, port) for port in taken}

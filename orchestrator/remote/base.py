@@ -292,6 +292,12 @@ class Runner(ABC):
         """
         status = self.poll(handle)
         if status.state is not TaskState.RUNNING:
+            if status.state is TaskState.EXITED and self._group_alive(handle):
+                # The task ended by itself; what it started is left in its group (JAX's
+                # coordination service outlives a chief by design, for the survivors' save):
+                # nothing there has anything to save, and it must hold no port into the next
+                # attempt (a dead chief's service took the next chief's connection for 70 s).
+                self._kill_group(handle)
             return status
         if grace_s > 0:
             self.signal(handle, "TERM")
@@ -300,12 +306,16 @@ class Runner(ABC):
             if not self._group_alive(handle):
                 return self.poll(handle)
             time.sleep(0.1)
+        self._kill_group(handle)
+        return self.poll(handle)
+
+    def _kill_group(self, handle: TaskHandle) -> None:
+        """KILL the task's group, and wait up to 5 s for none of it to be left."""
         self.signal(handle, "KILL")
         for _ in range(50):
             if not self._group_alive(handle):
                 break
             time.sleep(0.1)
-        return self.poll(handle)
 
     def _group_alive(self, handle: TaskHandle) -> bool:
         return self.run(f"{_ours(handle)} && {group_lives(handle.pgid)}", check=False).ok
