@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from worker.runtimes.keras_jax import Processes, _Service
 
 pytest.importorskip("jaxlib")
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -62,3 +66,43 @@ def test_a_service_that_serves_says_so_takes_connections_and_ends_when_told() ->
         socket.create_connection(("::1", port), timeout=5).close()
         service.shutdown()  # "end" on its stdin: it exits at once, not after its grace
         assert service.process.returncode == 0
+
+
+FAILING = """\
+import sys, time
+import jax
+index, port = int(sys.argv[1]), int(sys.argv[2])
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=index, heartbeat_timeout_seconds=300,
+                           shutdown_timeout_seconds=300)
+print("connected", flush=True)
+if index == 0:
+    from worker.runtimes.keras_jax import _fail_now
+    _fail_now()
+time.sleep(300)  # alive, and never at the shutdown barrier
+"""
+
+
+def test_a_failed_task_exits_at_once_not_after_jaxs_shutdown_barrier(tmp_path: Path) -> None:
+    """A JAX process that failed would wait at exit for every process at JAX's shutdown
+    barrier, which its peers, stuck on it in a collective, never reach (the runtime's timeout
+    is 10 s; here 300 s, against a limit of 60): the controller saw an error said, and a task
+    that lived on, and took the attempt for hung. `_fail_now` leaves that wait out."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (0, 1)]
+    try:
+        chief, peer = procs
+        assert chief.wait(timeout=60) == 1, chief.communicate()
+        assert "connected" in chief.communicate()[0]
+        assert peer.poll() is None  # the peer lives on: the chief did not wait for it
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

@@ -68,7 +68,7 @@ import json, sys
 from worker.tfimport import {which}
 {which}()
 import keras
-loaded = {{name: name in sys.modules for name in ("jax", "matplotlib", "tensorflow")}}
+loaded = {{name: name in sys.modules for name in ("jax", "matplotlib", "sklearn", "tensorflow")}}
 layer = keras.layers.Dense(2)
 layer.build((None, 3))
 images = keras.ops.convert_to_numpy(keras.random.uniform((2, 4, 4, 3), seed=1))
@@ -76,7 +76,12 @@ import matplotlib, os
 matplotlib.use("Agg")
 # keras's own check for pyplot, taken at import, comes first: "requires matplotlib" without it
 keras.visualization.plot_image_gallery(images, rows=1, cols=2, path={path!r})
-print(json.dumps({{"loaded": loaded, "backend": keras.backend.backend(),
+# the scikit-learn wrappers, made again on scikit-learn's own classes when first read
+from sklearn import base
+wrappers = [issubclass(keras.wrappers.SKLearnClassifier, (base.BaseEstimator, base.ClassifierMixin)),
+            issubclass(keras.wrappers.SKLearnRegressor, base.RegressorMixin),
+            base.is_classifier(keras.wrappers.SKLearnClassifier(model=lambda: None))]
+print(json.dumps({{"loaded": loaded, "backend": keras.backend.backend(), "wrappers": wrappers,
                   "png": open({path!r}, "rb").read(8) == bytes([137, 80, 78, 71, 13, 10, 26, 10]),
                   "kernel": list(layer.kernel.shape)}}))
 """
@@ -91,22 +96,56 @@ def draws(which: str, env: dict[str, str], path: Path) -> dict[str, object]:
     return result
 
 
-def test_keras_3_on_tensorflow_loads_neither_jax_nor_matplotlib_and_still_draws(
+def test_keras_3_on_tensorflow_loads_neither_jax_nor_matplotlib_nor_sklearn_and_still_works(
         tmp_path: Path) -> None:
     """TensorFlow with Keras 3 as a Keras 3 job on TensorFlow has it (the controller says
     KERAS_BACKEND=tensorflow): JAX and matplotlib are left out of the import, and Keras's
-    plotting, which took pyplot at import, gets it when it draws."""
+    plotting, which took pyplot at import, gets it when it draws; scikit-learn is left out
+    too, and keras.wrappers' estimators, read later, are scikit-learn's."""
     pytest.importorskip("matplotlib")
     result = draws("tensorflow", {"TF_USE_LEGACY_KERAS": "0", "KERAS_BACKEND": "tensorflow"},
                    tmp_path)
-    assert result["loaded"] == {"jax": False, "matplotlib": False, "tensorflow": True}
+    assert result["loaded"] == {"jax": False, "matplotlib": False, "sklearn": False,
+                                "tensorflow": True}
     assert result["backend"] == "tensorflow" and result["kernel"] == [3, 2]
-    assert result["png"] is True
+    assert result["png"] is True and result["wrappers"] == [True, True, True]
 
 
-def test_keras_3_on_jax_loads_without_matplotlib_and_still_draws(tmp_path: Path) -> None:
+def test_keras_3_on_jax_loads_without_matplotlib_and_sklearn_and_still_works(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     result = draws("keras", {"KERAS_BACKEND": "jax"}, tmp_path)
-    assert result["loaded"] == {"jax": True, "matplotlib": False, "tensorflow": False}
+    assert result["loaded"] == {"jax": True, "matplotlib": False, "sklearn": False,
+                                "tensorflow": False}
     assert result["backend"] == "jax" and result["kernel"] == [3, 2]
-    assert result["png"] is True
+    assert result["png"] is True and result["wrappers"] == [True, True, True]
+
+
+SAVES = """
+import json, sys
+from worker.tfimport import keras
+keras = keras()
+from keras.src.utils import module_utils
+from worker.runtimes.keras_jax import _tensorflow_left_out
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile("adam", "mse")
+with _tensorflow_left_out():
+    model.save({path!r})
+saved_without = "tensorflow" not in sys.modules
+again = keras.saving.load_model({path!r})
+print(json.dumps({{"saved_without_tensorflow": saved_without,
+                  "asks_again": module_utils.tensorflow._available is None,
+                  "same": [list(w.shape) for w in again.weights] == [[4, 2], [2]]}}))
+"""
+
+
+def test_a_jax_tasks_model_is_saved_without_importing_tensorflow(tmp_path: Path) -> None:
+    """Keras' serializer asks whether TensorFlow is available before it checks a config's
+    values for its types, which imports it where installed: 2.7 s at the end of every JAX
+    task. The JAX runtime saves its model with TensorFlow said unavailable where it is not
+    imported (no value can then be of its types), and the model loads back as it was."""
+    code = SAVES.format(path=str(tmp_path / "model.keras"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "KERAS_BACKEND": "jax"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"saved_without_tensorflow": True, "asks_again": True, "same": True}

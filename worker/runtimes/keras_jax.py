@@ -47,6 +47,7 @@ jax 0.10.2 and keras 3.15 (the facts are in issue 30), and how this runtime does
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import io
@@ -61,7 +62,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from worker.checkpoints import (
     STATE,
@@ -82,6 +83,7 @@ from worker.runtimes.common import (
     await_port,
     emit_error,
     emit_progress,
+    exit_now,
     exit_stopped,
     save_model,
     save_snapshot,
@@ -162,7 +164,23 @@ def run(job: Job) -> int:
         return 0
     except Exception as exc:  # reported to the controller, then the task fails
         emit_error(exc, phase)
-        return 1
+        _fail_now()
+
+
+def _fail_now() -> NoReturn:
+    """End a task that failed, now: its ``atexit`` handlers run (``exit_now``) but JAX's own.
+    Those wait for the work in flight and then for every process at JAX's shutdown barrier
+    (``SHUTDOWN_TIMEOUT_S``), which a broken group never reaches: measured, a chief whose
+    checkpoint found the disk full said its error and lived on past ``timeouts.hang_s``, so
+    the attempt was taken for hung, not crashed. Where this JAX keeps them elsewhere, they
+    stay (the exit then takes that long again)."""
+    with contextlib.suppress(ImportError):
+        from jax._src import api, dispatch
+
+        for handler in (getattr(api, "clean_up", None), getattr(dispatch, "wait_for_tokens", None)):
+            if handler is not None:
+                atexit.unregister(handler)
+    exit_now(1)
 
 
 def _connect(processes: Processes, *, snapshot_s: float = 0.0,
@@ -306,6 +324,31 @@ def _seed(keras: Any, seed: int) -> None:
     global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
     random.seed(seed)
     np.random.seed(seed)
+
+
+@contextlib.contextmanager
+def _tensorflow_left_out() -> Iterator[None]:
+    """Keras' serializer asks whether TensorFlow is available (``module_utils.tensorflow``, a
+    lazy module) before it checks a config's values for TensorFlow's types, and so imports it
+    where it is installed: measured, 2.7 s before every JAX task's ``finished``, in the model's
+    save. Where TensorFlow is not imported, no value can be of its types: while the model is
+    saved, the lazy module says it is not available (and asks again afterwards)."""
+    try:
+        from keras.src.utils import module_utils
+
+        lazy = module_utils.tensorflow
+        untouched = lazy.module is None and lazy._available is None
+    except (ImportError, AttributeError):  # another Keras layout: as it is
+        untouched = False
+    if not untouched or "tensorflow" in sys.modules:
+        yield
+        return
+    lazy._available = False
+    try:
+        yield
+    finally:
+        if lazy.module is None:
+            lazy._available = None
 
 
 def _build(jax: Any, keras: Any, job: Job, processes: Processes) -> JaxTraining:
@@ -831,7 +874,7 @@ class JaxTraining:
 
     def save_model(self) -> str:
         """Every process saves the model (a collective); only the chief's is kept."""
-        with _gathering():
+        with _gathering(), _tensorflow_left_out():
             return save_model(self.processes.chief, self.model.save)
 
     def weights_digest(self) -> str:
