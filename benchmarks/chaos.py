@@ -1,13 +1,14 @@
 """Benchmark: a chaos soak. One deterministic run survives a seeded schedule of every fault the
 product claims to survive, and ends with the weights of an unbroken run, bit for bit.
 
-The job: examples.digits on 2 workers, deterministic (`job.deterministic: true`, one seed),
-6 x 20 steps, a checkpoint every 5, paced at 0.1 s a step throughout
-(tests/workloads/paced_digits.py), driven through the CLI (`orchestrate train --plain` in a
-subprocess), as a user runs it, so that the controller itself can be killed and taken over with
-`orchestrate train --attach`. The schedule (`--seed`) orders the faults and spaces them 6 to 12
-steps after the previous recovery's first step; each fires once the run has recovered from the
-one before. Fault classes:
+The job: examples.digits on 2 workers (tf_keras on TensorFlow; with `--backend jax`,
+examples.keras3_digits on Keras 3 and JAX), deterministic (`job.deterministic: true`, one
+seed), 6 x 20 steps, a checkpoint every 5, paced at 0.1 s a step throughout
+(tests/workloads/paced_digits.py, paced_jax_digits.py), driven through the CLI
+(`orchestrate train --plain` in a subprocess), as a user runs it, so that the controller itself
+can be killed and taken over with `orchestrate train --attach`. The schedule (`--seed`) orders
+the faults and spaces them 6 to 12 steps after the previous recovery's first step; each fires
+once the run has recovered from the one before. Fault classes:
 
 - worker killed: a worker's process SIGKILLed (crashed; the chief saves the step under way).
 - chief killed: the chief's process SIGKILLed (crashed; no survivor's snapshot yet).
@@ -30,8 +31,10 @@ unbroken run (same pace, same CLI), and whether the final weights (every task's
 `weights_sha256`) equal the unbroken run's. Goal: every fault survived, bit-identical, and at
 most one step redone per crash.
 
-    python benchmarks/chaos.py            # local processes, then namespace SSH hosts (root)
-    python benchmarks/chaos.py --quick    # local processes only
+    python benchmarks/chaos.py            # local processes, then namespace SSH hosts (root),
+                                          # on TensorFlow, then on JAX
+    python benchmarks/chaos.py --quick    # local processes only, TensorFlow only
+    python benchmarks/chaos.py --backend jax   # Keras 3 on JAX only
     python benchmarks/chaos.py --seed 3   # another schedule
     python benchmarks/chaos.py --quick --faults "worker killed,preempted"   # a subset
     python benchmarks/chaos.py --warm-tasks   # relaunch from warm tasks (cold by default)
@@ -55,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from common import REPO, describe_machine, note, parser, publish, temp_home
-from jobs import LOCAL, PACED, Target, digits_spec, namespace_lab, write_spec
+from jobs import LOCAL, PACED, PACED_JAX, Target, digits_spec, namespace_lab, write_spec
 
 from orchestrator import spec as specs
 from orchestrator.events import Event, parse_line
@@ -77,6 +80,9 @@ EXPECTED = {"worker killed": "crashed", "chief killed": "crashed", "task hung": 
             "preempted": "preempted", "disk full": "crashed", "host cut off": "host_lost",
             "chief's host cut off": "host_lost",
             "controller killed": None}  # None: no attempt ends
+# What each backend's soak runs: its paced module, and what its job adds
+BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tensorflow": (PACED, {}), "jax": (PACED_JAX, {"backend": "jax"})}
 OUTAGE_S = 5.0
 TMPFS_SIZE = "32m"
 POLL_S = 0.1
@@ -92,12 +98,14 @@ SETTINGS: dict[str, Any] = {
 
 
 def soak_spec(directory: Path, name: str, target: Target, checkpoint_dir: str | None,
-              user: str | None = None) -> Path:
-    """The paced, deterministic job; on lab hosts, logged in as ``user`` on every host."""
+              user: str | None = None, backend: str = "tensorflow") -> Path:
+    """The paced, deterministic job on ``backend``; on lab hosts, logged in as ``user`` on
+    every host."""
+    module, job = BACKENDS[backend]
     spec = digits_spec(name, WORKERS, target, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                       checkpoint_every=EVERY, module=PACED,
+                       checkpoint_every=EVERY, module=module,
                        **{k: v for k, v in SETTINGS.items() if k != "job"})
-    spec["job"].update(SETTINGS["job"])
+    spec["job"].update({**SETTINGS["job"], **job})
     if checkpoint_dir is not None:
         spec["checkpoint"]["dir"] = checkpoint_dir
     for entry in spec.get("provider", {}).get("hosts", []) if user else []:
@@ -428,27 +436,28 @@ def small_disk(directory: Path) -> Iterator[Path | None]:
 
 
 def soak(directory: Path, target: Target, faults: tuple[str, ...], seed: int,
-         label: str, user: str | None = None) -> dict[str, Any]:
-    """The unbroken run, then the same job under the schedule; the figures of both."""
+         label: str, user: str | None = None, backend: str = "tensorflow") -> dict[str, Any]:
+    """The unbroken run, then the same job under the schedule, on ``backend``; the figures of
+    both."""
     requested = faults
     with small_disk(directory / f"{label}-disk") if "disk full" in faults \
             else contextlib.nullcontext(None) as disk:
         if disk is None:  # not root: no tmpfs to fill
             faults = tuple(f for f in faults if f != "disk full")
         checkpoint_dir = str(disk) if disk is not None else None
-        reference = Soak(soak_spec(directory, f"chaos-{label}-a", target, checkpoint_dir, user),
-                         target, [], directory / f"{label}-unbroken.out")
+        reference = Soak(soak_spec(directory, f"chaos-{label}-a", target, checkpoint_dir, user,
+                                   backend), target, [], directory / f"{label}-unbroken.out")
         unbroken, unbroken_s = reference.run()
         plan = schedule(faults, seed)
-        broken = Soak(soak_spec(directory, f"chaos-{label}-b", target, checkpoint_dir, user),
-                      target, plan, directory / f"{label}-soak.out", disk)
+        broken = Soak(soak_spec(directory, f"chaos-{label}-b", target, checkpoint_dir, user,
+                                backend), target, plan, directory / f"{label}-soak.out", disk)
         record, wall = broken.run()
     crashes = [f.steps_redone for f in broken.injected if f.fault in CRASHES]
     survived = sum(f.survived for f in broken.injected)
     digests = set(broken.logs.finished.values())
     identical = len(digests) == 1 and digests == set(reference.logs.finished.values())
     return {
-        "target": target.name, "workers": WORKERS, "seed": seed,
+        "target": target.name, "backend": backend, "workers": WORKERS, "seed": seed,
         "steps": TOTAL_STEPS, "unpaced_last": UNPACED_LAST, "checkpoint_every": EVERY,
         "pace_s": float(PACE_S),
         "schedule": [[f, gap, task] for f, gap, task in plan],
@@ -474,6 +483,9 @@ def main() -> None:
     cli.add_argument("--faults", help="a comma-separated subset of the fault classes")
     cli.add_argument("--warm-tasks", action="store_true",
                      help="relaunch from warm tasks (retry.warm_tasks: true)")
+    cli.add_argument("--backend", choices=[*BACKENDS, "both"],
+                     help="the job's backend (default: both, one after the other; with "
+                          "--quick, tensorflow)")
     args = cli.parse_args()
     if args.warm_tasks:
         SETTINGS["retry"]["warm_tasks"] = True
@@ -481,13 +493,20 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(EXPECTED))
     if unknown:
         cli.error(f"unknown fault class(es) {unknown}: choose from {sorted(EXPECTED)}")
+    backend = args.backend or ("tensorflow" if args.quick else "both")
+    backends = list(BACKENDS) if backend == "both" else [backend]
     host, started = describe_machine(), time.monotonic()
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     with temp_home("chaos"), tempfile.TemporaryDirectory(prefix="orchestrate-chaos-") as scratch:
         directory = Path(scratch)
         local_faults = tuple(f for f in LOCAL_FAULTS if f in chosen)
-        results.append(soak(directory, LOCAL, local_faults, args.seed, "local"))
+        ssh_faults = tuple(f for f in (*LOCAL_FAULTS, "host cut off", "chief's host cut off")
+                           if f != "disk full" and f in chosen)
+        for name in backends:
+            label = "local" if name == "tensorflow" else f"{name}-local"
+            results.append(soak(directory, LOCAL, local_faults, args.seed, label,
+                                backend=name))
         if args.quick:
             skipped["namespace SSH hosts"] = "--quick soaks local processes only"
         else:
@@ -496,22 +515,21 @@ def main() -> None:
                     skipped["namespace SSH hosts"] = reason
                 else:
                     target = Target("namespaces", lab, tuple(lab.hosts(WORKERS)))
-                    ssh_faults = tuple(f for f in (*LOCAL_FAULTS, "host cut off",
-                                                   "chief's host cut off")
-                                       if f != "disk full" and f in chosen)
-                    results.append(soak(directory, target, ssh_faults, args.seed, "ssh",
-                                        lab.plain_user()))
-    rows = [[r["target"], f"{r['survived']}/{r['injected']}", r["attempts"],
+                    for name in backends:
+                        label = "ssh" if name == "tensorflow" else f"{name}-ssh"
+                        results.append(soak(directory, target, ssh_faults, args.seed, label,
+                                            lab.plain_user(), backend=name))
+    rows = [[r["target"], r["backend"], f"{r['survived']}/{r['injected']}", r["attempts"],
              " ".join(f"{f['fault'].split()[0]}:{f['steps_redone']}" for f in r["faults"]),
              r["max_redone_per_crash"], f"{r['wall_s']}s / {r['unbroken_wall_s']}s",
              r["wall_ratio"], "yes" if r["bit_identical"] else "NO",
              "yes" if r["goal_met"] else "no"] for r in results]
-    rows += [[name, "skipped", why, "", "", "", "", "", ""] for name, why in skipped.items()]
+    rows += [[name, "", "skipped", why, "", "", "", "", "", ""] for name, why in skipped.items()]
     publish("chaos", args, host, started,
             {"goal": "every fault survived, bit-identical to the unbroken run, at most one "
                      "step redone per crash",
              "results": results, "skipped": skipped},
-            ["target", "survived", "attempts", "steps redone per fault", "max per crash",
+            ["target", "backend", "survived", "attempts", "steps redone per fault", "max per crash",
              "wall (soak / unbroken)", "ratio", "bit-identical", "goal met"], rows)
 
 

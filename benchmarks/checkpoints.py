@@ -39,7 +39,7 @@ checkpoint event), and the relaunch copy is measured on it. On a 23 GiB machine 
 so 300 MiB is trained as well, as the largest size that fits.
 
     python benchmarks/checkpoints.py           # 3 repeats (1 at 300 MiB); 12 to 22 min (root)
-    python benchmarks/checkpoints.py --quick   # 1 MiB trained, 16 MiB by hand, once
+    python benchmarks/checkpoints.py --quick   # 1 MiB trained on 2 workers, 16 MiB by hand, once
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ class Size:
     steps: int
     max_repeats: int = 99
     train: bool = True
+    workers: int = WORKERS  # that train; the relaunch copy is always to the other 2 hosts
 
     @property
     def name(self) -> str:
@@ -128,8 +129,8 @@ class Size:
 
     @property
     def need_gib(self) -> float:
-        """Memory its 3 workers need at their peak."""
-        return WORKERS * (WORKER_BASE_GIB + PEAK_PER_STATE * self.mib / 1024)
+        """Memory its workers need at their peak."""
+        return self.workers * (WORKER_BASE_GIB + PEAK_PER_STATE * self.mib / 1024)
 
 
 # N is chosen per size so that several checkpoints (5 to 10) fall inside the measured window
@@ -137,7 +138,12 @@ class Size:
 # each of the 3 workers writes the whole state) stays a modest share of each interval.
 FULL = (Size(1, 25, 330), Size(100, 50, 330), Size(300, 100, 560, max_repeats=1),
         Size(1024, 100, 560, max_repeats=1))
-QUICK = (Size(1, 10, 70), Size(16, 0, 0, train=False))
+# --quick trains on 2 of the 3 hosts: each TensorFlow task's start costs the 2-core CI machine
+# some 7 CPU-s, and 4 runs of 3 workers were most of the smoke run's CPU. Its relaunch copy
+# still goes from the chief's host to the 2 others (a chain of 3). 2 workers step about twice
+# as fast: a checkpoint every 20 steps leaves the mirror's pull (about 0.3 s) the time it had
+# between checkpoints every 10 on 3 workers, so that it copies one rather than racing the next.
+QUICK = (Size(1, 20, 70, workers=2), Size(16, 0, 0, train=False))
 
 
 def available_gib() -> float:
@@ -587,7 +593,9 @@ def measure_copies_at(r: Relaunch, runs: int, link: str | None) -> dict[str, Any
 
 # -- one size ------------------------------------------------------------------------------
 def spec_for(directory: Path, project: Path, size: Size, config: str, lab: HostLab,
-             hosts: list[LabHost], shared: Path) -> Path:
+             hosts: list[LabHost], shared: Path, workers: int | None = None) -> Path:
+    """The job of ``size`` in ``config`` on the first ``workers`` hosts (``size.workers``)."""
+    workers = size.workers if workers is None else workers
     checkpoint: dict[str, Any] = {"every_steps": max(1, size.every), "mirror": "never"}
     if config == "none":
         checkpoint["every_steps"] = max(1, size.steps * 10)
@@ -596,13 +604,13 @@ def spec_for(directory: Path, project: Path, size: Size, config: str, lab: HostL
     elif config == "shared":
         checkpoint = {"every_steps": max(1, size.every), "dir": str(shared)}
     spec = {
-        "name": f"bench-ck-{size.mib}", "workers": WORKERS, "workdir": str(project),
+        "name": f"bench-ck-{size.mib}", "workers": workers, "workdir": str(project),
         "job": {"module": "tests.workloads.big_state", "epochs": 1,
                 "steps_per_epoch": max(1, size.steps), "progress_every_steps": 1},
         "checkpoint": checkpoint, "env": {"BIG_STATE_MIB": str(size.mib)}, "ports": PORTS,
-        "provider": static_provider(lab, hosts), **SETTINGS,
+        "provider": static_provider(lab, hosts[:workers]), **SETTINGS,
     }
-    where = directory / f"{size.mib}" / config
+    where = directory / f"{size.mib}" / (config if workers == size.workers else f"{config}-{workers}")
     where.mkdir(parents=True, exist_ok=True)
     return write_spec(where, spec)
 
@@ -610,8 +618,13 @@ def spec_for(directory: Path, project: Path, size: Size, config: str, lab: HostL
 def measure_size(size: Size, directory: Path, project: Path, lab: HostLab, hosts: list[LabHost],
                  shared: Path, runs: int, copy_runs: int) -> dict[str, Any]:
     specs_by = {c: spec_for(directory, project, size, c, lab, hosts, shared) for c in CONFIGS}
+    # The relaunch copies are to every other host: where fewer trained, the same cluster on
+    # all of them (its code synced to the hosts that did not train, ``relaunch(up=True)``).
+    wide = specs_by["off"] if size.workers == len(hosts) else \
+        spec_for(directory, project, size, "off", lab, hosts, shared, workers=len(hosts))
     samples: dict[str, list[Sample]] = {c: [] for c in CONFIGS}
-    found: dict[str, Any] = {"size_mib": size.mib, "every_steps": size.every, "steps": size.steps}
+    found: dict[str, Any] = {"size_mib": size.mib, "every_steps": size.every, "steps": size.steps,
+                             "workers": size.workers}
     keep = directory / f"keep-{size.mib}"
     free = available_gib()
     try:
@@ -619,13 +632,13 @@ def measure_size(size: Size, directory: Path, project: Path, lab: HostLab, hosts
             found["not_trained"] = "--quick makes this size's checkpoints by hand"
         elif free - MEMORY_MARGIN_GIB < size.need_gib:
             found["not_trained"] = (
-                f"its {WORKERS} workers need about {size.need_gib:.0f} GiB at their peak "
+                f"its {size.workers} workers need about {size.need_gib:.0f} GiB at their peak "
                 f"({WORKER_BASE_GIB} GiB + {PEAK_PER_STATE:g}x the state each), "
                 f"{free:.1f} GiB is available")
         if "not_trained" in found:
             note(f"{size.name}: not trained ({found['not_trained']}): the chief's checkpoints "
                  "are made by hand")
-            with relaunch(specs_by["off"], f"by-hand-{size.mib}", hosts, up=True) as r:
+            with relaunch(wide, f"by-hand-{size.mib}", hosts, up=True) as r:
                 found["mirror_pull"] = measure_pulls(r, size, copy_runs, directory)
                 found.update(measure_copies(r, copy_runs))
             return found
@@ -647,13 +660,13 @@ def measure_size(size: Size, directory: Path, project: Path, lab: HostLab, hosts
                 if keeping:
                     if not keep.is_dir():
                         raise RuntimeError(f"{size.name}: no checkpoint of the chief was kept")
-                    with relaunch(path, sample.run_id, hosts, up=False) as r:
+                    with relaunch(wide, sample.run_id, hosts, up=wide != path) as r:
                         install_kept(r, keep)
                         found.update(measure_copies(r, copy_runs))
                 drop_run(hosts, specs.load(path), sample.run_id)
     finally:
         with contextlib.suppress(Exception):
-            Cluster.from_spec(specs_by["none"]).down()  # the cluster's directory on every host
+            Cluster.from_spec(wide).down()  # the cluster's directory on every host
         shutil.rmtree(keep, ignore_errors=True)
     return {**found, **summarize(size, samples)}
 
@@ -788,7 +801,9 @@ def main() -> None:
             for host in hosts:
                 host.unthrottle()
     publish("checkpoints", args, host_facts, started,
-            {"job": f"tests.workloads.big_state, {WORKERS} workers on {WORKERS} namespace hosts",
+            {"job": f"tests.workloads.big_state, "
+                    f"{' / '.join(str(s.workers) for s in sizes if s.train)} workers on "
+                    f"{WORKERS} namespace hosts",
              "rate": RATE, "warmup": WARMUP,
              "goals": {"steps": f"c/b and d/b >= {STEPS_GOAL}",
                        "copy": f"chain to 2 hosts <= {COPY_GOAL}x a plain copy to 1, "

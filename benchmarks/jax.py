@@ -45,12 +45,12 @@ from common import (
     table,
     temp_home,
 )
-from jobs import LOCAL, PORTS, Run, by_hand, final_loss, orchestrated, write_spec
+from jobs import LOCAL, PACED_JAX, PORTS, Run, by_hand, final_loss, orchestrated, write_spec
 from recovery import EPOCHS, EVERY, STEPS_PER_EPOCH, WORKERS, kill, recover, settings
 
 RECOVERY_GOAL = 0.5  # fault to first step over the cold start, with warm tasks
 MODULE = "examples.keras3_digits"
-PACED = "tests.workloads.paced_jax_digits"
+PACED = PACED_JAX
 BACKENDS = {"jax": {"backend": "jax"}, "tensorflow": {"keras": "3"}}
 NO_SNAPSHOT = "jax, snapshot off"  # the JAX job with retry.snapshot_on_crash: false
 STEADY = [*BACKENDS, NO_SNAPSHOT]
@@ -68,13 +68,16 @@ def steady_spec(directory: Path, variant: str, epochs: int, steps: int) -> Path:
     }, stem=variant.replace(", ", "-").replace(" ", "-"))
 
 
-def recovery_spec(directory: Path, *, paced: bool, snapshot: bool = True) -> Path:
+def recovery_spec(directory: Path, *, paced: bool, snapshot: bool = True,
+                  steps: int | None = None) -> Path:
     """The JAX job the fault is fired into (paced, warm tasks; the chief's snapshot on or off),
-    or its unpaced cold start."""
+    or its unpaced cold start; ``steps``: one epoch of that many (the cold start's figure is
+    its first step: --quick trains no more of it)."""
+    epochs, per_epoch = (EPOCHS, STEPS_PER_EPOCH) if steps is None else (1, steps)
     return write_spec(directory, {
         "name": "jax-recovery", "workers": WORKERS, "workdir": str(REPO),
-        "job": {"module": PACED, "backend": "jax", "epochs": EPOCHS,
-                "steps_per_epoch": STEPS_PER_EPOCH, "progress_every_steps": 1},
+        "job": {"module": PACED, "backend": "jax", "epochs": epochs,
+                "steps_per_epoch": per_epoch, "progress_every_steps": 1},
         "checkpoint": {"every_steps": EVERY}, "ports": PORTS,
         **({} if paced else {"env": {"DIGITS_PACE_S": "0"}}), **settings(paced, snapshot),
     }, stem=("jax-recovery" if paced else "jax-recovery-unpaced") + ("" if snapshot else "-nosnap"))
@@ -100,7 +103,8 @@ def main() -> None:
                 found[backend].append(run)
                 note(f"{backend}: {run.steps_per_s() or 0:.1f} steps/s, first step at "
                      f"{run.first_step_s() or 0:.2f}s")
-        paced, unpaced = recovery_spec(directory, paced=True), recovery_spec(directory, paced=False)
+        paced = recovery_spec(directory, paced=True)
+        unpaced = recovery_spec(directory, paced=False, steps=EVERY if args.quick else None)
         off = recovery_spec(directory, paced=True, snapshot=False)
         for _ in range(runs):
             cold.append(by_hand(unpaced, LOCAL).first_step_s())

@@ -56,7 +56,11 @@ LOCAL = Target("local")
 # examples.digits paced: each batch takes >= DIGITS_PACE_S (0.2 s) until a file named
 # ``release`` exists in the run's directory on the task's host (tests/workloads/pace.py).
 PACED = "tests.workloads.paced_digits"
-PACED_FILES = ("__init__.py", "pace.py", "paced_digits.py")
+# examples.keras3_digits for Keras 3 on JAX, paced the same way without TensorFlow
+# (tests/workloads/paced_jax_digits.py)
+PACED_JAX = "tests.workloads.paced_jax_digits"
+PACED_FILES = {PACED: ("__init__.py", "pace.py", "paced_digits.py"),
+               PACED_JAX: ("__init__.py", "paced_jax_digits.py")}
 
 
 @contextlib.contextmanager
@@ -113,8 +117,9 @@ def write_spec(directory: Path, spec: dict[str, Any], stem: str | None = None) -
     the way the CLI validates it.
 
     Without a ``workdir``, the job's project is a copy of ``examples/`` under ``directory``
-    (and of the paced workload, for a ``PACED`` job): a small user project. (This repository's
-    own tree, caches included, would make every ``up`` pack and hash tens of MB.)
+    (and of the paced workload, for a ``PACED`` or ``PACED_JAX`` job): a small user project.
+    (This repository's own tree, caches included, would make every ``up`` pack and hash tens
+    of MB.)
     """
     project = directory / "project"
     if "workdir" not in spec:
@@ -122,9 +127,9 @@ def write_spec(directory: Path, spec: dict[str, Any], stem: str | None = None) -
             shutil.copytree(REPO / "examples", project / "examples",
                             ignore=shutil.ignore_patterns("__pycache__"))
         workloads = project / "tests" / "workloads"
-        if spec.get("job", {}).get("module") == PACED and not workloads.exists():
-            workloads.mkdir(parents=True)
-            for file in PACED_FILES:
+        for file in PACED_FILES.get(spec.get("job", {}).get("module", ""), ()):
+            workloads.mkdir(parents=True, exist_ok=True)
+            if not (workloads / file).exists():
                 shutil.copy2(REPO / "tests" / "workloads" / file, workloads / file)
     spec = {"workdir": str(project), **spec}
     path = directory / f"{stem or spec['name']}.yaml"
