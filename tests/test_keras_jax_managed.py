@@ -504,3 +504,46 @@ def test_a_variable_the_restore_does_not_set_gets_what_its_initializer_makes(
                           text=True, timeout=120,
                           env={**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(REPO)})
     assert done.returncode == 0 and done.stdout.split()[0] == "ok", done.stderr[-3000:]
+
+
+FITS = """
+import json, types
+from worker.tfimport import keras
+keras = keras()
+import numpy as np
+from worker.runtimes.keras_jax import JaxTraining
+taken = []
+def batches():
+    step = 0
+    while True:
+        taken.append(step)
+        yield np.full((4, 3), step, "float32"), np.zeros((4, 1), "float32")
+        step += 1
+trained = []
+class Seen(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        trained.append(len(taken))
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+stub = types.SimpleNamespace(model=model, _keeps_snapshots=False)
+source, counts = batches(), []
+for epochs, initial_epoch, steps in ((1, 0, 1), (3, 1, 2)):  # a resume's rest of 1, then 2 x 2
+    JaxTraining._fit(stub, source, Seen(), epochs=epochs, initial_epoch=initial_epoch,
+                     steps=steps)
+    counts.append(len(taken))
+print(json.dumps({"counts": counts, "trained": len(trained)}))
+"""
+
+
+def test_a_fit_of_one_step_takes_one_batch_so_a_resume_at_an_epochs_last_step_stays_exact(
+        ) -> None:
+    """Keras 3.15's fit of one epoch of one step takes two batches from a generator and trains
+    on one: a JAX run resumed at the last step but one of an epoch (a worker killed at step 19
+    of 20) trained every later step on the batch after its own, and ended with other weights
+    than an unbroken run (the chaos soak found it). The runtime fits on exactly the batches it
+    trains on."""
+    out = subprocess.run([sys.executable, "-c", FITS], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "KERAS_BACKEND": "jax"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["counts"] == [1, 5] and result["trained"] == 5, result

@@ -51,6 +51,7 @@ import atexit
 import contextlib
 import datetime
 import io
+import itertools
 import math
 import os
 import shutil
@@ -931,8 +932,14 @@ class JaxTraining:
 
     def _fit(self, batches: Any, callback: Any, *, epochs: int, initial_epoch: int,
              steps: int) -> None:
+        """``fit`` on exactly the batches it trains on, taken from ``batches``: Keras 3.15's
+        fit of one epoch of one step takes two batches from a generator and trains on one
+        (measured), so a run resumed at the last step but one of an epoch trained every later
+        step on the batch after its own, and ended with other weights than an unbroken run."""
+        take = steps * (epochs - initial_epoch)
+        bounded = (batch for batch in itertools.islice(batches, take))
         with _keeping_the_input_state() if self._keeps_snapshots else contextlib.nullcontext():
-            self.model.fit(batches, epochs=epochs, initial_epoch=initial_epoch,
+            self.model.fit(bounded, epochs=epochs, initial_epoch=initial_epoch,
                            steps_per_epoch=steps, callbacks=[callback], verbose=0)
 
     @property
