@@ -36,8 +36,10 @@ from orchestrator.view import Listener, RunView, TaskView
 # Errors a task raises because a PEER failed: the task that raised them is not the cause.
 PEER_ERRORS = ("UnavailableError", "CancelledError", "AbortedError", "DeadlineExceededError",
                "CollectiveOpsError")
+# (Gloo's "Connection closed by peer": a JAX task whose peer died, which since 504de70 exits at
+# once, before the controller may have read the dead peer's own end.)
 PEER_MARKS = (*PEER_ERRORS, "Connection reset by peer", "failed to connect to all addresses",
-              "Socket closed", "Collective ops is aborted")
+              "Socket closed", "Collective ops is aborted", "Connection closed by peer")
 PORT_CONFLICT_MARKS = ("Could not start gRPC server", "Address already in use")
 # What TensorFlow says when the tasks' collectives disagree: they restored different
 # checkpoints (or none), so their ops, shapes or types differ at the first all-reduce.

@@ -81,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     nvidia = nvidia_facts()
     has_gpus = bool(nvidia["gpus"])
     hostname = socket.gethostname()
+    # The ports' check is let end before TensorFlow or JAX is imported: their import holds the
+    # GIL for seconds at a time (their libraries' load), and a listener starved of it greets
+    # no peer, whose probe then times out ("packets dropped: a firewall?"; seen on a loaded
+    # machine, the Slurm lab's 3 nodes importing TensorFlow at once). A peer not heard by then
+    # is still listened for during the import, as before.
+    for thread in threads:
+        thread.join(max(0.0, deadline + args.linger - time.monotonic()))
     report: dict[str, Any] = {
         "hostname": hostname,
         "hostname_lookup": hostname_facts(hostname),
