@@ -52,7 +52,7 @@ KERAS_MATPLOTLIB = (
 )
 
 
-# The packages that export Keras 3's scikit-learn wrappers (``keras_wrappers()``), and the
+# The packages that export Keras 3's scikit-learn wrappers (``_lend_keras_wrappers``), and the
 # modules that make them.
 KERAS_WRAPPERS = ("keras", "keras._tf_keras.keras")
 KERAS_WRAPPER_MODULES = "keras.src.wrappers"
