@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -414,6 +415,9 @@ def test_a_lost_node_is_named_avoided_and_its_stuck_pods_do_not_hold_the_next_at
         "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
         {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
                                "values": ["node-2"]}]}]
+    # a command's pod (the checkpoint's check before the attempt) keeps off it too: bound
+    # there it would never start, and the node's eviction would delete it under the command
+    assert command_pod_of(provider, fake)["affinity"] == template["affinity"]
     # the node comes back (Ready since after it was lost): the next JobSet may go there again
     fake.kubelet_up("node-2")
     ready_node(fake, "node-2", "2026-11-25T10:05:00Z")
@@ -421,6 +425,24 @@ def test_a_lost_node_is_named_avoided_and_its_stuck_pods_do_not_hold_the_next_at
     template = fake.store.get("jobsets", "demo", "ml")["spec"]["replicatedJobs"][0][
         "template"]["spec"]["template"]["spec"]
     assert "affinity" not in template
+    assert "affinity" not in command_pod_of(provider, fake)
+
+
+def command_pod_of(provider: KubernetesProvider, fake: FakeKube) -> dict[str, Any]:
+    """The spec of the pod ``run_pod`` makes for a command, which then ends (exit 0)."""
+    made: dict[str, Any] = {}
+    ran = threading.Thread(target=lambda: made.update(result=provider.run_pod("true")))
+    ran.start()
+    try:
+        pod = eventually(lambda: next((p for p in fake.store.list("pods", "ml")
+                                       if "-cmd-" in p["metadata"]["name"]), None))
+        set_state(fake, pod["metadata"]["name"], {"terminated": {"exitCode": 0}}, "Succeeded",
+                  pod)
+    finally:
+        ran.join(30)
+    assert made["result"].exit_code == 0
+    spec: dict[str, Any] = pod["spec"]
+    return spec
 
 
 def test_up_says_when_the_nodes_cannot_hold_the_pods_and_goes_on(tmp_path: Path,

@@ -304,7 +304,7 @@ def _place_as_a_task(pod: dict[str, Any], config: KubernetesProvider,
     if tolerations:
         pod["tolerations"] = tolerations
     if avoid_nodes:
-        pod["affinity"] = _avoiding(avoid_nodes)
+        pod["affinity"] = avoiding(avoid_nodes)
     if config.service_account:
         pod["serviceAccountName"] = config.service_account
     if config.image_pull_secrets:
@@ -350,7 +350,7 @@ def reservation_name(host: Host) -> str:
     return f"{host.name}-r"
 
 
-def _avoiding(nodes: Sequence[str]) -> dict[str, Any]:
+def avoiding(nodes: Sequence[str]) -> dict[str, Any]:
     """A pod's affinity that keeps it off ``nodes`` (by their ``kubernetes.io/hostname``)."""
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": [
@@ -358,7 +358,7 @@ def _avoiding(nodes: Sequence[str]) -> dict[str, Any]:
 
 
 def avoided(pod: dict[str, Any]) -> list[str]:
-    """The nodes ``pod``'s affinity keeps it off (``_avoiding``), sorted."""
+    """The nodes ``pod``'s affinity keeps it off (``avoiding``), sorted."""
     terms = pod.get("spec", {}).get("affinity", {}).get("nodeAffinity", {}).get(
         "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms") or []
     return sorted(value for term in terms for expression in term.get("matchExpressions") or []

@@ -709,7 +709,7 @@ class KubernetesProvider(Provider):
         _, lib = self._files()
         pod = command_pod(self.spec.name, kube.namespace, self.spec.container.image,
                           paths.lib_dir(manifests.ROOT), script, lib, self.config, input,
-                          like_a_task=like_a_task)
+                          like_a_task=like_a_task, avoid_nodes=self._nodes_to_avoid())
         name = pod["metadata"]["name"]
         watch = self.watch()
         kube.call(f"create pod {name}", kube.core.create_namespaced_pod, kube.namespace, pod)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -260,9 +261,12 @@ class PodRunner(Runner):
 
 def command_pod(provider_name: str, namespace: str, image: str, python_lib: str,
                 script: str, files: manifests.Files | None, config: KubernetesConfig,
-                input: str | None, *, like_a_task: bool = False) -> dict[str, Any]:
+                input: str | None, *, like_a_task: bool = False,
+                avoid_nodes: Sequence[str] = ()) -> dict[str, Any]:
     """A one-off pod that runs ``script`` in the image with the cluster's volume;
-    ``like_a_task``: placed and given resources (GPUs) as a task's pod is."""
+    ``like_a_task``: placed and given resources (GPUs) as a task's pod is. ``avoid_nodes``:
+    the lost nodes it must not go to (the scheduler counts a lost node Ready for the node
+    monitor's grace, and a pod bound there never starts and is evicted)."""
     name = f"{provider_name}-cmd-{uuid.uuid4().hex[:8]}"
     env = [{"name": "PYTHONPATH", "value": python_lib}]
     if input is not None:
@@ -294,6 +298,8 @@ def command_pod(provider_name: str, namespace: str, image: str, python_lib: str,
         pod["spec"]["nodeSelector"] = node_selector
     if tolerations:
         pod["spec"]["tolerations"] = tolerations
+    if avoid_nodes:
+        pod["spec"]["affinity"] = manifests.avoiding(avoid_nodes)
     requests, limits = manifests.pod_resources(config) if like_a_task else ({}, {})
     if requests or limits:
         pod["spec"]["containers"][0]["resources"] = {
