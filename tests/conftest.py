@@ -18,17 +18,21 @@ sys.path.insert(0, str(REPO))
 pytest_plugins = ["hostlab", "slurmlab", "podlab", "kubecluster"]
 
 
-# The tests that train TensorFlow run in two lanes, each one test at a time on one xdist worker:
-# their time in tests is the suite's wall time (`time in tests per xdist worker`, at a run's
-# end), so keep them even: at b6d862a, A 28.8 and B 32.5 min on the 2-core CI machine, before
-# test_keras3_worker.py (1.9 min) moved from B to A. Lane B: these files (the container tests
-# among them: they share podman and its image, and run last) and the Slurm tests (below); lane
-# A: every other file with a `tf` test, new ones included. The chaos soak
-# (test_benchmarks.py[chaos]) is in lane B too.
-TF_LANE_A, TF_LANE_B = "tf-a", "tf-b"
-TF_LANE_B_FILES = {"test_keras3_e2e.py", "test_checkpoint_storage.py", "test_container_e2e.py",
-                   "test_recovery_local.py", "test_gcp_e2e.py", "test_bulk_transfer.py",
+# The tests that train TensorFlow run in three lanes, each one test at a time on one xdist
+# worker: their time in tests is the suite's wall time (`time in tests per xdist worker` and
+# `time per file in the TensorFlow lanes`, at a run's end), so keep them even. Lane B: these
+# files (the container tests among them: they share podman and its image, and run last), the
+# Slurm tests (below) and the chaos soak (test_benchmarks.py[chaos]). Lane C: the fake clouds'
+# end-to-end files, whose trainings wait on the fakes' operations, pods' starts and throttled
+# links as much as they compute. Lane A: every other file with a `tf` test, new ones included.
+# At 6150a93 with two lanes (A and C's files as A, B and C's as B): A 34.8 min (30.1 CPU-min),
+# B 35.1 (20.3 CPU-min), the two other workers 11.4 and 11.3 (7.5 CPU-min): lane B waited as
+# long as it computed, and the cores were idle for it while the other workers were done.
+TF_LANE_A, TF_LANE_B, TF_LANE_C = "tf-a", "tf-b", "tf-c"
+TF_LANE_B_FILES = {"test_keras3_e2e.py", "test_container_e2e.py", "test_recovery_local.py",
                    "test_live_view.py"}
+TF_LANE_C_FILES = {"test_kubernetes_e2e.py", "test_gcp_e2e.py", "test_bulk_transfer.py",
+                   "test_checkpoint_storage.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
@@ -36,18 +40,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Container tests last (stable otherwise): the image they need builds meanwhile.
 
     Under pytest-xdist (the default: pyproject's addopts), the tests that train TensorFlow
-    (marked ``tf``: each keeps the cores busy with its tasks) run in two lanes (``TF_LANE_B``),
-    each lane one test after another on one worker, in this order, while the others, which
-    mostly wait (SSH hosts, namespaces, the fake clouds), share the remaining workers."""
+    (marked ``tf``: each keeps the cores busy with its tasks) run in three lanes (``TF_LANE_B``,
+    ``TF_LANE_C``), each lane one test after another on one worker, in this order, while the
+    others, which mostly wait (SSH hosts, namespaces, the fake clouds), share the remaining
+    workers. (xdist's loadgroup hands out the largest groups first, one to a worker, and no
+    more work to a worker with more than 2 tests pending: each lane has a worker of its own.)"""
     items.sort(key=lambda item: item.get_closest_marker("container") is not None)
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             # the one Slurm cluster: one worker; and its trainings are trainings, in a TF lane
-            # (a third training at once on 2 cores starved the other lanes' timings)
+            # (outside the lanes, it made a fourth training at once on 2 cores)
             item.add_marker(pytest.mark.xdist_group(TF_LANE_B), append=False)
         elif item.get_closest_marker("tf") is not None:
             lane = TF_LANE_B if item.path.name in TF_LANE_B_FILES \
-                or item.name.endswith("[chaos]") else TF_LANE_A
+                or item.name.endswith("[chaos]") else \
+                TF_LANE_C if item.path.name in TF_LANE_C_FILES else TF_LANE_A
             item.add_marker(pytest.mark.xdist_group(lane))
 
 
@@ -72,6 +79,7 @@ _BUSY: dict[str, list[float]] = {}  # per xdist worker: seconds in tests, tests 
 _LANES: dict[str, set[str]] = {}
 _CPU: dict[str, float] = {}  # per xdist worker: CPU seconds in its tests
 _TESTS: dict[str, list[float]] = {}  # per test: CPU seconds, seconds (setup, call, teardown)
+_TF_LANES = (TF_LANE_A, TF_LANE_B, TF_LANE_C)
 _NOT_MEASURED: list[str] = []  # why a worker could not count CPU
 
 
@@ -146,6 +154,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         costliest = sorted(_TESTS.items(), key=lambda kv: -kv[1][0])[:25]
         for nodeid, (cpu_s, seconds) in costliest:
             terminalreporter.write_line(f"{cpu_s:7.1f} {seconds:7.1f}  {nodeid}")
+    files: dict[tuple[str, str], list[float]] = {}  # (lane, file): CPU s, s, tests
+    for nodeid, (cpu_s, seconds) in _TESTS.items():
+        path, at, lane = nodeid.rpartition("@")
+        if at and lane in _TF_LANES:
+            row = files.setdefault((lane, path.split("::")[0]), [0.0, 0.0, 0])
+            row[0] += cpu_s
+            row[1] += seconds
+            row[2] += 1
+    if files:
+        terminalreporter.write_line("time per file in the TensorFlow lanes (lane, CPU s, s, "
+                                    "tests, file):")
+        for (lane, path), (cpu_s, seconds, tests) in sorted(
+                files.items(), key=lambda kv: (kv[0][0], -kv[1][1])):
+            terminalreporter.write_line(f"{lane} {cpu_s:7.1f} {seconds:7.1f} {int(tests):4d}  "
+                                        f"{path}")
     for why in _NOT_MEASURED:
         terminalreporter.write_line(f"CPU not measured on {why}")
 
