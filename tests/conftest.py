@@ -27,14 +27,12 @@ pytest_plugins = ["hostlab", "slurmlab", "podlab", "kubecluster"]
 # links as much as they compute. Lane A: every other file with a `tf` test, new ones included.
 # At 6150a93 with two lanes (A and C's files as A, B and C's as B): A 34.8 min (30.1 CPU-min),
 # B 35.1 (20.3 CPU-min), the two other workers 11.4 and 11.3 (7.5 CPU-min): lane B waited as
-# long as it computed, and the cores were idle for it while the other workers were done. At
-# 8116e59 with three: A 30.0 (23.5 CPU-min), B 29.7 (13.0), C 19.2 (11.2), the tests 30:21;
-# then test_faults.py (6.8 min, 4.0 CPU-min) went from A to C.
+# long as it computed, and the cores were idle for it while the other workers were done.
 TF_LANE_A, TF_LANE_B, TF_LANE_C = "tf-a", "tf-b", "tf-c"
 TF_LANE_B_FILES = {"test_keras3_e2e.py", "test_container_e2e.py", "test_recovery_local.py",
                    "test_live_view.py"}
 TF_LANE_C_FILES = {"test_kubernetes_e2e.py", "test_gcp_e2e.py", "test_bulk_transfer.py",
-                   "test_checkpoint_storage.py", "test_faults.py"}
+                   "test_checkpoint_storage.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
