@@ -25,7 +25,7 @@ pytest_plugins = ["hostlab", "slurmlab", "podlab", "kubecluster"]
 # Slurm tests (below) and the chaos soak (test_benchmarks.py[chaos]). Lane C: the fake clouds'
 # end-to-end files, whose trainings wait on the fakes' operations, pods' starts and throttled
 # links as much as they compute. Lane A: every other file with a `tf` test, new ones included.
-# At 6150a93 with two lanes (A and C's files as A, B and C's as B): A 34.8 min (30.1 CPU-min),
+# At ba41323 with two lanes (A and C's files as A, B and C's as B): A 34.8 min (30.1 CPU-min),
 # B 35.1 (20.3 CPU-min), the two other workers 11.4 and 11.3 (7.5 CPU-min): lane B waited as
 # long as it computed, and the cores were idle for it while the other workers were done.
 TF_LANE_A, TF_LANE_B, TF_LANE_C = "tf-a", "tf-b", "tf-c"

@@ -196,7 +196,7 @@ def test_large_checkpoint_goes_host_to_host_intact(
     hosts = hostlab.hosts(3)
     # far over every buffer on the way (a pipe's, SSH's window, a piece's 1 MiB read): a copy
     # that holds a whole file, or cuts one short, shows at this size as at 300 MiB (the size
-    # until 6150a93: 65 CPU-s of the suite's most costly lane for this test alone)
+    # before 8116e59: 65 CPU-s of the suite's most costly lane for this test alone)
     mib = 96
     body = f"""\
         name: ck-large
