@@ -97,6 +97,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -1127,7 +1128,8 @@ class FakeCluster:
         if fs_group is not None:
             for volume in spec.get("volumes") or []:
                 _apply_fs_group(roots[volume["name"]], int(fs_group),
-                                read_only="secret" in volume or "configMap" in volume)
+                                read_only="secret" in volume or "configMap" in volume,
+                                volume=volume["name"])
         return mounts
 
     def _volume(self, namespace: str, volume: Json, target: Path) -> Path:
@@ -1605,16 +1607,31 @@ def _field_ref(pod: Json, path: str, pod_ip: str) -> str:
     return str(simple[path])
 
 
-def _apply_fs_group(root: Path, gid: int, read_only: bool) -> None:
+def _apply_fs_group(root: Path, gid: int, read_only: bool, volume: str) -> None:
     """kubelet's SetVolumeOwnership: group ``gid``; files g+rw (g+r for configMap and secret
-    volumes), directories also setgid and ug+x."""
+    volumes), directories also setgid and ug+x. As kubelet's walkDeep does, a file that another
+    pod removes while the walk reads (a shared claim's checkpoint temp files) fails the mount, to
+    be tried again; a failed chown or chmod is ignored (kubelet only logs it)."""
     mask = 0o440 if read_only else 0o660
-    for path in [root, *root.rglob("*")]:
-        if path.is_symlink():
-            continue
-        os.chown(path, -1, gid)
-        mode = path.stat().st_mode & 0o7777
-        path.chmod(mode | mask | 0o2110 if path.is_dir() else mode | mask)
+
+    def walk(path: Path) -> None:
+        try:
+            info = path.lstat()
+            children = sorted(path.iterdir()) if stat.S_ISDIR(info.st_mode) else []
+        except FileNotFoundError as exc:
+            raise _ConfigError("FailedMount", f'MountVolume.SetUp failed for volume "{volume}" : '
+                               f"lstat {path}: no such file or directory") from exc
+        for child in children:
+            walk(child)
+        if stat.S_ISLNK(info.st_mode):
+            return
+        with contextlib.suppress(OSError):
+            os.lchown(path, -1, gid)
+        mode = info.st_mode & 0o7777
+        with contextlib.suppress(OSError):
+            path.chmod(mode | mask | 0o2110 if stat.S_ISDIR(info.st_mode) else mode | mask)
+
+    walk(root)
 
 
 def _index(pod: Json) -> int:

@@ -399,6 +399,53 @@ def test_configmap_items_secret_env_and_a_shared_claim_with_subpath_and_fsgroup(
     assert claim.status.phase == "Bound"
 
 
+# Keeps a ring of 40 files in /data/churn, each removed soon after it is written, as a pod
+# saving checkpoints (temp files renamed or deleted) does on a shared claim.
+CHURN = """
+import os, time
+os.makedirs("/data/churn", exist_ok=True)
+print("churning", flush=True)
+i = 0
+while True:
+    open(f"/data/churn/tmp-{i}", "w").close()
+    if i >= 40:
+        os.remove(f"/data/churn/tmp-{i - 40}")
+    i += 1
+"""
+
+
+def test_a_claim_whose_files_vanish_while_a_pod_mounts_it_with_fsgroup_still_mounts(
+        kube_cluster: FakeCluster, core: Core) -> None:
+    """kubelet's fsGroup walk fails the mount on a file removed under it (FailedMount) and tries
+    again; no pod is lost and no controller raises."""
+    core.create_namespaced_persistent_volume_claim(NS, {"metadata": {"name": "shared"}, "spec": {
+        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    claim = [{"name": "data", "persistentVolumeClaim": {"claimName": "shared"}}]
+    mount = [{"name": "data", "mountPath": "/data"}]
+    churner = plain_pod("churner", CHURN, volumes=claim)
+    churner["spec"]["containers"][0]["volumeMounts"] = mount
+    core.create_namespaced_pod(NS, churner)
+    wait_for(lambda: "churning" in log(core, "churner"), 30, "the churner to start", kube_cluster)
+    names = [f"mounter-{i}" for i in range(6)]
+    for name in names:
+        mounter = plain_pod(name, "import os; print(len(os.listdir('/data/churn')), flush=True)",
+                            securityContext={"fsGroup": 4321}, volumes=claim)
+        mounter["spec"]["containers"][0]["volumeMounts"] = mount
+        core.create_namespaced_pod(NS, mounter)
+
+    wait_for(lambda: all(core.read_namespaced_pod(n, NS).status.phase == "Succeeded"
+                         for n in names), 60, "every mounter to succeed", kube_cluster)
+
+    assert kube_cluster.errors() == []
+    for name in names:
+        for event in events(core, name, "FailedMount"):
+            assert event.message.startswith('MountVolume.SetUp failed for volume "data" : lstat '), \
+                event.message
+            assert event.message.endswith(": no such file or directory"), event.message
+        assert log(core, name).strip().isdigit()
+    core.delete_namespaced_pod("churner", NS, grace_period_seconds=0)
+
+
 PREEMPTED = """
 import os, signal, sys, time
 def stop(signum, frame):  # os.write: a print here may land inside the main thread's print
