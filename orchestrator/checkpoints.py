@@ -341,8 +341,9 @@ class CheckpointMirror:
     rest of the run (``on_off`` is told why, once); ``never`` never pulls.
 
     Pulls are paced to ``busy_max`` of the time (see ``MIRROR_BUSY_MAX``): a request that comes
-    sooner waits, and is replaced by newer ones while it waits. ``wait`` lifts the pacing for
-    the request pending then: a relaunch wants the newest copy at once.
+    sooner waits, and is replaced by newer ones while it waits. ``wait`` lifts the pacing while it
+    waits, for the request pending then and any that come meanwhile (one from ``on_mirrored``):
+    a relaunch wants the newest copy at once.
 
     Args:
         directory: where the copy lives on this machine (``current`` inside it).
@@ -382,7 +383,7 @@ class CheckpointMirror:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._not_before = 0.0  # the pacing: no pull starts before this (clock's seconds)
-        self._hurry = False  # serve the pending request now, paced or not (``wait``)
+        self._waiting = 0  # callers in ``wait``: while any, requests are served unpaced
         self._copy_lock = threading.Lock()  # guards ``current`` on disk and _step
         self._step: int | None = None
 
@@ -417,13 +418,16 @@ class CheckpointMirror:
             self._wake.notify_all()
 
     def wait(self, timeout_s: float = 60.0) -> bool:
-        """Wait until no pull is wanted or running, serving a pending request at once, paced
-        or not; False if that took longer than ``timeout_s``."""
+        """Wait until no pull is wanted or running, serving every request meanwhile at once,
+        paced or not; False if that took longer than ``timeout_s``."""
         with self._wake:
-            if self._wanted is not None:
-                self._hurry = True
-                self._wake.notify_all()
-            return self._wake.wait_for(lambda: self._wanted is None and not self._busy, timeout_s)
+            self._waiting += 1
+            self._wake.notify_all()
+            try:
+                return self._wake.wait_for(lambda: self._wanted is None and not self._busy,
+                                           timeout_s)
+            finally:
+                self._waiting -= 1
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Stop the thread: drop a pull not yet started, let one in flight end (its callbacks
@@ -442,12 +446,12 @@ class CheckpointMirror:
         while True:
             with self._wake:
                 while not self._closed and (self._wanted is None or (
-                        not self._hurry and (left := self._not_before - self.clock()) > 0)):
+                        not self._waiting and (left := self._not_before - self.clock()) > 0)):
                     self._wake.wait(left if self._wanted is not None else None)
                 if self._wanted is None:  # closed
                     return
                 (plan, step), self._wanted = self._wanted, None
-                self._busy, self._hurry = True, False
+                self._busy = True
             started = self.clock()
             try:
                 self._pull_and_report(plan, step)

@@ -158,8 +158,10 @@ def test_a_request_from_the_mirrored_callback_is_served_before_wait_says_idle(
             chief_writes(two_hosts, step + 1)
             m.request(two_hosts, step + 1)
 
+    # Paced to 0.1% of the time, each request of the callback would wait 999 times its pull:
+    # wait() serves them at once all the same.
     m = CheckpointMirror(tmp_path / "mirror", lambda h: LocalRunner(h.name), worker_here,
-                         on_mirrored=next_one)
+                         on_mirrored=next_one, busy_max=0.001)
     chief_writes(two_hosts, 1)
     m.request(two_hosts, 1)
     assert m.wait()
@@ -222,10 +224,13 @@ def test_push_installs_the_whole_current_copy_while_a_newer_one_is_pulled(
 def test_close_ends_the_thread_and_later_requests_are_ignored(
         mirror: CheckpointMirror, two_hosts: plan.ClusterPlan, calls: Calls) -> None:
     chief_writes(two_hosts, 10)
+    before = set(threading.enumerate())
     mirror.request(two_hosts, 10)
+    started = [t for t in set(threading.enumerate()) - before if t.name == "orchestrate-mirror"]
+    assert len(started) == 1  # its one thread (another test's mirror may still end its pull)
     assert mirror.wait()
     assert mirror.close()
-    assert not [t for t in threading.enumerate() if t.name == "orchestrate-mirror"]
+    assert not started[0].is_alive()
     chief_writes(two_hosts, 20)
     mirror.request(two_hosts, 20)
     assert mirror.wait(timeout_s=0) and mirror.step == 10
