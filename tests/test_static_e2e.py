@@ -15,10 +15,11 @@ import pytest
 from helpers import REPO, events_in, namespace_commands, write_spec
 from hostlab import HostLab
 
-from orchestrator import cost
+from orchestrator import cost, paths
 from orchestrator.api import Cluster
 from orchestrator.errors import AuthError, HostKeyError, RemoteError, RunFailed
 from orchestrator.events import Event
+from orchestrator.paths import ROOT_MARKER
 from orchestrator.remote.ssh import SSHRunner
 from orchestrator.state import Store
 from orchestrator.view import RunView
@@ -303,9 +304,24 @@ def test_up_reads_what_a_host_holds_in_one_command_and_runs_setup_only_when_it_o
         again = up("a")  # nothing changed: setup does not run, nothing is uploaded
         assert ran() == ["a"]
         assert len(again) < len(first)
-        # $HOME, the root's claim, and one command for both trees' stamps and setup's
-        assert len(again) == 3, again
-        assert "orchestrate-setup" in again[2] and again[2].count(".orchestrate-sync") == 2
+        # One command: the recorded $HOME checked, the root's claim, both trees' stamps and
+        # setup's
+        assert len(again) == 1, again
+        assert "$HOME" in again[0] and ROOT_MARKER in again[0]
+        assert "orchestrate-setup" in again[0] and again[0].count(".orchestrate-sync") == 2
+
+        # A home that is not the one recorded (the account moved) is asked for, and the
+        # root claimed where it is now: the check, $HOME, then the claim as before
+        record = paths.hosts_cache("setup-once", "static")
+        document = json.loads(record.read_text())
+        (name,) = document["roots"]
+        assert document["roots"][name]["home"] == host.home
+        document["roots"][name]["home"] = "/nowhere/else"
+        record.write_text(json.dumps(document))
+        moved = up("a")
+        assert len(moved) == 3, moved
+        assert ran() == ["a"]
+        assert json.loads(record.read_text())["roots"][name]["home"] == host.home
 
         (project / "train.py").write_text("print('v2')\n")  # the code changed: setup again
         up("a")

@@ -30,7 +30,14 @@ from orchestrator.providers.keys import PRIVATE_NAME, KeyPair, ensure_key_pair, 
 from orchestrator.remote.base import Runner, probe_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
-from orchestrator.remote.sync import Packer, Upload, remote_stamps, sync_dir, upload_of
+from orchestrator.remote.sync import (
+    Packer,
+    Upload,
+    read_stamps,
+    stamps_script,
+    sync_dir,
+    upload_of,
+)
 
 SETUP_STAMP = ".orchestrate-setup"
 SYNC_DIGESTS = "sync-digests.json"  # under the cluster's home here: the digests of trees packed (Packer)
@@ -57,6 +64,7 @@ class SSHHostsProvider(Provider):
         self._known: dict[str, Host] = {}
         self._runners: dict[str, SSHRunner] = {}
         self._homes: dict[str, str] = {}  # the SSH user's $HOME on each host, once asked
+        self._expected_homes: dict[str, str] = {}  # ... as recorded: checked by claim_root
         self._root_notes: list[str] = []  # what ``up`` found of the roots, for ``notes()``
         self._upload: Upload | None = None
         self._lock = threading.RLock()
@@ -181,18 +189,42 @@ class SSHHostsProvider(Provider):
         SSH user's home on the host; None when it may."""
         return paths.unsafe_root(host.root, self.home_of(host))
 
-    def claim_root(self, host: Host) -> None:
+    def claim_root(self, host: Host, trees: Sequence[str] = (),
+                   files: Sequence[str] = ()) -> list[str]:
         """Make the root (0700) and mark it as this cluster's; a root that already existed is
         used as it is and left unmarked (``down`` then leaves it), unless it is the default one
-        under ``~/.orchestrate``, which is orchestrate's own.
+        under ``~/.orchestrate``, which is orchestrate's own. In the same command, once the
+        root is ours, the stamps of ``trees`` and the first lines of ``files`` are read and
+        returned (``sync.stamps_script``: "" for each where none could be read); and where an
+        earlier command recorded the SSH user's home (``expect_homes``), it is checked there
+        rather than asked first: one round trip in all.
 
         Raises:
             ProviderError: the root is unsafe, not a directory, or another cluster's.
         """
-        self._refuse_root(host, self.unsafe_root(host))
-        adopt = host.root == paths.host_root(self.home_of(host), self.spec.name)
-        answer = self.runner(host).run(_claim_script(host.root, self.spec.name, adopt)).stdout
-        found, _, owner = answer.strip().partition(" ")
+        with self._lock:
+            home = self._homes.get(host.name)
+            expected = None if home is not None else self._expected_homes.pop(host.name, None)
+        home = home or expected or self.home_of(host)
+        self._refuse_root(host, paths.unsafe_root(host.root, home))
+        adopt = host.root == paths.host_root(home, self.spec.name)
+        ours = ("created", "adopted", "foreign", f"marked {self.spec.name}")
+        script = _claim_script(host.root, self.spec.name, adopt)
+        reads = len(trees) + len(files)
+        if reads:  # a failed mkdir of the trees' parents prints no stamp: "" for each
+            patterns = "|".join(shlex.quote(answer) for answer in ours)
+            script = (f"a=$({script}) || exit 1; printf '%s\\n' \"$a\"; "
+                      f"case \"$a\" in {patterns}) ({stamps_script(trees, files)}) || :;; esac")
+        if expected is not None:
+            script = (f"if [ \"$HOME\" != {shlex.quote(expected)} ]; then echo home-changed; "
+                      f"else {script}; fi")
+        answer = self.runner(host).run(script).stdout
+        first, _, rest = answer.partition("\n")
+        if first == "home-changed":  # asked now, and checked again with the home it has now
+            return self.claim_root(host, trees, files)
+        with self._lock:
+            self._homes[host.name] = home
+        found, _, owner = (first if first in ours else answer.strip()).partition(" ")
         if found == "not-a-directory":
             raise ProviderError(f"{host.name}: provider.root {host.root} exists and is not a "
                                 "directory", fix="point provider.root at a directory, or remove "
@@ -207,6 +239,19 @@ class SSHHostsProvider(Provider):
                 self._root_notes.append(
                     f"{host.name}: {host.root} existed before 'up', which did not make it: "
                     "'down' will leave it and what 'up' put in it (code, lib, runs)")
+        return read_stamps(rest, reads) if reads else []
+
+    def expect_homes(self, homes: Mapping[str, str]) -> None:
+        """The SSH user's home on each named host, as an earlier command found it: the root's
+        claim checks it on the host (``claim_root``) instead of asking for it first."""
+        with self._lock:
+            self._expected_homes.update({n: h for n, h in homes.items() if h.startswith("/")})
+
+    def known_home(self, name: str) -> str | None:
+        """The SSH user's home on host ``name``: as found on it by this command, else as
+        recorded (``expect_homes``); None when neither knows it."""
+        with self._lock:
+            return self._homes.get(name) or self._expected_homes.get(name)
 
     def _refuse_root(self, host: Host, why: str | None) -> None:
         if why is not None:
@@ -328,9 +373,8 @@ class SSHHostsProvider(Provider):
         Idempotent: returns whether anything changed on the host.
         """
         runner = self.runner(host)
-        self.claim_root(host)
-        code, lib, setup = remote_stamps(runner, self.trees(host.root),
-                                         [self.setup_stamp_path(host.root)])
+        code, lib, setup = self.claim_root(host, self.trees(host.root),
+                                           [self.setup_stamp_path(host.root)])
         code_changed, lib_changed = self.sync_code(runner, host.root, packer, (code, lib))
         return self.run_setup(runner, runner, host.root, code_changed, setup) or code_changed \
             or lib_changed

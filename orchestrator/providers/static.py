@@ -56,6 +56,7 @@ class StaticProvider(SSHHostsProvider):
     def _load_roots(self) -> None:
         if not self._roots:
             self._roots.update(self._recorded_roots(self._unrooted()))
+            self.expect_homes(self._recorded_homes(self._unrooted()))
 
     def planned_hosts(self) -> list[Host]:
         """The listed hosts of the tasks without SSH: roots read '~/...' of each SSH user
@@ -99,6 +100,19 @@ class StaticProvider(SSHHostsProvider):
                     and recorded[h.name]["user"] == h.ssh.user}
         return {}
 
+    def _recorded_homes(self, hosts: list[Host]) -> dict[str, str]:
+        """The SSH users' homes ``up`` recorded, of the hosts still listed at the same address
+        for the same user (each checked on its host as its root is claimed)."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError,
+                                 AttributeError):
+            recorded = json.loads(self.hosts_file.read_text())["roots"]
+            return {h.name: str(recorded[h.name]["home"]) for h in hosts
+                    if h.ssh is not None and isinstance(recorded.get(h.name), dict)
+                    and recorded[h.name].get("home")
+                    and recorded[h.name]["address"] == h.ssh.address
+                    and recorded[h.name]["user"] == h.ssh.user}
+        return {}
+
     def up(self) -> list[Host]:
         """Check what will be uploaded, reach every host in parallel, make and mark each root,
         sync the code and the worker package, run setup; the roots are recorded."""
@@ -114,7 +128,8 @@ class StaticProvider(SSHHostsProvider):
         prepared = {h.name for h in hosts}
         kept = [h for h in self.spare_hosts() if h.root and h.name not in prepared]
         self.save_hosts([], extra={"roots": {
-            h.name: {"address": h.ssh.address, "user": h.ssh.user, "root": h.root}
+            h.name: {"address": h.ssh.address, "user": h.ssh.user, "root": h.root,
+                     "home": self.known_home(h.name)}
             for h in [*hosts, *kept] if h.ssh is not None}})
 
     def repair(self, host: Host, deadline_s: float) -> Host:

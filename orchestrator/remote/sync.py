@@ -536,21 +536,32 @@ def remote_stamps(runner: Runner, targets: Sequence[str], files: Sequence[str] =
     """In one command: the stamp of the tree each of ``targets`` holds, then the first line of
     each of ``files`` ("" for one that is missing or unreadable). First the directory that will
     hold each tree is made private (umask 077) if missing, so an archive lands in a directory of
-    ours. ``up`` reads a host's two trees and its setup stamp so: one round trip, not three.
+    ours. ``up`` reads a host's two trees and its setup stamp so: one round trip, not three
+    (on SSH hosts, in the same command as the root's claim: ``SSHHostsProvider.claim_root``).
     Where the directories cannot be made, every answer is "" (the upload then fails, saying
     why).
     """
+    result = runner.run(stamps_script(targets, files), check=False)
+    return read_stamps(result.stdout if result.ok else "", len(targets) + len(files))
+
+
+def stamps_script(targets: Sequence[str], files: Sequence[str] = ()) -> str:
+    """The shell of ``remote_stamps``: one line per stamp, or exit 1 with none printed where
+    the trees' directories cannot be made."""
     targets = [t.rstrip("/") for t in targets]
     parents = " ".join(shlex.quote(os.path.dirname(t) or ".") for t in targets)
     reads = [*(f"{t}/{STAMP}" for t in targets), *files]
     # One line per file: a stamp is one line, and a hostile file's others are not read.
-    script = f"umask 077 && mkdir -p -- {parents} || exit 1; " + "".join(
+    return f"umask 077 && mkdir -p -- {parents} || exit 1; " + "".join(
         f"printf '%s\\n' \"$(head -n 1 -- {shlex.quote(f)} 2>/dev/null)\"; " for f in reads)
-    result = runner.run(script, check=False)
-    lines = result.stdout.split("\n") if result.ok else []
-    if len(lines) < len(reads):
-        return [""] * len(reads)
-    return [line.strip() for line in lines[:len(reads)]]
+
+
+def read_stamps(stdout: str, count: int) -> list[str]:
+    """The ``count`` stamps ``stamps_script`` printed; all "" where it printed fewer lines."""
+    lines = stdout.split("\n")
+    if len(lines) < count:
+        return [""] * count
+    return [line.strip() for line in lines[:count]]
 
 
 def _swap_script(archive: str, target: str, token: str, digest: str) -> str:
