@@ -87,31 +87,29 @@ class StaticProvider(SSHHostsProvider):
             for i, h in enumerate(self.config.hosts)
         ]
 
-    def _recorded_roots(self, hosts: list[Host]) -> dict[str, str]:
-        """The roots ``up`` recorded, of the hosts still listed at the same address for the same
-        user; none where the spec sets ``provider.root`` (it is the root, asked of no host)."""
-        if self.config.root:
-            return {}
-        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+    def _recorded(self, hosts: list[Host]) -> dict[str, dict[str, object]]:
+        """What ``up`` recorded of the hosts still listed at the same address for the same
+        user (the root, and the SSH user's home where it was known)."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError,
+                                 AttributeError):
             recorded = json.loads(self.hosts_file.read_text())["roots"]
-            return {h.name: str(recorded[h.name]["root"]) for h in hosts
-                    if h.name in recorded and h.ssh is not None
+            return {h.name: recorded[h.name] for h in hosts
+                    if h.ssh is not None and isinstance(recorded.get(h.name), dict)
                     and recorded[h.name]["address"] == h.ssh.address
                     and recorded[h.name]["user"] == h.ssh.user}
         return {}
 
+    def _recorded_roots(self, hosts: list[Host]) -> dict[str, str]:
+        """The roots ``up`` recorded (``_recorded``); none where the spec sets
+        ``provider.root`` (it is the root, asked of no host)."""
+        if self.config.root:
+            return {}
+        return {n: str(r["root"]) for n, r in self._recorded(hosts).items() if "root" in r}
+
     def _recorded_homes(self, hosts: list[Host]) -> dict[str, str]:
-        """The SSH users' homes ``up`` recorded, of the hosts still listed at the same address
-        for the same user (each checked on its host as its root is claimed)."""
-        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError,
-                                 AttributeError):
-            recorded = json.loads(self.hosts_file.read_text())["roots"]
-            return {h.name: str(recorded[h.name]["home"]) for h in hosts
-                    if h.ssh is not None and isinstance(recorded.get(h.name), dict)
-                    and recorded[h.name].get("home")
-                    and recorded[h.name]["address"] == h.ssh.address
-                    and recorded[h.name]["user"] == h.ssh.user}
-        return {}
+        """The SSH users' homes ``up`` recorded (``_recorded``), each checked on its host as its
+        root is claimed."""
+        return {n: str(r["home"]) for n, r in self._recorded(hosts).items() if r.get("home")}
 
     def up(self) -> list[Host]:
         """Check what will be uploaded, reach every host in parallel, make and mark each root,
