@@ -1195,7 +1195,9 @@ class Timeouts(Model):
     )
     hang_s: float = Field(
         default=600.0, gt=0, le=MAX_TIMEOUT_S,
-        description="Progress watchdog: no task reports anything for this long -> hung.",
+        description="Progress watchdog: no task reports anything for this long -> hung. Until "
+        "every task has completed a step (the first compiles), startup_s from the attempt's "
+        "start holds as well.",
     )
     collective_s: float | None = Field(
         default=None, gt=0, le=MAX_TIMEOUT_S,

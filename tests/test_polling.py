@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import CountingRunner
@@ -383,3 +384,91 @@ def test_a_peers_exit_read_before_a_machine_came_back_blames_that_machine(
     assert "worker:0: exited 3" in attempt.detail, attempt.detail
     # back within the connect retries: it answered the stop, over a new connection
     assert "dropped its connection" in attempt.detail, attempt.detail
+
+
+# -- the progress watchdog and the first step ---------------------------------------------------
+class Clock:
+    """``time`` as the watch loop reads it, with ``time()`` set by the test."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def say(attempt: AttemptWatch, w: Watched, event: str, **fields: Any) -> None:
+    """One event line of a task, as the watch loop reads it from the task's log."""
+    line = "@orchestrate " + json.dumps({"event": event, "task": w.key, "attempt": 1, **fields})
+    attempt._feed(w, (line + "\n").encode())
+
+
+@pytest.fixture
+def trained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[AttemptWatch, Clock]]:
+    """The watch of a module job's attempt (hang_s 10, startup_s 120) over two real processes
+    (``sleep 60``) that have said they are training at the step a checkpoint holds, as a
+    resumed task does before its first step compiles; the clock is the test's."""
+    clock = Clock()
+    monkeypatch.setattr(watch, "time", clock)
+    (tmp_path / "m.py").write_text("")
+    path = tmp_path / "c.yaml"
+    path.write_text("name: dog\nworkers: 2\njob: {module: m}\n"
+                    "timeouts: {hang_s: 10, startup_s: 120, poll_s: 5}\n")
+    s = spec.load(path)
+    view = RunView(run_id="dog", cluster="dog")
+    launcher, runner = ProcessLauncher(), LocalRunner()
+    watched = []
+    for i in range(2):
+        base = tmp_path / f"worker-{i}"
+        task = TaskPlan("worker", i, Host("localhost", "127.0.0.1", str(tmp_path)), 24400 + i,
+                        {}, {}, ("sh", "-c", "sleep 60"), str(tmp_path), f"{base}.log",
+                        f"{base}.rc")
+        watched.append(Watched(task, launcher.start(runner, task), runner))
+        view.tasks[task.key] = TaskView(task.key, "localhost", task.endpoint)
+    attempt = AttemptWatch(s, watched, view, lambda view, event: None, launcher=launcher,
+                           on_tick=lambda: None, on_event=lambda w, e: None,
+                           python_for=lambda w: sys.executable)
+    try:
+        for w in watched:
+            say(attempt, w, "resumed", step=50, total_steps=160)
+        yield attempt, clock
+    finally:
+        attempt.close()
+        for w in watched:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.handle.pgid, signal.SIGKILL)
+
+
+def test_the_first_step_after_the_start_has_the_start_up_budget_not_the_watchdogs(
+        trained: tuple[AttemptWatch, Clock]) -> None:
+    """A resumed JAX task said 'resumed' 7.8 s before its first step on 2 loaded cores (its
+    step compiles then): a hang_s of 10 s called such a group hung, twice in a row, in a
+    benchmark's smoke run. Until every task has completed a step, the attempt has
+    timeouts.startup_s from its start as well; past both, it is hung."""
+    attempt, clock = trained
+    clock.now += 11  # past hang_s, within startup_s: still starting
+    attempt._check_hang()
+    clock.now = attempt.started + 121  # past startup_s as well
+    with pytest.raises(AttemptFailed) as failed:
+        attempt._check_hang()
+    assert failed.value.cause is Cause.HUNG
+    assert "no task reported progress for 10s (last step 50)" in failed.value.detail
+
+
+def test_once_every_task_has_stepped_the_watchdog_is_hang_s_alone(
+        trained: tuple[AttemptWatch, Clock]) -> None:
+    attempt, clock = trained
+    clock.now += 2
+    say(attempt, attempt.watched[0], "progress", step=51, loss=1.0)
+    attempt._check_hang()
+    clock.now += 11  # worker:1 has not stepped: the start's budget still holds
+    attempt._check_hang()
+    say(attempt, attempt.watched[1], "progress", step=51, loss=1.0)
+    clock.now += 10.5  # within startup_s, but every task has stepped: hang_s alone
+    with pytest.raises(AttemptFailed) as failed:
+        attempt._check_hang()
+    assert failed.value.cause is Cause.HUNG
+    assert "(last step 51)" in failed.value.detail
