@@ -737,7 +737,11 @@ class Supervisor:
             return None, (f"{taker.key}, which was to save one in the chief's place, {how} "
                           "before it was asked"), None
         if taker.exit_code is not None and taker.exit_code != 137:
-            return None, f"{taker.key} exited ({taker.exit_code}) without saving one", None
+            # A fault after the last step (a peer gone while the model is saved): nothing to
+            # save, and nothing lost
+            kept = f"; step {taker.step}, the last it reported, was checkpointed already" \
+                if taker.step and (taker.checkpoint_step or 0) >= taker.step else ""
+            return None, f"{taker.key} exited ({taker.exit_code}) without saving one{kept}", None
         if failure.cause is Cause.HUNG:
             return None, (f"{taker.key}'s step had not failed within {SNAPSHOT_START_S:.0f}s of "
                           f"{failure.task} being killed: it was not waiting on it in a "

@@ -117,6 +117,10 @@ def test_a_task_killed_after_the_last_step_costs_no_step(
     # Trained to the end: the group goes on from the last step (25, not the checkpoint at 20,
     # nor 0 where tf_keras' BackupAndRestore deleted its checkpoint), and only saves.
     assert first.last_step == 25 and second.resumed_from_step == 25 and first.steps_lost == 0
+    # and the record says why the chief saved no snapshot: it had nothing more to save
+    assert first.snapshot.startswith("worker:0 exited (") and first.snapshot.endswith(
+        ") without saving one; step 25, the last it reported, was checkpointed already"), \
+        first.snapshot
     assert result.status == "succeeded" and Path(result.model_path).is_file()
     assert result.metrics.get("loss") is not None  # the last epoch trained says, not attempt 2
     # The chief's TensorBoard log, as TensorBoard loads it: one file an attempt, every step's
