@@ -513,6 +513,11 @@ class AttemptWatch:
                 self.view.messages.append(f"{w.key} is waiting: {reason}")
             self.listener(self.view, None)
 
+    def _starting_for(self) -> float:
+        """Seconds on the start's clock (timeouts.startup_s): since the attempt started, or
+        since a task was last seen queued (a scheduler's wait does not count)."""
+        return time.time() - max(self.started, self._queued_at)
+
     def _check_unplaced(self) -> None:
         """An elastic group's task that no machine can take (a pod no node has room for, as
         its scheduler says) once the attempt has waited ``timeouts.repair_s`` (or
@@ -522,7 +527,7 @@ class AttemptWatch:
             return
         timeouts = self.spec.timeouts
         limit, which = min((timeouts.repair_s, "repair_s"), (timeouts.startup_s, "startup_s"))
-        if time.time() - max(self.started, self._queued_at) <= limit:
+        if self._starting_for() <= limit:
             return
         for w in self.watched:
             if w.unplaced and not w.reached_step and not w.ended:
@@ -534,8 +539,7 @@ class AttemptWatch:
 
     def _check_startup(self) -> None:
         late = [w.key for w in self.watched if not w.reached_step]
-        if late and time.time() - max(self.started, self._queued_at) > \
-                self.spec.timeouts.startup_s:
+        if late and self._starting_for() > self.spec.timeouts.startup_s:
             stuck = self._stuck()
             culprit = stuck[0] if stuck else late[0]
             raise AttemptFailed(
@@ -564,7 +568,7 @@ class AttemptWatch:
             return
         if self._reports_steps and any(w.first_progress_at is None
                                        for w in self.watched if not w.ended) and \
-                now - max(self.started, self._queued_at) <= self.spec.timeouts.startup_s:
+                self._starting_for() <= self.spec.timeouts.startup_s:
             return
         stuck = self._stuck()
         culprit = stuck[0] if stuck else min(self.watched, key=lambda w: w.last_heard).key
