@@ -363,8 +363,8 @@ class Cluster:
 
         asked = {stamped_by(h): h for h in reversed(hosts)}  # the first host of each
         found = fan_out(list(asked.values()),
-                        lambda h: self.provider.runner(h).run(kept_pass.stamp_argv(python(h)),
-                                                              timeout_s=30).stdout.strip(),
+                        lambda h: self.provider.run_repeatable(
+                            h, kept_pass.stamp_argv(python(h)), timeout_s=30).strip(),
                         name_of=lambda h: h.name)
         if found.failed:
             return None

@@ -234,6 +234,7 @@ def schema() -> None:
 
 def main() -> None:
     try:
+        _reach_early()
         _import_the_controller()
         app()
     except OrchestratorError as exc:
@@ -250,6 +251,17 @@ def main() -> None:
         if exc.code == 130 and _from_ctrl_c(exc):
             _interrupted()
         raise
+
+
+def _reach_early() -> None:
+    """Start the early claim of a kept cluster's SSH hosts (``orchestrator/early_claim.py``),
+    so that its connections and claims run while the controller imports."""
+    from orchestrator import early_claim
+
+    try:
+        early_claim.start(sys.argv[1:])
+    except Exception:  # the command then claims the hosts itself, as ever
+        early_claim.reset()
 
 
 def _import_the_controller() -> None:

@@ -52,16 +52,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("containers",),
     ("cost",),
     ("providers",),
+    ("early_claim",),
     ("remote", "plan", "elastic"),
     ("runtimes", "secrets"),
     ("view", "charts"),
     ("spec", "state", "events"),
     ("errors", "paths", "causes", "hosts", "files", "problems"),
 )
-# Narrower rules on top of the order: the CLI reaches the store only through the API, and the
-# displays see nothing of a run but its view model.
+# Narrower rules on top of the order: the CLI reaches the store only through the API (and, before
+# importing it, a kept cluster's hosts through the early claim), and the displays see nothing of
+# a run but its view model.
 ONLY: dict[str, set[str]] = {
-    "cli": {"api", "console", "errors", "spec"},
+    "cli": {"api", "console", "errors", "spec", "early_claim"},
     "console": {"view", "charts"},
 }
 

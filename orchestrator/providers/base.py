@@ -139,6 +139,11 @@ class Provider(ABC):
     def runner(self, host: Host) -> Runner:
         """A runner for ``host``; the provider owns and reuses it."""
 
+    def run_repeatable(self, host: Host, argv: Sequence[str], timeout_s: float) -> str:
+        """What ``argv``, a command that only reads, prints on ``host`` (an SSH host's may
+        have run early: ``orchestrator/early_claim.py``)."""
+        return self.runner(host).run(argv, timeout_s=timeout_s).stdout
+
     def image_problems(self) -> list[Problem]:
         """What the doctor's ``--import-tf`` finds by starting the tasks' image where no host
         exists before 'train' (a scheduler's pod); default: nothing to probe (the hosts are

@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import worker as worker_package
-from orchestrator import paths
+from orchestrator import early_claim, paths
 from orchestrator import spec as specs
 from orchestrator.errors import AuthError, HostUnreachableError, ProviderError
 from orchestrator.files import private_dir, write_atomic
 from orchestrator.hosts import Host, SSHEndpoint
 from orchestrator.providers.base import Provider
 from orchestrator.providers.keys import PRIVATE_NAME, KeyPair, ensure_key_pair, remove_key_pair
-from orchestrator.remote.base import Runner, probe_argv
+from orchestrator.remote.base import Runner, probe_argv, quote_argv
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.ssh import SSHRunner
 from orchestrator.remote.sync import (
@@ -58,6 +58,7 @@ class SSHHostsProvider(Provider):
     ssh_fix = "check that this machine can reach the host's SSH port, then run 'orchestrate up' again"
     auth_fix: str | None = None  # when the host answers but refuses the key; None: the error's
     auth_patience_s = float("inf")  # how long a host may refuse the key before it is given up
+    homes_recorded = False  # whether ``up`` records each SSH user's home for the next command
 
     def __init__(self, spec: specs.ClusterSpec, spec_path: Path) -> None:
         super().__init__(spec, spec_path)
@@ -66,6 +67,9 @@ class SSHHostsProvider(Provider):
         self._homes: dict[str, str] = {}  # the SSH user's $HOME on each host, once asked
         self._expected_homes: dict[str, str] = {}  # ... as recorded: checked by claim_root
         self._root_notes: list[str] = []  # what ``up`` found of the roots, for ``notes()``
+        # Each host's commands a next command may run early (early_claim): the claim first
+        self._repeatable: dict[str, tuple[SSHEndpoint, list[str]]] = {}
+        self._up_hosts: list[str] = []  # the hosts of this command's ``up``
         self._upload: Upload | None = None
         self._lock = threading.RLock()
 
@@ -88,7 +92,9 @@ class SSHHostsProvider(Provider):
             if runner is None or runner.endpoint != host.ssh:
                 if runner is not None:
                     runner.close()
-                runner = SSHRunner(host.name, host.ssh, connect_deadline_s=self.connect_deadline_s)
+                runner = early_claim.runner(host.name, host.ssh) or SSHRunner(
+                    host.name, host.ssh, connect_deadline_s=self.connect_deadline_s)
+                runner.connect_deadline_s = self.connect_deadline_s
                 self._runners[host.name] = runner
             return runner
 
@@ -207,18 +213,13 @@ class SSHHostsProvider(Provider):
             expected = None if home is not None else self._expected_homes.pop(host.name, None)
         home = home or expected or self.home_of(host)
         self._refuse_root(host, paths.unsafe_root(host.root, home))
-        adopt = host.root == paths.host_root(home, self.spec.name)
-        ours = ("created", "adopted", "foreign", f"marked {self.spec.name}")
-        script = _claim_script(host.root, self.spec.name, adopt)
+        ours = _claimed(self.spec.name)
+        script = self._claim_command(host, home, trees, files, expected)
         reads = len(trees) + len(files)
-        if reads:  # a failed mkdir of the trees' parents prints no stamp: "" for each
-            patterns = "|".join(shlex.quote(answer) for answer in ours)
-            script = (f"a=$({script}) || exit 1; printf '%s\\n' \"$a\"; "
-                      f"case \"$a\" in {patterns}) ({stamps_script(trees, files)}) || :;; esac")
-        if expected is not None:
-            script = (f"if [ \"$HOME\" != {shlex.quote(expected)} ]; then echo home-changed; "
-                      f"else {script}; fi")
-        answer = self.runner(host).run(script).stdout
+        runner = self.runner(host)
+        answer = early_claim.answer(host.name, runner.endpoint, script)
+        if answer is None:
+            answer = runner.run(script).stdout
         first, _, rest = answer.partition("\n")
         if first == "home-changed":  # asked now, and checked again with the home it has now
             return self.claim_root(host, trees, files)
@@ -234,12 +235,30 @@ class SSHHostsProvider(Provider):
                 f"{host.name}: provider.root {host.root} belongs to cluster {owner!r} (its "
                 f"{paths.ROOT_MARKER} says so)",
                 fix=f"give each cluster a provider.root of its own, or take {owner!r} down first")
+        # The next command's claim, as it will build it (early_claim runs it while it imports)
+        ahead = self._claim_command(host, home, trees, files, home if self.homes_recorded else None)
+        self._note_repeatable(host.name, runner.endpoint, ahead, claim=True)
         if found == "foreign":
             with self._lock:
                 self._root_notes.append(
                     f"{host.name}: {host.root} existed before 'up', which did not make it: "
                     "'down' will leave it and what 'up' put in it (code, lib, runs)")
         return read_stamps(rest, reads) if reads else []
+
+    def _claim_command(self, host: Host, home: str, trees: Sequence[str], files: Sequence[str],
+                       expected: str | None) -> str:
+        """``claim_root``'s one command: the claim, then the reads once the root is ours; where
+        the SSH user's home is ``expected``, all of it only if the home is still that."""
+        adopt = host.root == paths.host_root(home, self.spec.name)
+        script = _claim_script(host.root, self.spec.name, adopt)
+        if trees or files:  # a failed mkdir of the trees' parents prints no stamp: "" for each
+            patterns = "|".join(shlex.quote(answer) for answer in _claimed(self.spec.name))
+            script = (f"a=$({script}) || exit 1; printf '%s\\n' \"$a\"; "
+                      f"case \"$a\" in {patterns}) ({stamps_script(trees, files)}) || :;; esac")
+        if expected is not None:
+            script = (f"if [ \"$HOME\" != {shlex.quote(expected)} ]; then echo home-changed; "
+                      f"else {script}; fi")
+        return script
 
     def expect_homes(self, homes: Mapping[str, str]) -> None:
         """The SSH user's home on each named host, as an earlier command found it: the root's
@@ -334,6 +353,53 @@ class SSHHostsProvider(Provider):
         with self._lock:
             self._known.clear()
         self.hosts_file.unlink(missing_ok=True)
+        early_claim.forget(self.spec_path)
+
+    def remember_claims(self, hosts: Sequence[Host]) -> None:
+        """``hosts`` are this command's, all claimed: keep their repeatable commands for the
+        next command's early claim (``orchestrator/early_claim.py``)."""
+        with self._lock:
+            self._up_hosts = [h.name for h in hosts]
+        self._remember()
+
+    def run_repeatable(self, host: Host, argv: Sequence[str], timeout_s: float) -> str:
+        """What ``argv`` prints on ``host``: a command that only reads, which the next command
+        of this spec may run early (its answer, where it ran so, is taken)."""
+        runner = self.runner(host)
+        script = quote_argv(argv)
+        found = early_claim.answer(host.name, runner.endpoint, script)
+        if found is None:
+            found = runner.run(script, timeout_s=timeout_s).stdout
+        self._note_repeatable(host.name, runner.endpoint, script)
+        return found
+
+    def _note_repeatable(self, name: str, endpoint: SSHEndpoint, script: str,
+                         claim: bool = False) -> None:
+        with self._lock:
+            known, scripts = self._repeatable.get(name) or (endpoint,
+                                                             early_claim.kept(name, endpoint))
+            scripts = list(scripts) if known == endpoint else []
+            if claim:
+                scripts = [script, *scripts[1:]] if scripts else [script]
+            elif not scripts:
+                return  # none before the claim: the root is claimed first
+            elif script not in scripts:
+                scripts.append(script)
+            changed = self._repeatable.get(name) != (endpoint, scripts)
+            self._repeatable[name] = (endpoint, scripts)
+        if changed and not claim:
+            self._remember()
+
+    def _remember(self) -> None:
+        with self._lock:
+            names = list(self._up_hosts)
+            kept = [(n, *self._repeatable[n]) for n in names if n in self._repeatable]
+        if not names:
+            return
+        if len(kept) == len(names):
+            early_claim.remember(self.spec_path, kept)
+        else:
+            early_claim.forget(self.spec_path)
 
     # -- the cluster's own key pair ----------------------------------------------------------
     def key_pair(self) -> KeyPair:
@@ -461,11 +527,16 @@ class SSHHostsProvider(Provider):
         def probe(host: Host) -> list[int]:
             argv = probe_argv(self.python(host), "ports", str(ports.start), str(ports.end),
                               str(FREE_PORTS_SOUGHT))
-            return [int(p) for p in self.runner(host).run(argv, timeout_s=30).stdout.split()]
+            return [int(p) for p in self.run_repeatable(host, argv, timeout_s=30).split()]
 
         result = fan_out(hosts, probe, name_of=lambda h: h.name)
         by_name = {h.name: h for h in hosts}
         return {(by_name[r.name].address, p) for r in result.succeeded for p in r.value or []}
+
+
+def _claimed(cluster: str) -> tuple[str, ...]:
+    """What ``_claim_script`` prints when the root is ``cluster``'s to use."""
+    return "created", "adopted", "foreign", f"marked {cluster}"
 
 
 def _claim_script(root: str, cluster: str, adopt: bool) -> str:

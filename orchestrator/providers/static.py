@@ -20,6 +20,7 @@ from orchestrator.spec import ClusterSpec
 class StaticProvider(SSHHostsProvider):
     kind = "static"
     config: specs.StaticProvider
+    homes_recorded = True  # with the roots (``_record_roots``)
 
     def __init__(self, spec: ClusterSpec, spec_path: Path) -> None:
         super().__init__(spec, spec_path)
@@ -118,6 +119,7 @@ class StaticProvider(SSHHostsProvider):
         hosts = self.hosts()
         self.prepare_all(hosts)
         self._record_roots(hosts)
+        self.remember_claims(hosts)
         return hosts
 
     def _record_roots(self, hosts: list[Host]) -> None:

@@ -122,6 +122,7 @@ class GcpProvider(SSHHostsProvider):
         vms = self.provision()
         hosts = self._attach(vms, time.monotonic() + self.config.boot_timeout_s)
         self.prepare_all(hosts)
+        self.remember_claims(hosts)
         return hosts
 
     def provision(self) -> list[Vm]:
