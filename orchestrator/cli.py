@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from orchestrator import early_claim
 from orchestrator.errors import OrchestratorError
 
 app = typer.Typer(
@@ -236,7 +237,10 @@ def main() -> None:
     try:
         _reach_early()
         _import_the_controller()
-        app()
+        try:
+            app()
+        finally:
+            early_claim.reset()  # what the command did not take: nothing outlives it
     except OrchestratorError as exc:
         if DEBUG["on"]:
             raise
@@ -256,8 +260,6 @@ def main() -> None:
 def _reach_early() -> None:
     """Start the early claim of a kept cluster's SSH hosts (``orchestrator/early_claim.py``),
     so that its connections and claims run while the controller imports."""
-    from orchestrator import early_claim
-
     try:
         early_claim.start(sys.argv[1:])
     except Exception:  # the command then claims the hosts itself, as ever

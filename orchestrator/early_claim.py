@@ -83,14 +83,14 @@ class _Reach:
 
 
 _lock = threading.Lock()
-_reaches: dict[str, _Reach] = {}
+_reaches: dict[tuple[str, str], _Reach] = {}  # by (the spec file's real path, host name)
 
 
 def start(argv: Sequence[str]) -> int:
     """Reach the hosts of the spec ``argv`` names (``orchestrate`` ARGV), if it is ``train`` or
     ``up`` of a file whose commands are kept; returns how many hosts are being reached."""
-    found = _kept_for(argv)
-    if not found:
+    spec_path, found = _kept_for(argv)
+    if spec_path is None or not found:
         return 0
     # Imported here, before the controller is, so that no thread imports beside another
     from orchestrator.remote.ssh import SSHRunner
@@ -99,7 +99,7 @@ def start(argv: Sequence[str]) -> int:
                       {s: _Command(s) for s in scripts})
                for name, endpoint, scripts in found]
     with _lock:
-        _reaches.update({r.name: r for r in reaches})
+        _reaches.update({(_key(spec_path), r.name): r for r in reaches})
     for reach in reaches:  # each command on a channel of its own, over the one connection
         for i, command in enumerate(reach.commands.values()):
             threading.Thread(target=_run, args=(reach.runner, command), daemon=True,
@@ -117,23 +117,23 @@ def _run(runner: SSHRunner, command: _Command) -> None:
         command.done.set()
 
 
-def runner(name: str, endpoint: SSHEndpoint) -> SSHRunner | None:
-    """The early runner of host ``name``, if it goes to exactly ``endpoint`` (once: its new
-    owner closes it). Its connection may still be opening: the owner's first command waits
-    for it rather than opening another."""
+def runner(spec_path: Path, name: str, endpoint: SSHEndpoint) -> SSHRunner | None:
+    """The early runner of host ``name`` of the spec at ``spec_path``, if it goes to exactly
+    ``endpoint`` (once: its new owner closes it). Its connection may still be opening: the
+    owner's first command waits for it rather than opening another."""
     with _lock:
-        reach = _reaches.get(name)
+        reach = _reaches.get((_key(spec_path), name))
         if reach is None or reach.endpoint != endpoint or reach.runner_taken:
             return None
         reach.runner_taken = True
         return reach.runner
 
 
-def answer(name: str, endpoint: SSHEndpoint, script: str) -> str | None:
-    """What ``script`` printed on host ``name`` if exactly it ran early there, over a
-    connection to ``endpoint`` (once; waits for it to end); None otherwise."""
+def answer(spec_path: Path, name: str, endpoint: SSHEndpoint, script: str) -> str | None:
+    """What ``script`` printed on host ``name`` of the spec at ``spec_path`` if exactly it ran
+    early there, over a connection to ``endpoint`` (once; waits for it to end); else None."""
     with _lock:
-        reach = _reaches.get(name)
+        reach = _reaches.get((_key(spec_path), name))
     command = None if reach is None or reach.endpoint != endpoint else reach.commands.get(script)
     if command is None:
         return None
@@ -145,10 +145,10 @@ def answer(name: str, endpoint: SSHEndpoint, script: str) -> str | None:
         return command.stdout
 
 
-def kept(name: str, endpoint: SSHEndpoint) -> list[str]:
+def kept(spec_path: Path, name: str, endpoint: SSHEndpoint) -> list[str]:
     """The commands kept for host ``name`` at ``endpoint`` that this process ran early."""
     with _lock:
-        reach = _reaches.get(name)
+        reach = _reaches.get((_key(spec_path), name))
         return list(reach.commands) if reach is not None and reach.endpoint == endpoint else []
 
 
@@ -181,7 +181,7 @@ def remember(spec_path: Path, hosts: Sequence[tuple[str, SSHEndpoint, Sequence[s
     except OSError:
         forget(spec_path)
         return
-    text = json.dumps({"version": VERSION, "spec": str(spec_path.resolve()), "digest": digest,
+    text = json.dumps({"version": VERSION, "spec": _key(spec_path), "digest": digest,
                        "hosts": [{"name": n, "ssh": asdict(e), "commands": list(c)}
                                  for n, e, c in hosts]})
     path = _record(spec_path)
@@ -198,21 +198,21 @@ def forget(spec_path: Path) -> None:
         _record(spec_path).unlink(missing_ok=True)
 
 
-def _kept_for(argv: Sequence[str]) -> list[tuple[str, SSHEndpoint, list[str]]]:
+def _kept_for(argv: Sequence[str]) -> tuple[Path | None, list[tuple[str, SSHEndpoint, list[str]]]]:
     words = [a for a in argv if not a.startswith("-")]
     if not words or words[0] not in COMMANDS or "--attach" in argv:
-        return []
+        return None, []
     for word in words[1:]:  # the FILE (an option's value may come first: tried, not found)
         try:
-            return _read(Path(word))
+            return Path(word), _read(Path(word))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return []
+    return None, []
 
 
 def _read(spec_path: Path) -> list[tuple[str, SSHEndpoint, list[str]]]:
     data: dict[str, Any] = json.loads(_record(spec_path).read_text(encoding="utf-8"))
-    if data["version"] != VERSION or data["spec"] != str(spec_path.resolve()) \
+    if data["version"] != VERSION or data["spec"] != _key(spec_path) \
             or data["digest"] != _digest(spec_path):
         raise ValueError("kept for another spec")
     found = []
@@ -221,6 +221,10 @@ def _read(spec_path: Path) -> list[tuple[str, SSHEndpoint, list[str]]]:
         endpoint = SSHEndpoint(**{**ssh, "host_keys": tuple(str(k) for k in ssh["host_keys"])})
         found.append((str(host["name"]), endpoint, [str(c) for c in host["commands"]]))
     return found
+
+
+def _key(spec_path: Path) -> str:
+    return str(spec_path.resolve())
 
 
 def _digest(spec_path: Path) -> str:

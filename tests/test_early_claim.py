@@ -76,7 +76,7 @@ def test_up_keeps_each_roots_claim_and_the_next_up_takes_it_early(
         assert early_claim.used() == [(n, 1) for n in sorted(names)]
         assert [h.name for h in hosts] == names
         # the connection it opened is the provider's from now on, and works
-        assert early_claim.runner(names[0], hosts[0].ssh) is None  # taken already
+        assert early_claim.runner(path, names[0], hosts[0].ssh) is None  # taken already
         assert provider.runner(hosts[0]).run("id -un").stdout.strip() == user
         assert provider.busy_ports(hosts) == set()
     finally:
@@ -165,12 +165,16 @@ def test_an_unreadable_record_reaches_for_nothing(tmp_path: Path) -> None:
 
 
 def test_the_cli_claims_a_kept_cluster_while_it_imports(hostlab: HostLab, tmp_path: Path) -> None:
-    """``orchestrate up`` twice: the second finds its claims answered early (its hosts' sshd
-    logs show the claim once per command either way)."""
+    """``orchestrate up`` twice, each in a process of its own: the first keeps its claims,
+    the second takes both hosts' answers early."""
     path = write_spec(tmp_path, hostlab, hostlab.hosts(2), BODY, user=hostlab.plain_user())
-    code = ("import sys\nfrom orchestrator import cli, early_claim\nsys.argv = ['orchestrate', "
-            f"'up', {str(path)!r}]\ntry:\n    cli.main()\nfinally:\n"
-            "    print('early:', ','.join(n for n, taken in early_claim.used() if taken))\n")
+    code = ("import sys\nfrom orchestrator import cli, early_claim\n"
+            "reset = early_claim.reset\n"
+            "def report(*args, **kwargs):  # what the command took, before main() forgets it\n"
+            "    print('early:', ','.join(n for n, taken in early_claim.used() if taken))\n"
+            "    reset(*args, **kwargs)\n"
+            "early_claim.reset = report\n"
+            f"sys.argv = ['orchestrate', 'up', {str(path)!r}]\ncli.main()\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=env, cwd=REPO, timeout=120)

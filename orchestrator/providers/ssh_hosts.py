@@ -92,7 +92,7 @@ class SSHHostsProvider(Provider):
             if runner is None or runner.endpoint != host.ssh:
                 if runner is not None:
                     runner.close()
-                runner = early_claim.runner(host.name, host.ssh) or SSHRunner(
+                runner = early_claim.runner(self.spec_path, host.name, host.ssh) or SSHRunner(
                     host.name, host.ssh, connect_deadline_s=self.connect_deadline_s)
                 runner.connect_deadline_s = self.connect_deadline_s
                 self._runners[host.name] = runner
@@ -217,7 +217,7 @@ class SSHHostsProvider(Provider):
         script = self._claim_command(host, home, trees, files, expected)
         reads = len(trees) + len(files)
         runner = self.runner(host)
-        answer = early_claim.answer(host.name, runner.endpoint, script)
+        answer = early_claim.answer(self.spec_path, host.name, runner.endpoint, script)
         if answer is None:
             answer = runner.run(script).stdout
         first, _, rest = answer.partition("\n")
@@ -367,7 +367,7 @@ class SSHHostsProvider(Provider):
         of this spec may run early (its answer, where it ran so, is taken)."""
         runner = self.runner(host)
         script = quote_argv(argv)
-        found = early_claim.answer(host.name, runner.endpoint, script)
+        found = early_claim.answer(self.spec_path, host.name, runner.endpoint, script)
         if found is None:
             found = runner.run(script, timeout_s=timeout_s).stdout
         self._note_repeatable(host.name, runner.endpoint, script)
@@ -377,7 +377,7 @@ class SSHHostsProvider(Provider):
                          claim: bool = False) -> None:
         with self._lock:
             known, scripts = self._repeatable.get(name) or (endpoint,
-                                                             early_claim.kept(name, endpoint))
+                                                             early_claim.kept(self.spec_path, name, endpoint))
             scripts = list(scripts) if known == endpoint else []
             if claim:
                 scripts = [script, *scripts[1:]] if scripts else [script]
