@@ -70,6 +70,7 @@ class SSHHostsProvider(Provider):
         # Each host's commands a next command may run early (early_claim): the claim first
         self._repeatable: dict[str, tuple[SSHEndpoint, list[str]]] = {}
         self._up_hosts: list[str] = []  # the hosts of this command's ``up``
+        self._remember_lock = threading.Lock()
         self._upload: Upload | None = None
         self._lock = threading.RLock()
 
@@ -391,15 +392,18 @@ class SSHHostsProvider(Provider):
             self._remember()
 
     def _remember(self) -> None:
-        with self._lock:
-            names = list(self._up_hosts)
-            kept = [(n, *self._repeatable[n]) for n in names if n in self._repeatable]
-        if not names:
-            return
-        if len(kept) == len(names):
-            early_claim.remember(self.spec_path, kept)
-        else:
-            early_claim.forget(self.spec_path)
+        # One writer at a time, each with what is known when it writes: the last write is the
+        # newest (the hosts' reads are noted from threads of their own)
+        with self._remember_lock:
+            with self._lock:
+                names = list(self._up_hosts)
+                kept = [(n, *self._repeatable[n]) for n in names if n in self._repeatable]
+            if not names:
+                return
+            if len(kept) == len(names):
+                early_claim.remember(self.spec_path, kept)
+            else:
+                early_claim.forget(self.spec_path)
 
     # -- the cluster's own key pair ----------------------------------------------------------
     def key_pair(self) -> KeyPair:
