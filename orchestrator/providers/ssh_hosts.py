@@ -218,7 +218,9 @@ class SSHHostsProvider(Provider):
         script = self._claim_command(host, home, trees, files, expected)
         reads = len(trees) + len(files)
         runner = self.runner(host)
-        answer = early_claim.answer(self.spec_path, host.name, runner.endpoint, script)
+        endpoint = _endpoint_of(runner)
+        answer = None if endpoint is None else early_claim.answer(self.spec_path, host.name,
+                                                                  endpoint, script)
         if answer is None:
             answer = runner.run(script).stdout
         first, _, rest = answer.partition("\n")
@@ -238,7 +240,8 @@ class SSHHostsProvider(Provider):
                 fix=f"give each cluster a provider.root of its own, or take {owner!r} down first")
         # The next command's claim, as it will build it (early_claim runs it while it imports)
         ahead = self._claim_command(host, home, trees, files, home if self.homes_recorded else None)
-        self._note_repeatable(host.name, runner.endpoint, ahead, claim=True)
+        if endpoint is not None:
+            self._note_repeatable(host.name, endpoint, ahead, claim=True)
         if found == "foreign":
             with self._lock:
                 self._root_notes.append(
@@ -368,10 +371,13 @@ class SSHHostsProvider(Provider):
         of this spec may run early (its answer, where it ran so, is taken)."""
         runner = self.runner(host)
         script = quote_argv(argv)
-        found = early_claim.answer(self.spec_path, host.name, runner.endpoint, script)
+        endpoint = _endpoint_of(runner)
+        if endpoint is None:
+            return runner.run(script, timeout_s=timeout_s).stdout
+        found = early_claim.answer(self.spec_path, host.name, endpoint, script)
         if found is None:
             found = runner.run(script, timeout_s=timeout_s).stdout
-        self._note_repeatable(host.name, runner.endpoint, script)
+        self._note_repeatable(host.name, endpoint, script)
         return found
 
     def _note_repeatable(self, name: str, endpoint: SSHEndpoint, script: str,
@@ -536,6 +542,12 @@ class SSHHostsProvider(Provider):
         result = fan_out(hosts, probe, name_of=lambda h: h.name)
         by_name = {h.name: h for h in hosts}
         return {(by_name[r.name].address, p) for r in result.succeeded for p in r.value or []}
+
+
+def _endpoint_of(runner: Runner) -> SSHEndpoint | None:
+    """Where ``runner`` goes over SSH; None for another kind of runner (a test's, this
+    machine's), whose commands are never run early."""
+    return runner.endpoint if isinstance(runner, SSHRunner) else None
 
 
 def _claimed(cluster: str) -> tuple[str, ...]:
