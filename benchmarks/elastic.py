@@ -3,8 +3,10 @@
 A 3-worker digits job on 3 namespace sshd hosts (the static provider), paced at 0.2 s a step
 (tests/workloads/paced_digits.py) so that a step count over a stretch of time measures how
 much of it was spent training. At the chief's step 25 the third host is cut off from the
-network; it comes back WINDOW_S later, and once the group trains at full size again the rest
-of the job runs unpaced. Two runs, each under the real Supervisor in this
+network; it comes back WINDOW_S later (for the elastic group, not before it has taken a step
+on 2 workers: on a loaded machine the shrink alone can outlast the window, and the run is there
+to show the smaller group training), and once the group trains at full size again the rest of
+the job runs unpaced. Two runs, each under the real Supervisor in this
 process:
 
 - elastic (``elastic: {min_workers: 2, grow_check_s: 1}``, ``timeouts.repair_s: 5``): the group
@@ -15,7 +17,8 @@ process:
 
 Measured per run, on this process's clock and the chief's own event times:
 - steps in the window: the chief's steps completed in the WINDOW_S after the cut (each step
-  counted once: a step redone is not progress);
+  counted once: a step redone is not progress), and the steps it completed on 2 workers;
+- the outage: the cut to the host's return (WINDOW_S, or more where the shrink outlasted it);
 - shrink: the cut to the chief's first step on 2 workers (elastic only);
 - back at full size: the host's return to the chief's first step on 3 workers;
 - steps redone over the run.
@@ -66,17 +69,22 @@ def job(directory: Path, target: Target, *, elastic: bool, window_s: float, epoc
 @dataclass
 class Outage:
     """The run's listener: cuts the third host off at the chief's step AT_STEP, brings it back
-    ``window_s`` later, and keeps the chief's steps (step -> first time done) and firsts."""
+    ``window_s`` later (an elastic group's, once it has also taken a step on fewer workers), and
+    keeps the chief's steps (step -> first time done) and firsts."""
 
     target: Target
     window_s: float
     cluster: str
+    elastic: bool
     cut_at: float | None = None
     back_at: float | None = None
     steps: dict[int, float] = field(default_factory=dict)  # the chief's, first completion
     first_step: dict[int, float] = field(default_factory=dict)  # per attempt
     sizes: dict[int, int] = field(default_factory=dict)  # replicas, per attempt
     timer: threading.Timer | None = None
+    on_fewer: int = 0  # the chief's steps done on fewer than WORKERS
+    due: bool = False  # the window is over: the host comes back (at once, or at such a step)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, view: RunView, event: Event | None) -> None:
         if event is None or event.task != CHIEF:
@@ -86,6 +94,11 @@ class Outage:
         if event.kind != "progress":
             return
         step = int(event.get("step"))
+        if step not in self.steps and self.sizes.get(event.attempt, WORKERS) < WORKERS:
+            with self.lock:
+                self.on_fewer += 1
+                if self.due:
+                    self._restore()
         self.steps.setdefault(step, event.time)
         self.first_step.setdefault(event.attempt, event.time)
         if self.back_at is not None and self.sizes.get(event.attempt) == WORKERS \
@@ -102,8 +115,15 @@ class Outage:
             self.timer.start()
 
     def _back(self) -> None:
-        self.back_at = time.time()
-        self.target.hosts[2].restore()
+        with self.lock:
+            self.due = True
+            if self.on_fewer or not self.elastic:
+                self._restore()
+
+    def _restore(self) -> None:  # under the lock
+        if self.back_at is None:
+            self.back_at = time.time()
+            self.target.hosts[2].restore()
 
     def figures(self, result: Any) -> dict[str, Any]:
         assert self.cut_at is not None and self.back_at is not None
@@ -113,6 +133,8 @@ class Outage:
         back = self.first_step.get(full[0]) if full else None
         return {
             "steps_in_window": len(done),
+            "steps_on_fewer": self.on_fewer,
+            "outage_s": round(self.back_at - self.cut_at, 2),
             "shrink_s": round(self.first_step[smaller[0]] - self.cut_at, 2) if smaller else None,
             "back_at_full_size_s": round(back - self.back_at, 2) if back else None,
             "sizes": [self.sizes.get(a.number) for a in result.attempts],
@@ -138,7 +160,7 @@ def measure(directory: Path, target: Target, *, elastic: bool, window_s: float,
         epochs -= 1
     path = job(directory, target, elastic=elastic, window_s=window_s, epochs=epochs)
     name = "elastic" if elastic else "waiting"
-    outage = Outage(target, window_s, name)
+    outage = Outage(target, window_s, name, elastic)
     note(f"{name}: {WORKERS} workers, {epochs * STEPS_PER_EPOCH} steps; the third host cut off "
          f"at step {AT_STEP} for {window_s:.0f}s")
     try:
@@ -173,13 +195,14 @@ def main() -> None:
     for figures in runs.values():
         figures["shrink_over_cold_start"] = ratio(figures["shrink_s"], cold)
         figures["back_over_cold_start"] = ratio(figures["back_at_full_size_s"], cold)
-    rows = [[name, r["steps_in_window"], show(r["shrink_s"], "s"),
+    rows = [[name, r["steps_in_window"], r["steps_on_fewer"], show(r["outage_s"], "s"),
+             show(r["shrink_s"], "s"),
              show(r["back_at_full_size_s"], "s"), r["sizes"], r["steps_redone"], r["status"]]
             for name, r in runs.items()]
     publish("elastic", args, host, started,
             {"window_s": window_s, "cut_at_step": AT_STEP, "pace_s": 0.2,
              "cold_start_s": None if cold is None else round(cold, 2), "runs": runs},
-            ["run", f"steps in {window_s:.0f}s after the cut", "cut to a step on 2",
+            ["run", f"steps in {window_s:.0f}s after the cut", "on 2", "outage", "cut to a step on 2",
              "return to a step on 3", "replicas by attempt", "steps redone", "status"], rows)
 
 

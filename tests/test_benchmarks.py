@@ -51,7 +51,11 @@ def check_elastic(record: dict[str, Any]) -> None:
     (run,) = record["runs"].values()  # --quick: the elastic run alone
     assert (run["sizes"], run["causes"], run["status"]) == (
         [3, 2, 3], ["host_lost", "resized"], "succeeded"), run
-    assert run["steps_in_window"] > 0 and run["steps_redone"] == 0
+    # the smaller group trained (the host is back only after its first step there: on a loaded
+    # machine the shrink alone can outlast the window, so the window's count may be 0)
+    assert run["steps_on_fewer"] > 0 and run["steps_redone"] == 0
+    assert isinstance(run["steps_in_window"], int)
+    assert run["outage_s"] >= record["window_s"]
     assert run["shrink_s"] > 0 and run["back_at_full_size_s"] > 0
     assert len(run["phases"]) == 2 and all(phases for phases in run["phases"])
 
