@@ -24,6 +24,18 @@ CLI runs them early, while it imports:
   the command failed) is left unused, and the provider runs its commands as it always did,
   raising its own errors.
 
+And for ``train`` (not ``--no-doctor``, ``--attach`` or ``--resume``: the runs whose first
+attempt starts warm while the doctor checks, ``Supervisor.prestart``), the launches of that
+attempt's warm tasks, as the last such ``train`` made them (``remember_launches``, the run's id
+kept as a token): a new run id is picked, and once a host's claim has run, its launches run
+too, so the tasks start importing TensorFlow some 0.3 s sooner. The controller takes that id
+for its run (``run_id``), and a task's launch takes the early one only where its script is
+byte-identical (``launched``). An early task not taken is stopped (``void``: its process group
+killed) before anything else starts on its host: where a launch differs, where the sync found
+the code or the worker changed (it may have imported the old code), where the host's endpoint
+changed; and when the command ends, with the run's directory where the run never took the id.
+A task nobody stops ends itself: it waits at most ``ORCHESTRATE_WARM_WAIT_S`` for its go.
+
 Every command kept is idempotent (the claim makes and marks the root, or finds it marked, and
 reads stamp files; the others only read), so running it early changes nothing that the command
 would not change a moment later. ``down`` forgets the record (``forget``), so nothing is run
@@ -37,8 +49,10 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +66,9 @@ if TYPE_CHECKING:
     from orchestrator.remote.ssh import SSHRunner
 
 COMMANDS = ("train", "up")  # the commands that claim every host first
+LAUNCHING = "train"  # the command that also starts its first attempt's warm tasks early ...
+NO_LAUNCH = ("--no-doctor", "--attach", "--resume")  # ... unless it starts no warm first attempt
+TOKEN = "@ORCHESTRATE_EARLY_RUN_ID@"  # the run id, in a kept launch
 DIRECTORY = "early"  # under ORCHESTRATE_HOME
 CONNECT_S = 5.0  # an early connection retries this long at most; the provider then tries its own
 RUN_S = 15.0  # and each command this long
@@ -69,6 +86,8 @@ class _Command:
     stdout: str | None = None
     at: float = 0.0  # time.monotonic() when it ended
     taken: bool = False
+    stopped: bool = False  # an early task's launch: its task was stopped, none took it
+    files: tuple[str, ...] = ()  # an early task's launch: what its task writes (log, pid, rc)
 
 
 @dataclass
@@ -80,10 +99,21 @@ class _Reach:
     runner: SSHRunner
     commands: dict[str, _Command]
     runner_taken: bool = False
+    launches: list[_Command] = field(default_factory=list)  # warm tasks' launch scripts
+    run_dir: str = ""  # where the launches' run keeps its files on the host
+
+
+@dataclass
+class _Launch:
+    """The early start of one spec's first attempt: its run id, handed over once."""
+
+    run_id: str
+    handed: bool = False
 
 
 _lock = threading.Lock()
 _reaches: dict[tuple[str, str], _Reach] = {}  # by (the spec file's real path, host name)
+_launches: dict[str, _Launch] = {}  # by the spec file's real path
 
 
 def start(argv: Sequence[str]) -> int:
@@ -98,12 +128,26 @@ def start(argv: Sequence[str]) -> int:
     reaches = [_Reach(name, endpoint, SSHRunner(name, endpoint, connect_deadline_s=CONNECT_S),
                       {s: _Command(s) for s in scripts})
                for name, endpoint, scripts in found]
+    launch = _launches_for(argv, spec_path, {r.name for r in reaches})
+    if launch is not None:
+        run_id, scripts, run_dirs = launch
+        for reach in reaches:
+            reach.launches = [_Command(script.replace(TOKEN, run_id),
+                                       files=tuple(f.replace(TOKEN, run_id) for f in files))
+                              for script, files in scripts[reach.name]]
+            reach.run_dir = run_dirs[reach.name].replace(TOKEN, run_id)
     with _lock:
         _reaches.update({(_key(spec_path), r.name): r for r in reaches})
+        if launch is not None:
+            _launches[_key(spec_path)] = _Launch(launch[0])
     for reach in reaches:  # each command on a channel of its own, over the one connection
         for i, command in enumerate(reach.commands.values()):
             threading.Thread(target=_run, args=(reach.runner, command), daemon=True,
                              name=f"early-{reach.name}-{i}").start()
+        if reach.launches:  # after the claim, which makes and marks the root
+            claim = next(iter(reach.commands.values()))
+            threading.Thread(target=_launch, args=(reach, claim), daemon=True,
+                             name=f"early-{reach.name}-launch").start()
     return len(reaches)
 
 
@@ -115,6 +159,22 @@ def _run(runner: SSHRunner, command: _Command) -> None:
         pass
     finally:
         command.done.set()
+
+
+def _launch(reach: _Reach, claim: _Command) -> None:
+    claim.done.wait(CONNECT_S + RUN_S)
+    for command in reach.launches:
+        if claim.stdout is None:  # no claim, no task: the provider's own claim says why
+            command.done.set()
+            continue
+        try:  # as Runner.start runs a launch script
+            command.stdout = reach.runner.run(["sh", "-s"], input=command.script,
+                                              timeout_s=RUN_S).stdout
+            command.at = time.monotonic()
+        except Exception:  # the controller launches it itself
+            pass
+        finally:
+            command.done.set()
 
 
 def runner(spec_path: Path, name: str, endpoint: SSHEndpoint) -> SSHRunner | None:
@@ -145,6 +205,79 @@ def answer(spec_path: Path, name: str, endpoint: SSHEndpoint, script: str) -> st
         return command.stdout
 
 
+def run_id(spec_path: Path) -> str | None:
+    """The run id the early launches of the spec at ``spec_path`` used (once), for the new run
+    to take: its tasks' paths are then the ones those launches wrote."""
+    with _lock:
+        launch = _launches.get(_key(spec_path))
+        if launch is None or launch.handed:
+            return None
+        launch.handed = True
+        return launch.run_id
+
+
+def launched(spec_path: Path, name: str, endpoint: SSHEndpoint, script: str) -> str | None:
+    """What the launch ``script`` printed (its task's pid) if exactly it ran early on host
+    ``name`` over a connection to ``endpoint`` (once; waits for it to end). Else None, and
+    every early task on the host not taken yet is stopped first, so that the launch about to
+    run is the only task with these paths."""
+    with _lock:
+        reach = _reaches.get((_key(spec_path), name))
+    if reach is None or not reach.launches:
+        return None
+    command = next((c for c in reach.launches if c.script == script), None)
+    if command is not None and reach.endpoint == endpoint:
+        command.done.wait(CONNECT_S + 2 * RUN_S)
+        with _lock:
+            if command.stdout is not None and not command.taken:
+                command.taken = True
+                return command.stdout
+    _stop(reach)
+    return None
+
+
+def void(spec_path: Path, name: str | None = None) -> int:
+    """Stop the early tasks of the spec at ``spec_path`` not taken yet (on host ``name``, or on
+    every host); how many were stopped."""
+    key = _key(spec_path)
+    with _lock:
+        reaches = [r for (k, n), r in _reaches.items() if k == key and name in (None, n)]
+    return sum(_stop(r) for r in reaches)
+
+
+def _stop(reach: _Reach, remove: bool = False) -> int:
+    """Kill the process group of each early task of ``reach`` not taken (each launch printed
+    its pgid, as ``Runner.start`` reads it), once; with ``remove``, remove the run's directory
+    on the host too. How many were stopped."""
+    for command in reach.launches:
+        command.done.wait(CONNECT_S + 2 * RUN_S)
+    with _lock:
+        mine = [c for c in reach.launches if not c.taken]
+        for command in mine:  # from now on no launch takes it
+            command.taken = command.stopped = True
+    from orchestrator.remote.base import TaskHandle, _ours
+
+    words: list[str] = []
+    files: list[str] = []
+    for command in mine:
+        with contextlib.suppress(ValueError, IndexError, AttributeError):
+            pgid = int((command.stdout or "").strip().splitlines()[-1])
+            rc = command.files[2] if len(command.files) > 2 else ""
+            if pgid > 1:  # the group, while its leader is the launch wrapper of this rc file
+                words.append(f"{{ {_ours(TaskHandle(reach.name, pgid, '', rc))} && "
+                             f"kill -KILL -{pgid} 2>/dev/null; }}")
+        files.extend(command.files)  # a launch with these paths starts afresh, its log too
+    stopped = len(words)
+    if remove and reach.run_dir:
+        words.append(f"rm -rf -- {shlex.quote(reach.run_dir)}")
+    elif words:
+        words.append(f"rm -f -- {' '.join(shlex.quote(f) for f in files)}")
+    if words:
+        with contextlib.suppress(Exception):  # it waits ORCHESTRATE_WARM_WAIT_S at most anyway
+            reach.runner.run("; ".join([*words, "true"]), timeout_s=RUN_S)
+    return stopped
+
+
 def kept(spec_path: Path, name: str, endpoint: SSHEndpoint) -> list[str]:
     """The commands kept for host ``name`` at ``endpoint`` that this process ran early."""
     with _lock:
@@ -159,16 +292,40 @@ def used() -> list[tuple[str, int]]:
                       for r in _reaches.values())
 
 
+def early_tasks(wait_s: float = 0.0) -> list[tuple[str, list[tuple[int, str]]]]:
+    """For each host with early launches, by name, the process group of each task they
+    started, and what became of it: "waiting" (no launch took it yet), "taken" or "stopped";
+    after waiting up to ``wait_s`` for the launches to end."""
+    with _lock:
+        reaches = [r for r in _reaches.values() if r.launches]
+    found = []
+    for reach in sorted(reaches, key=lambda r: r.name):
+        tasks = []
+        for command in reach.launches:
+            command.done.wait(wait_s)
+            with contextlib.suppress(ValueError, IndexError, AttributeError):
+                pgid = int((command.stdout or "").strip().splitlines()[-1])
+                tasks.append((pgid, "stopped" if command.stopped else
+                              "taken" if command.taken else "waiting"))
+        found.append((reach.name, tasks))
+    return found
+
+
 def reset(wait_s: float = 0.0) -> None:
     """Forget every early command of this process, closing the runners nobody adopted (after
     waiting up to ``wait_s`` for their commands)."""
     with _lock:
-        reaches = list(_reaches.values())
+        reaches = list(_reaches.items())
+        launches = dict(_launches)
         _reaches.clear()
-    for reach in reaches:
+        _launches.clear()
+    for (key, _), reach in reaches:
         for command in reach.commands.values():
             command.done.wait(wait_s)
-        if not reach.runner_taken:
+        if reach.launches:  # what no launch took is stopped; a run that never began, removed
+            launch = launches.get(key)
+            _stop(reach, remove=launch is not None and not launch.handed)
+        if not reach.runner_taken or reach.launches:
             reach.runner.close()
 
 
@@ -176,26 +333,83 @@ def reset(wait_s: float = 0.0) -> None:
 def remember(spec_path: Path, hosts: Sequence[tuple[str, SSHEndpoint, Sequence[str]]]) -> None:
     """Keep ``hosts`` (each host's name, endpoint and commands) for the next command of the
     spec at ``spec_path`` as it is now: written only where it differs from what is kept."""
+    if not _keep(spec_path, _record(spec_path),
+                 {"hosts": [{"name": n, "ssh": asdict(e), "commands": list(c)}
+                            for n, e, c in hosts]}):
+        forget(spec_path)
+
+
+def _keep(spec_path: Path, path: Path, entries: dict[str, Any]) -> bool:
+    """Write ``entries`` at ``path`` for the spec at ``spec_path`` as it is now (its digest),
+    private and whole, unless that is what ``path`` holds; False: the spec cannot be read."""
     try:
         digest = _digest(spec_path)
     except OSError:
-        forget(spec_path)
-        return
-    text = json.dumps({"version": VERSION, "spec": _key(spec_path), "digest": digest,
-                       "hosts": [{"name": n, "ssh": asdict(e), "commands": list(c)}
-                                 for n, e, c in hosts]})
-    path = _record(spec_path)
+        return False
+    text = json.dumps({"version": VERSION, "spec": _key(spec_path), "digest": digest, **entries})
     with contextlib.suppress(OSError):
         if path.read_text(encoding="utf-8") == text:
-            return
+            return True
     path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
     write_atomic(path, text)
+    return True
 
 
 def forget(spec_path: Path) -> None:
-    """Keep no claims for the spec at ``spec_path``."""
+    """Keep no claims (and no launches) for the spec at ``spec_path``."""
     with contextlib.suppress(OSError):
         _record(spec_path).unlink(missing_ok=True)
+    forget_launches(spec_path)
+
+
+def remember_launches(spec_path: Path, run_id: str,
+                      scripts: dict[str, list[tuple[str, list[str]]]],
+                      run_dirs: dict[str, str]) -> None:
+    """Keep the launch scripts of run ``run_id``'s first-attempt warm tasks, by host name, each
+    with the files its task writes, and each host's run directory, for the next ``train`` of
+    the spec at ``spec_path`` as it is now (the run id kept as ``TOKEN``): written only where
+    it differs from what is kept."""
+    texts = [t for host in scripts.values() for script, files in host for t in (script, *files)]
+    texts += list(run_dirs.values())
+    if not run_id or any(TOKEN in t for t in texts) or set(scripts) != set(run_dirs):
+        forget_launches(spec_path)
+        return
+    entries = {"launches": {n: [{"script": script.replace(run_id, TOKEN),
+                                 "files": [f.replace(run_id, TOKEN) for f in files]}
+                                for script, files in launches]
+                            for n, launches in sorted(scripts.items())},
+               "run_dirs": {n: d.replace(run_id, TOKEN) for n, d in sorted(run_dirs.items())}}
+    if not _keep(spec_path, _launch_record(spec_path), entries):
+        forget_launches(spec_path)
+
+
+def forget_launches(spec_path: Path) -> None:
+    """Keep no launches for the spec at ``spec_path``."""
+    with contextlib.suppress(OSError):
+        _launch_record(spec_path).unlink(missing_ok=True)
+
+
+def _launches_for(argv: Sequence[str], spec_path: Path, names: set[str]
+                  ) -> tuple[str, dict[str, list[tuple[str, list[str]]]], dict[str, str]] | None:
+    """A new run id and the kept launches of the spec for ``argv``, if it is a ``train`` that
+    starts its first attempt warm and every host with a launch is reached; else None."""
+    words = [a for a in argv if not a.startswith("-")]
+    if words[:1] != [LAUNCHING] or any(a.split("=")[0] in NO_LAUNCH for a in argv):
+        return None
+    try:
+        data: dict[str, Any] = json.loads(_launch_record(spec_path).read_text(encoding="utf-8"))
+        if data["version"] != VERSION or data["spec"] != _key(spec_path) \
+                or data["digest"] != _digest(spec_path):
+            return None
+        scripts = {str(n): [(str(t["script"]), [str(f) for f in t["files"]]) for t in ts]
+                   for n, ts in data["launches"].items()}
+        run_dirs = {str(n): str(d) for n, d in data["run_dirs"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if set(scripts) != names or set(run_dirs) != names:
+        return None
+    # as Store.new_run names a run
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6], scripts, run_dirs
 
 
 def _kept_for(argv: Sequence[str]) -> tuple[Path | None, list[tuple[str, SSHEndpoint, list[str]]]]:
@@ -234,3 +448,7 @@ def _digest(spec_path: Path) -> str:
 def _record(spec_path: Path) -> Path:
     key = hashlib.sha256(os.fsencode(spec_path.resolve())).hexdigest()[:32]
     return paths.home() / DIRECTORY / f"{key}.json"
+
+
+def _launch_record(spec_path: Path) -> Path:
+    return _record(spec_path).with_suffix(".launch.json")

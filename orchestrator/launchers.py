@@ -87,7 +87,12 @@ class ProcessLauncher(Launcher):
     kind = "process"
 
     def start(self, runner: Runner, task: TaskPlan) -> TaskHandle:
-        return runner.start(LaunchSpec(task.argv, task.cwd, task.log_path, task.rc_path, task.env))
+        return runner.start(self.launch_spec(task))
+
+    @staticmethod
+    def launch_spec(task: TaskPlan) -> LaunchSpec:
+        """What ``start`` hands the runner: the task's argv, directory, files and env."""
+        return LaunchSpec(task.argv, task.cwd, task.log_path, task.rc_path, task.env)
 
     def poll(self, runner: Runner, handle: TaskHandle) -> TaskStatus:
         return runner.poll(handle)

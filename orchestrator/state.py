@@ -472,8 +472,10 @@ class Store:
             db.execute("DELETE FROM clusters WHERE name = ?", (name,))
 
     # -- runs --------------------------------------------------------------------
-    def new_run(self, cluster: str) -> str:
-        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    def new_run(self, cluster: str, run_id: str | None = None) -> str:
+        """Record a new run of ``cluster``, named ``run_id`` (one its tasks were started under
+        early) or a new id; the id."""
+        run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         with self._tx() as db:
             db.execute(
                 "INSERT INTO runs (id, cluster, status, started_at, controller_pid)"

@@ -41,11 +41,11 @@ from orchestrator.errors import OrchestratorError, ProviderError, RunFailed, Sta
 from orchestrator.events import Event
 from orchestrator.history import History
 from orchestrator.hosts import Host
-from orchestrator.launchers import launcher_for, launcher_named
+from orchestrator.launchers import ProcessLauncher, launcher_for, launcher_named
 from orchestrator.metrics import Exporter, RunFigures, exposition
 from orchestrator.plan import CheckpointLayout, ClusterPlan, TaskPlan
 from orchestrator.providers.base import HostHealth, Provider
-from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
+from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState, launch_script
 from orchestrator.remote.fanout import fan_out
 from orchestrator.spec import WARM_AFTER_S, ClusterSpec, StaticProvider, is_url
 from orchestrator.state import AttemptRecord, Store, TaskRecord
@@ -174,7 +174,7 @@ class Supervisor:
             python = self.provider.python(hosts[0])
         except OrchestratorError:  # the doctor says what is wrong; the attempt asks again
             return None
-        run_id = self.store.new_run(self.spec.name)
+        run_id = self.store.new_run(self.spec.name, run_id=self.provider.early_run_id())
         try:
             # No look for taken ports (a command per host, before any task could start): a
             # warm task's environment has no TF_CONFIG, and the attempt's own plan, which the
@@ -189,7 +189,24 @@ class Supervisor:
         self._warm = self._new_warm(run_id)
         self._warm.start(self._with_secrets(first), {}, wait_s=PRESTART_WAIT_S)
         self._prestarted = first
+        self._remember_launches(run_id, first)
         return run_id
+
+    def _remember_launches(self, run_id: str, first: ClusterPlan) -> None:
+        """Hand the provider the launch scripts ``prestart`` runs (``Runner.start``'s), for the
+        next ``train``'s CLI to run early (``orchestrator/early_claim.py``): none where a
+        secret is in them (nothing keeps a secret) or another launcher than a process's."""
+        if self._secrets or type(self.launcher) is not ProcessLauncher:
+            self.provider.remember_launches(run_id, {}, {})
+            return
+        scripts: dict[str, list[tuple[str, list[str]]]] = {}
+        for task in first.tasks:
+            spec = ProcessLauncher.launch_spec(
+                warm.as_warm(first, task, {}, PRESTART_WAIT_S, self.launcher))
+            files = [spec.log_path, spec.pid_path, spec.rc_path, spec.go_path]
+            scripts.setdefault(task.host.name, []).append((launch_script(spec), files))
+        self.provider.remember_launches(
+            run_id, scripts, {name: first.paths[name].run_dir for name in scripts})
 
     def _new_warm(self, run_id: str) -> WarmTasks:
         return WarmTasks(self.store, run_id, self.launcher,

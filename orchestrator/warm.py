@@ -18,7 +18,7 @@ import dataclasses
 import json
 import shlex
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -61,6 +61,24 @@ def verify_files(plan: ClusterPlan) -> tuple[str, str]:
     return f"{run_dir}/verified.json", f"{run_dir}/verify-now"
 
 
+def as_warm(plan: ClusterPlan, task: TaskPlan, peers: Mapping[str, TaskHandle],
+            wait_s: float | None, launcher: Launcher) -> TaskPlan:
+    """``task`` as its warm task starts: its env less ``TF_CONFIG`` (the go brings it), with
+    its go file, the running attempt's task it outlives (``peers``), the chief's checkpoint
+    checks, and with no peer how long it waits (``wait_s``)."""
+    env = {k: v for k, v in task.env.items() if k != "TF_CONFIG"}
+    env[GO_ENV] = go_path(task)
+    peer = peers.get(task.key)
+    if peer is not None and type(launcher) is ProcessLauncher:
+        env[PEER_ENV] = str(peer.pgid)  # a container's processes see other pids
+    chief_dir = plan.checkpoints.of(plan.chief.host)
+    if task.key == plan.chief_key and not is_url(chief_dir):
+        env[VERIFY_ENV] = json.dumps([chief_dir, *verify_files(plan)])
+    if wait_s is not None:
+        env[WAIT_ENV] = f"{wait_s:g}"
+    return dataclasses.replace(task, env=env)
+
+
 class WarmTasks:
     """The warm tasks of one run: started in the background, told to go, or stopped."""
 
@@ -99,23 +117,11 @@ class WarmTasks:
 
     def _start(self, plan: ClusterPlan, peers: dict[str, TaskHandle],
                wait_s: float | None) -> None:
-        layout = plan.checkpoints
-        chief_dir = layout.of(plan.chief.host)
-        verify = None if is_url(chief_dir) else json.dumps([chief_dir, *verify_files(plan)])
-
         def one(task: TaskPlan) -> tuple[TaskPlan, TaskHandle] | None:
-            env = {k: v for k, v in task.env.items() if k != "TF_CONFIG"}
-            env[GO_ENV] = go_path(task)
-            peer = peers.get(task.key)
-            if peer is not None and type(self.launcher) is ProcessLauncher:
-                env[PEER_ENV] = str(peer.pgid)  # a container's processes see other pids
-            if task.key == plan.chief_key and verify is not None:
-                env[VERIFY_ENV] = verify
-            if wait_s is not None:
-                env[WAIT_ENV] = f"{wait_s:g}"
             runner = self.runner_for(task.host.name)
             try:  # the launch removes a go file an earlier task with these paths left
-                return task, self.launcher.start(runner, dataclasses.replace(task, env=env))
+                return task, self.launcher.start(runner, as_warm(plan, task, peers, wait_s,
+                                                                 self.launcher))
             except OrchestratorError as exc:
                 self.say(f"no warm task on {task.host.name}: {exc.message}")
                 return None
@@ -127,7 +133,8 @@ class WarmTasks:
             if current:
                 self._tasks = {task.key: (task.host.name, handle) for task, handle in started}
                 self._verifier = next((h for t, h in started if t.key == plan.chief_key
-                                       and verify is not None), None)
+                                       and not is_url(plan.checkpoints.of(plan.chief.host))),
+                                   None)
         if not current:  # the attempt started (or the run ended) while these were starting
             self._stop([(task.host.name, handle) for task, handle in started])
             return

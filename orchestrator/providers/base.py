@@ -139,6 +139,17 @@ class Provider(ABC):
     def runner(self, host: Host) -> Runner:
         """A runner for ``host``; the provider owns and reuses it."""
 
+    def early_run_id(self) -> str | None:
+        """The id a new run is to take because its first attempt's tasks were started under it
+        early (an SSH host's: ``orchestrator/early_claim.py``), once; default: None."""
+        return None
+
+    def remember_launches(self, run_id: str, scripts: dict[str, list[tuple[str, list[str]]]],
+                          run_dirs: dict[str, str]) -> None:
+        """The launch scripts of run ``run_id``'s first-attempt warm tasks, by host name, and
+        each host's run directory, for the next ``train`` to start early where it can;
+        default: nothing is kept."""
+
     def run_repeatable(self, host: Host, argv: Sequence[str], timeout_s: float) -> str:
         """What ``argv``, a command that only reads, prints on ``host`` (an SSH host's may
         have run early: ``orchestrator/early_claim.py``)."""

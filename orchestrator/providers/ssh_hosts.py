@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import posixpath
@@ -93,8 +94,15 @@ class SSHHostsProvider(Provider):
             if runner is None or runner.endpoint != host.ssh:
                 if runner is not None:
                     runner.close()
-                runner = early_claim.runner(self.spec_path, host.name, host.ssh) or SSHRunner(
-                    host.name, host.ssh, connect_deadline_s=self.connect_deadline_s)
+                early = early_claim.runner(self.spec_path, host.name, host.ssh)
+                if early is not None:  # its early launches are taken where byte-identical
+                    early.early_start = functools.partial(early_claim.launched, self.spec_path,
+                                                          host.name, host.ssh)
+                    runner = early
+                else:  # no early task may be left to share a launch's paths
+                    early_claim.void(self.spec_path, host.name)
+                    runner = SSHRunner(host.name, host.ssh,
+                                       connect_deadline_s=self.connect_deadline_s)
                 runner.connect_deadline_s = self.connect_deadline_s
                 self._runners[host.name] = runner
             return runner
@@ -366,6 +374,21 @@ class SSHHostsProvider(Provider):
             self._up_hosts = [h.name for h in hosts]
         self._remember()
 
+    def early_run_id(self) -> str | None:
+        return early_claim.run_id(self.spec_path)
+
+    def remember_launches(self, run_id: str, scripts: dict[str, list[tuple[str, list[str]]]],
+                          run_dirs: dict[str, str]) -> None:
+        """Keep them for the next ``train`` where its hosts' claims are kept (its own are
+        the ones the launches follow), else keep none."""
+        with self._lock:
+            claimed = set(self._up_hosts) == set(scripts) and all(
+                n in self._repeatable for n in scripts)
+        if claimed:
+            early_claim.remember_launches(self.spec_path, run_id, scripts, run_dirs)
+        else:
+            early_claim.forget_launches(self.spec_path)
+
     def run_repeatable(self, host: Host, argv: Sequence[str], timeout_s: float) -> str:
         """What ``argv`` prints on ``host``: a command that only reads, which the next command
         of this spec may run early (its answer, where it ran so, is taken)."""
@@ -521,10 +544,13 @@ class SSHHostsProvider(Provider):
         private_dir(paths.cluster_home(self.spec.name))
         packer = self.packer()  # every tree packed once at most, for all the hosts
         try:
-            fan_out(hosts, lambda h: self.prepare(h, packer),
-                    name_of=lambda h: h.name).raise_if_failed("prepare hosts")
+            prepared = fan_out(hosts, lambda h: self.prepare(h, packer), name_of=lambda h: h.name)
         finally:
             packer.close()
+        if any(prepared.values().values()) or prepared.failed:
+            # the code, the worker or setup changed: a task started early may hold the old one
+            early_claim.void(self.spec_path)
+        prepared.raise_if_failed("prepare hosts")
 
     def notes(self) -> list[str]:
         with self._lock:

@@ -16,7 +16,7 @@ import functools
 import shlex
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -186,6 +186,10 @@ class Runner(ABC):
     they may override the task methods with faster direct versions.
     """
 
+    # What a launch script printed where exactly it ran before this runner was handed over
+    # (the CLI's early start, ``orchestrator/early_claim.py``), else None: set by the owner.
+    early_start: Callable[[str], str | None] | None = None
+
     def __init__(self, host_name: str) -> None:
         self.host_name = host_name
         # Connections to the host found dead and made again: a machine that went away and came
@@ -229,12 +233,16 @@ class Runner(ABC):
     def start(self, spec: LaunchSpec) -> TaskHandle:
         # The script (its exports: the task's env, secrets included) goes on stdin, so it is
         # in no command line that ps shows and in no error that quotes the command.
-        result = self.run(["sh", "-s"], input=launch_script(spec))
+        script = launch_script(spec)
+        early = self.early_start
+        stdout = early(script) if early is not None else None
+        if stdout is None:
+            stdout = self.run(["sh", "-s"], input=script).stdout
         try:
-            pgid = int(result.stdout.strip().splitlines()[-1])
+            pgid = int(stdout.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
             raise RemoteError(
-                f"task launch printed no pid: {result.stdout!r}", host=self.host_name
+                f"task launch printed no pid: {stdout!r}", host=self.host_name
             ) from exc
         return TaskHandle(self.host_name, pgid, spec.log_path, spec.rc_path)
 
