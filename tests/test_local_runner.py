@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.remote.base import LaunchSpec, Runner, TaskHandle, TaskState
+from orchestrator.remote.base import WRAPPER_FD, LaunchSpec, Runner, TaskHandle, TaskState
 from orchestrator.remote.local import LocalRunner, live_group_members
 from worker.probes import process_stat
 
@@ -152,6 +152,38 @@ def test_a_reused_group_id_is_never_signalled_nor_taken_for_the_task(tmp_path: P
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_the_shell_knows_its_task_by_the_pid_file_its_wrapper_holds(tmp_path: Path) -> None:
+    # The status poll's test of ownership starts no process where the group's leader is this
+    # task's wrapper: it holds the task's pid file open (remote.base.WRAPPER_FD), the task not.
+    runner, spec = launch(tmp_path, "import time; time.sleep(30)")
+    handle = runner.start(spec)
+    try:
+        fd = Path(f"/proc/{handle.pgid}/fd/{WRAPPER_FD}")
+        assert os.path.samefile(fd, spec.pid_path)
+        assert Runner.poll(runner, handle).state is TaskState.RUNNING  # the shell version
+        task = [p for p in live_group_members(handle.pgid) if p != handle.pgid]
+        assert task and not any(Path(f"/proc/{p}/fd/{WRAPPER_FD}").exists() for p in task)
+        # another file under that descriptor, or the task's paths another task's: not ours
+        other = dataclasses.replace(spec, rc_path=str(tmp_path / "logs/other.rc"))
+        stranger = TaskHandle("localhost", handle.pgid, other.log_path, other.rc_path)
+        assert Runner.poll(runner, stranger).state is TaskState.LOST
+    finally:
+        runner.stop(handle, grace_s=0)
+    # a stranger holding another file under that descriptor is no task either
+    (tmp_path / "held").write_text("")
+    stranger_proc = subprocess.Popen(
+        ["sh", "-c", f"exec {WRAPPER_FD}<\"$0\"; exec sleep 60", str(tmp_path / "held")],
+        start_new_session=True)
+    try:
+        wait_for(lambda: os.path.exists(f"/proc/{stranger_proc.pid}/fd/{WRAPPER_FD}")
+                 and Path(f"/proc/{stranger_proc.pid}/cmdline").read_bytes().startswith(b"sleep"))
+        lookalike = TaskHandle("localhost", stranger_proc.pid, spec.log_path, spec.rc_path)
+        assert Runner.poll(runner, lookalike).state is TaskState.LOST
+    finally:
+        stranger_proc.kill()
+        stranger_proc.wait()
 
 
 # -- polls without listing every process --------------------------------------------------------
