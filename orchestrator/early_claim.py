@@ -101,6 +101,7 @@ class _Reach:
     runner_taken: bool = False
     launches: list[_Command] = field(default_factory=list)  # warm tasks' launch scripts
     run_dir: str = ""  # where the launches' run keeps its files on the host
+    voided: bool = False  # no launch is to run from now on (``void``)
 
 
 @dataclass
@@ -164,7 +165,7 @@ def _run(runner: SSHRunner, command: _Command) -> None:
 def _launch(reach: _Reach, claim: _Command) -> None:
     claim.done.wait(CONNECT_S + RUN_S)
     for command in reach.launches:
-        if claim.stdout is None:  # no claim, no task: the provider's own claim says why
+        if claim.stdout is None or reach.voided:  # no claim, no task: the provider's says why
             command.done.set()
             continue
         try:  # as Runner.start runs a launch script
@@ -236,12 +237,21 @@ def launched(spec_path: Path, name: str, endpoint: SSHEndpoint, script: str) -> 
     return None
 
 
-def void(spec_path: Path, name: str | None = None) -> int:
+def void(spec_path: Path, name: str | None = None, *, wait: bool = True) -> int:
     """Stop the early tasks of the spec at ``spec_path`` not taken yet (on host ``name``, or on
-    every host); how many were stopped."""
+    every host); how many were stopped. Without ``wait``, in the background (a host whose
+    endpoint changed: its early tasks, if any, share no paths with what starts at the new
+    one), and none is launched from now on."""
     key = _key(spec_path)
     with _lock:
         reaches = [r for (k, n), r in _reaches.items() if k == key and name in (None, n)]
+        for reach in reaches:
+            reach.voided = True
+    if not wait:
+        for reach in reaches:
+            threading.Thread(target=_stop, args=(reach,), daemon=True,
+                             name=f"early-{reach.name}-void").start()
+        return 0
     return sum(_stop(r) for r in reaches)
 
 

@@ -99,8 +99,8 @@ class SSHHostsProvider(Provider):
                     early.early_start = functools.partial(early_claim.launched, self.spec_path,
                                                           host.name, host.ssh)
                     runner = early
-                else:  # no early task may be left to share a launch's paths
-                    early_claim.void(self.spec_path, host.name)
+                else:  # another endpoint: what started early there is stopped
+                    early_claim.void(self.spec_path, host.name, wait=False)
                     runner = SSHRunner(host.name, host.ssh,
                                        connect_deadline_s=self.connect_deadline_s)
                 runner.connect_deadline_s = self.connect_deadline_s
