@@ -102,6 +102,7 @@ class _Reach:
     launches: list[_Command] = field(default_factory=list)  # warm tasks' launch scripts
     run_dir: str = ""  # where the launches' run keeps its files on the host
     voided: bool = False  # no launch is to run from now on (``void``)
+    claimed: tuple[str, ...] = ()  # the claim's first lines that say the root is this cluster's
 
 
 @dataclass
@@ -131,8 +132,9 @@ def start(argv: Sequence[str]) -> int:
                for name, endpoint, scripts in found]
     launch = _launches_for(argv, spec_path, {r.name for r in reaches})
     if launch is not None:
-        run_id, scripts, run_dirs = launch
+        run_id, scripts, run_dirs, claimed = launch
         for reach in reaches:
+            reach.claimed = claimed
             reach.launches = [_Command(script.replace(TOKEN, run_id),
                                        files=tuple(f.replace(TOKEN, run_id) for f in files))
                               for script, files in scripts[reach.name]]
@@ -164,8 +166,9 @@ def _run(runner: SSHRunner, command: _Command) -> None:
 
 def _launch(reach: _Reach, claim: _Command) -> None:
     claim.done.wait(CONNECT_S + RUN_S)
+    ours = claim.stdout is not None and claim.stdout.partition("\n")[0] in reach.claimed
     for command in reach.launches:
-        if claim.stdout is None or reach.voided:  # no claim, no task: the provider's says why
+        if not ours or reach.voided:  # the root not this cluster's: the provider's claim says why
             command.done.set()
             continue
         try:  # as Runner.start runs a launch script
@@ -374,11 +377,12 @@ def forget(spec_path: Path) -> None:
 
 def remember_launches(spec_path: Path, run_id: str,
                       scripts: dict[str, list[tuple[str, list[str]]]],
-                      run_dirs: dict[str, str]) -> None:
+                      run_dirs: dict[str, str], claimed: Sequence[str]) -> None:
     """Keep the launch scripts of run ``run_id``'s first-attempt warm tasks, by host name, each
     with the files its task writes, and each host's run directory, for the next ``train`` of
-    the spec at ``spec_path`` as it is now (the run id kept as ``TOKEN``): written only where
-    it differs from what is kept."""
+    the spec at ``spec_path`` as it is now (the run id kept as ``TOKEN``), to run where a
+    host's claim printed one of the ``claimed`` lines first (the root is this cluster's):
+    written only where it differs from what is kept."""
     texts = [t for host in scripts.values() for script, files in host for t in (script, *files)]
     texts += list(run_dirs.values())
     if not run_id or any(TOKEN in t for t in texts) or set(scripts) != set(run_dirs):
@@ -388,7 +392,8 @@ def remember_launches(spec_path: Path, run_id: str,
                                  "files": [f.replace(run_id, TOKEN) for f in files]}
                                 for script, files in launches]
                             for n, launches in sorted(scripts.items())},
-               "run_dirs": {n: d.replace(run_id, TOKEN) for n, d in sorted(run_dirs.items())}}
+               "run_dirs": {n: d.replace(run_id, TOKEN) for n, d in sorted(run_dirs.items())},
+               "claimed": list(claimed)}
     if not _keep(spec_path, _launch_record(spec_path), entries):
         forget_launches(spec_path)
 
@@ -400,7 +405,8 @@ def forget_launches(spec_path: Path) -> None:
 
 
 def _launches_for(argv: Sequence[str], spec_path: Path, names: set[str]
-                  ) -> tuple[str, dict[str, list[tuple[str, list[str]]]], dict[str, str]] | None:
+                  ) -> tuple[str, dict[str, list[tuple[str, list[str]]]], dict[str, str],
+                             tuple[str, ...]] | None:
     """A new run id and the kept launches of the spec for ``argv``, if it is a ``train`` that
     starts its first attempt warm and every host with a launch is reached; else None."""
     words = [a for a in argv if not a.startswith("-")]
@@ -414,12 +420,13 @@ def _launches_for(argv: Sequence[str], spec_path: Path, names: set[str]
         scripts = {str(n): [(str(t["script"]), [str(f) for f in t["files"]]) for t in ts]
                    for n, ts in data["launches"].items()}
         run_dirs = {str(n): str(d) for n, d in data["run_dirs"].items()}
+        claimed = tuple(str(c) for c in data["claimed"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if set(scripts) != names or set(run_dirs) != names:
         return None
     # as Store.new_run names a run
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6], scripts, run_dirs
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6], scripts, run_dirs, claimed
 
 
 def _kept_for(argv: Sequence[str]) -> tuple[Path | None, list[tuple[str, SSHEndpoint, list[str]]]]:

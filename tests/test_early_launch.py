@@ -147,7 +147,8 @@ def test_an_early_task_is_stopped_when_the_code_changed_and_when_no_run_takes_it
             launches[name] = [(launch_script(spec),
                                [spec.log_path, spec.pid_path, spec.rc_path, spec.go_path])]
             run_dirs[name] = run_dir
-        early_claim.remember_launches(path, run_id, launches, run_dirs)
+        early_claim.remember_launches(path, run_id, launches, run_dirs,
+                                      ("created", "adopted", "foreign", "marked early-void"))
     finally:
         provider.close()
     text = launch_record(path).read_text()
@@ -159,6 +160,14 @@ def test_an_early_task_is_stopped_when_the_code_changed_and_when_no_run_takes_it
         early_claim.start(argv)
         assert early_claim.early_tasks(wait_s=20) == [] and early_claim.run_id(path) is None, argv
         early_claim.reset(wait_s=20)
+
+    # A claim whose answer does not say the root is this cluster's: nothing is launched there
+    kept = json.loads(text)
+    launch_record(path).write_text(json.dumps({**kept, "claimed": ["marked someone-else"]}))
+    assert early_claim.start(["train", str(path)]) == 2
+    assert [t for _, t in early_claim.early_tasks(wait_s=20)] == [[], []]
+    early_claim.reset(wait_s=20)
+    launch_record(path).write_text(text)
 
     # The code changed since: up's sync stops the early tasks before anything else starts
     assert early_claim.start(["train", str(path)]) == 2
@@ -202,15 +211,16 @@ def test_a_kept_launch_is_refused_when_it_is_not_this_specs_or_holds_the_token(
     path = tmp_path / "cluster.yaml"
     path.write_text("name: early\n")
     early_claim.remember_launches(path, "run-1", {"h": [("echo run-1", ["run-1/log"])]},
-                                  {"h": "runs/run-1"})
+                                  {"h": "runs/run-1"}, ["marked early"])
     assert early_claim._launches_for(["train", str(path)], path, {"h"}) is not None
     assert early_claim._launches_for(["train", str(path)], path, {"h", "other"}) is None
     path.write_text("name: early\n# edited\n")  # the spec changed: nothing is kept for it
     assert early_claim._launches_for(["train", str(path)], path, {"h"}) is None
     # a script that holds the token, or a host without its run directory: nothing is kept
-    early_claim.remember_launches(path, "run-2", {"h": [(early_claim.TOKEN, [])]}, {"h": "d"})
+    early_claim.remember_launches(path, "run-2", {"h": [(early_claim.TOKEN, [])]}, {"h": "d"},
+                                  ["marked early"])
     assert not launch_record(path).exists()
-    early_claim.remember_launches(path, "run-3", {"h": [("echo", [])]}, {})
+    early_claim.remember_launches(path, "run-3", {"h": [("echo", [])]}, {}, ["marked early"])
     assert not launch_record(path).exists()
     for text in ("", "{", json.dumps({"version": 1}), json.dumps([1])):
         launch_record(path).parent.mkdir(parents=True, exist_ok=True)

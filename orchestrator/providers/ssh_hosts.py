@@ -385,7 +385,8 @@ class SSHHostsProvider(Provider):
             claimed = set(self._up_hosts) == set(scripts) and all(
                 n in self._repeatable for n in scripts)
         if claimed:
-            early_claim.remember_launches(self.spec_path, run_id, scripts, run_dirs)
+            early_claim.remember_launches(self.spec_path, run_id, scripts, run_dirs,
+                                          _claimed(self.spec.name))
         else:
             early_claim.forget_launches(self.spec_path)
 
