@@ -27,14 +27,15 @@ CLI runs them early, while it imports:
 And for ``train`` (not ``--no-doctor``, ``--attach`` or ``--resume``: the runs whose first
 attempt starts warm while the doctor checks, ``Supervisor.prestart``), the launches of that
 attempt's warm tasks, as the last such ``train`` made them (``remember_launches``, the run's id
-kept as a token): a new run id is picked, and once a host's claim has run, its launches run
-too, so the tasks start importing TensorFlow some 0.3 s sooner. The controller takes that id
-for its run (``run_id``), and a task's launch takes the early one only where its script is
-byte-identical (``launched``). An early task not taken is stopped (``void``: its process group
-killed) before anything else starts on its host: where a launch differs, where the sync found
-the code or the worker changed (it may have imported the old code), where the host's endpoint
-changed; and when the command ends, with the run's directory where the run never took the id.
-A task nobody stops ends itself: it waits at most ``ORCHESTRATE_WARM_WAIT_S`` for its go.
+kept as a token): a new run id is picked, and once a host's claim has answered that the root
+is this cluster's, its launches run too, so the tasks start importing TensorFlow some 0.2 s
+sooner. The controller takes that id for its run (``run_id``), and a task's launch takes the
+early one only where its script is byte-identical (``launched``). An early task not taken is
+stopped (``void``: its process group killed, its files removed) before anything else starts
+on its host: where a launch differs, where the sync found the code or the worker changed (it
+may have imported the old code); in the background where the host's endpoint changed; and
+when the command ends, with the run's directory where the run never took the id. A task
+nobody stops ends itself: it waits at most ``ORCHESTRATE_WARM_WAIT_S`` for its go.
 
 Every command kept is idempotent (the claim makes and marks the root, or finds it marked, and
 reads stamp files; the others only read), so running it early changes nothing that the command
