@@ -251,18 +251,18 @@ def void(spec_path: Path, name: str | None = None, *, wait: bool = True) -> int:
         reaches = [r for (k, n), r in _reaches.items() if k == key and name in (None, n)]
         for reach in reaches:
             reach.voided = True
-    if not wait:
+    if not wait:  # its files are left: what starts meanwhile may have the same paths
         for reach in reaches:
-            threading.Thread(target=_stop, args=(reach,), daemon=True,
+            threading.Thread(target=_stop, args=(reach, False, False), daemon=True,
                              name=f"early-{reach.name}-void").start()
         return 0
     return sum(_stop(r) for r in reaches)
 
 
-def _stop(reach: _Reach, remove: bool = False) -> int:
+def _stop(reach: _Reach, remove: bool = False, files: bool = True) -> int:
     """Kill the process group of each early task of ``reach`` not taken (each launch printed
-    its pgid, as ``Runner.start`` reads it), once; with ``remove``, remove the run's directory
-    on the host too. How many were stopped."""
+    its pgid, as ``Runner.start`` reads it), once, and remove its files (unless not ``files``);
+    with ``remove``, the run's directory on the host instead. How many were stopped."""
     for command in reach.launches:
         command.done.wait(CONNECT_S + 2 * RUN_S)
     with _lock:
@@ -272,7 +272,7 @@ def _stop(reach: _Reach, remove: bool = False) -> int:
     from orchestrator.remote.base import TaskHandle, _ours
 
     words: list[str] = []
-    files: list[str] = []
+    written: list[str] = []
     for command in mine:
         with contextlib.suppress(ValueError, IndexError, AttributeError):
             pgid = int((command.stdout or "").strip().splitlines()[-1])
@@ -280,12 +280,12 @@ def _stop(reach: _Reach, remove: bool = False) -> int:
             if pgid > 1:  # the group, while its leader is the launch wrapper of this rc file
                 words.append(f"{{ {_ours(TaskHandle(reach.name, pgid, '', rc))} && "
                              f"kill -KILL -{pgid} 2>/dev/null; }}")
-        files.extend(command.files)  # a launch with these paths starts afresh, its log too
+        written.extend(command.files)  # a launch with these paths starts afresh, its log too
     stopped = len(words)
     if remove and reach.run_dir:
         words.append(f"rm -rf -- {shlex.quote(reach.run_dir)}")
-    elif words:
-        words.append(f"rm -f -- {' '.join(shlex.quote(f) for f in files)}")
+    elif words and files:
+        words.append(f"rm -f -- {' '.join(shlex.quote(f) for f in written)}")
     if words:
         with contextlib.suppress(Exception):  # it waits ORCHESTRATE_WARM_WAIT_S at most anyway
             reach.runner.run("; ".join([*words, "true"]), timeout_s=RUN_S)
