@@ -259,6 +259,14 @@ def void(spec_path: Path, name: str | None = None, *, wait: bool = True) -> int:
     return sum(_stop(r) for r in reaches)
 
 
+def _pgid(command: _Command) -> int | None:
+    """The process group an early launch printed last, as ``Runner.start`` reads it."""
+    try:
+        return int((command.stdout or "").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
 def _stop(reach: _Reach, remove: bool = False, files: bool = True) -> int:
     """Kill the process group of each early task of ``reach`` not taken (each launch printed
     its pgid, as ``Runner.start`` reads it), once, and remove its files (unless not ``files``);
@@ -274,12 +282,11 @@ def _stop(reach: _Reach, remove: bool = False, files: bool = True) -> int:
     words: list[str] = []
     written: list[str] = []
     for command in mine:
-        with contextlib.suppress(ValueError, IndexError, AttributeError):
-            pgid = int((command.stdout or "").strip().splitlines()[-1])
-            rc = command.files[2] if len(command.files) > 2 else ""
-            if pgid > 1:  # the group, while its leader is the launch wrapper of this rc file
-                words.append(f"{{ {_ours(TaskHandle(reach.name, pgid, '', rc))} && "
-                             f"kill -KILL -{pgid} 2>/dev/null; }}")
+        pgid = _pgid(command)
+        rc = command.files[2] if len(command.files) > 2 else ""
+        if pgid is not None and pgid > 1:  # the group, while its leader is this rc's wrapper
+            words.append(f"{{ {_ours(TaskHandle(reach.name, pgid, '', rc))} && "
+                         f"kill -KILL -{pgid} 2>/dev/null; }}")
         written.extend(command.files)  # a launch with these paths starts afresh, its log too
     stopped = len(words)
     if remove and reach.run_dir:
@@ -317,8 +324,8 @@ def early_tasks(wait_s: float = 0.0) -> list[tuple[str, list[tuple[int, str]]]]:
         tasks = []
         for command in reach.launches:
             command.done.wait(wait_s)
-            with contextlib.suppress(ValueError, IndexError, AttributeError):
-                pgid = int((command.stdout or "").strip().splitlines()[-1])
+            pgid = _pgid(command)
+            if pgid is not None:
                 tasks.append((pgid, "stopped" if command.stopped else
                               "taken" if command.taken else "waiting"))
         found.append((reach.name, tasks))
@@ -414,10 +421,7 @@ def _launches_for(argv: Sequence[str], spec_path: Path, names: set[str]
     if words[:1] != [LAUNCHING] or any(a.split("=")[0] in NO_LAUNCH for a in argv):
         return None
     try:
-        data: dict[str, Any] = json.loads(_launch_record(spec_path).read_text(encoding="utf-8"))
-        if data["version"] != VERSION or data["spec"] != _key(spec_path) \
-                or data["digest"] != _digest(spec_path):
-            return None
+        data = _kept(spec_path, _launch_record(spec_path))
         scripts = {str(n): [(str(t["script"]), [str(f) for f in t["files"]]) for t in ts]
                    for n, ts in data["launches"].items()}
         run_dirs = {str(n): str(d) for n, d in data["run_dirs"].items()}
@@ -442,11 +446,21 @@ def _kept_for(argv: Sequence[str]) -> tuple[Path | None, list[tuple[str, SSHEndp
     return None, []
 
 
-def _read(spec_path: Path) -> list[tuple[str, SSHEndpoint, list[str]]]:
-    data: dict[str, Any] = json.loads(_record(spec_path).read_text(encoding="utf-8"))
+def _kept(spec_path: Path, path: Path) -> dict[str, Any]:
+    """What ``_keep`` wrote at ``path`` for the spec at ``spec_path`` as it is now.
+
+    Raises:
+        OSError, ValueError: nothing readable there, or kept for another spec or digest.
+    """
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     if data["version"] != VERSION or data["spec"] != _key(spec_path) \
             or data["digest"] != _digest(spec_path):
         raise ValueError("kept for another spec")
+    return data
+
+
+def _read(spec_path: Path) -> list[tuple[str, SSHEndpoint, list[str]]]:
+    data = _kept(spec_path, _record(spec_path))
     found = []
     for host in data["hosts"]:
         ssh = dict(host["ssh"])
