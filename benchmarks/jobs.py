@@ -194,8 +194,9 @@ def final_loss(runs: list[Run]) -> float | None:
 
 
 def cli(*args: str, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """``orchestrate ARGS`` in a subprocess with this process's ORCHESTRATE_HOME."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO,
+    """``orchestrate ARGS`` in a subprocess with this process's ORCHESTRATE_HOME (the program
+    that the ``orchestrate`` script runs: ``orchestrator/__main__.py``)."""
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout_s,
                           stdin=subprocess.DEVNULL)
 

@@ -233,9 +233,12 @@ def schema() -> None:
     out.print_json(json.dumps(spec_schema()), highlight=False)
 
 
-def main() -> None:
+def main(*, reached: bool = False) -> None:
+    """The command. ``reached``: the program reached a kept cluster's hosts already, before
+    this module loaded (``orchestrator/__main__.py``)."""
     try:
-        _reach_early()
+        if not reached:
+            early_claim.begin(sys.argv[1:])
         _import_the_controller()
         try:
             app()
@@ -255,15 +258,6 @@ def main() -> None:
         if exc.code == 130 and _from_ctrl_c(exc):
             _interrupted()
         raise
-
-
-def _reach_early() -> None:
-    """Start the early claim of a kept cluster's SSH hosts (``orchestrator/early_claim.py``),
-    so that its connections and claims run while the controller imports."""
-    try:
-        early_claim.start(sys.argv[1:])
-    except Exception:  # the command then claims the hosts itself, as ever
-        early_claim.reset()
 
 
 def _import_the_controller() -> None:

@@ -119,6 +119,15 @@ _reaches: dict[tuple[str, str], _Reach] = {}  # by (the spec file's real path, h
 _launches: dict[str, _Launch] = {}  # by the spec file's real path
 
 
+def begin(argv: Sequence[str]) -> None:
+    """``start``, as the program's first step: whatever fails leaves nothing started (the
+    command then claims the hosts itself, as ever)."""
+    try:
+        start(argv)
+    except Exception:
+        reset()
+
+
 def start(argv: Sequence[str]) -> int:
     """Reach the hosts of the spec ``argv`` names (``orchestrate`` ARGV), if it is ``train`` or
     ``up`` of a file whose commands are kept; returns how many hosts are being reached."""

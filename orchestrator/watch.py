@@ -201,6 +201,8 @@ class AttemptWatch:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for runner in {id(w.runner): w.runner for w in self.watched}.values():
+            runner.end_polls()  # a poll still in flight keeps its shell until the runner closes
 
     def run(self) -> dict[str, Event]:
         while True:

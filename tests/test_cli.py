@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str, home: Path, cwd: Path = REPO) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd,
+    """``orchestrate ARGS``: the program the installed script runs (orchestrator/__main__.py)."""
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "ORCHESTRATE_HOME": str(home)})
 
@@ -48,3 +49,28 @@ def test_status_of_an_unknown_cluster_is_one_clear_error(orchestrate_home: Path)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "Traceback" not in err
     assert err.splitlines()[0] == "error: no cluster named 'nope'"
+
+
+def test_the_program_reaches_the_hosts_before_the_cli_loads(orchestrate_home: Path) -> None:
+    """The installed ``orchestrate`` is ``orchestrator.__main__:main``, whose first step is the
+    early claim (``early_claim.begin``, with the command's arguments), taken before typer and
+    rich load: a kept cluster's tasks start while they do."""
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["orchestrate"] == "orchestrator.__main__:main"
+    probe = ("import sys\n"
+             "import orchestrator.early_claim as early\n"
+             "begin = early.begin\n"
+             "def seen(argv):\n"
+             "    print('begin', list(argv), 'typer' in sys.modules, 'rich' in sys.modules)\n"
+             "    begin(argv)\n"
+             "early.begin = seen\n"
+             "sys.argv = ['orchestrate', 'status', 'nope']\n"
+             "from orchestrator.__main__ import main\n"
+             "main()\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, "ORCHESTRATE_HOME": str(orchestrate_home)})
+    assert proc.stdout.splitlines()[0] == "begin ['status', 'nope'] False False"
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0] == "error: no cluster named 'nope'"

@@ -280,7 +280,7 @@ def test_a_poll_is_one_command_with_the_status_then_the_exact_log_bytes(
                 wait_until(lambda: not runner.run(f"kill -0 -{handle.pgid}", check=False).ok)
             runner.channels.clear()
             got = runner.poll_log(handle, 0, status=status)
-            assert runner.channels == ["control"]  # one command; no SFTP session either
+            assert runner.channels == ["control"]  # the poll shell; no SFTP session either
             assert runner._control is None
             assert (got.data, got.next_offset, got.capped) == (ODD, len(ODD), False)
             if status or state is TaskState.EXITED:  # a log-only poll still sees an exit code
@@ -294,6 +294,7 @@ def test_a_poll_is_one_command_with_the_status_then_the_exact_log_bytes(
             inside = runner.poll_log(handle, 5, status=status)  # from the middle of the bytes
             assert (inside.data, inside.next_offset) == (ODD[5:], len(ODD))
             assert runner.poll_log(handle, len(ODD), status=status).data == b""
+            assert runner.channels == ["control"]  # every poll in the same shell
         finally:
             runner.stop(handle, grace_s=0)
 
@@ -327,7 +328,7 @@ def test_a_log_longer_than_the_cap_comes_over_several_polls_byte_for_byte(
                 break
         assert got == written
         assert seen == [True] * (polls - 1) + [False]
-        assert runner.channels == ["control"] * polls
+        assert runner.channels == ["control"]  # one poll shell for all of them
 
 
 def test_a_poll_of_a_log_not_written_yet_returns_no_bytes(host: LabHost) -> None:
@@ -337,7 +338,78 @@ def test_a_poll_of_a_log_not_written_yet_returns_no_bytes(host: LabHost) -> None
         assert (got.status, got.data, got.next_offset, got.capped) == (
             TaskStatus(TaskState.LOST), b"", 5, False)  # pid 1 does not hold the rc path
         assert runner.poll_log(handle, 5, status=False).status is None
-        assert runner.channels == ["control", "control"]
+        assert runner.channels == ["control"]
+
+
+def shell_pid(runner: SSHRunner) -> int:
+    """The process id of the runner's poll shell on the host (a subshell's ``$$`` is its
+    shell's)."""
+    got = runner._in_poll_shell("echo $$")
+    assert got is not None and got[0] == 0
+    return int(got[1])
+
+
+def test_polls_share_a_shell_that_is_replaced_once_it_is_gone(host: LabHost) -> None:
+    """The polls of a runner run in one shell on the host, not a session each. A shell killed
+    on the host costs no poll its answer (that poll runs as a command), and the next poll
+    opens another; a log whose bytes look like the shell's end-of-poll line is read exactly."""
+    fake_end = b"\n" + b"f" * 32 + b" 0\n"
+    with CountingRunner(host) as runner:
+        spec = task(host, "sh", "-c", f"printf '{ODD_PRINTF}'; printf '\\n{'f' * 32} 0\\n'; sleep 60")
+        handle = runner.start(spec)
+        try:
+            wait_until(lambda: Path(spec.log_path).read_bytes() == ODD + fake_end)
+            runner.channels.clear()
+            first = shell_pid(runner)
+            for status in (True, False, True):
+                got = runner.poll_log(handle, 0, status=status)
+                assert got.data == ODD + fake_end
+            assert shell_pid(runner) == first and runner.channels == ["control"]
+            os.kill(first, signal.SIGKILL)  # the lab's hosts share this machine's processes
+            got = runner.poll_log(handle, 0)
+            assert got.status is not None and got.status.state is TaskState.RUNNING
+            assert got.data == ODD + fake_end
+            assert runner.channels == ["control", "control"]  # the poll, as a command
+            second = shell_pid(runner)
+            assert second != first and runner.channels == ["control"] * 3
+            assert runner.poll_log(handle, len(ODD)).data == fake_end
+        finally:
+            runner.stop(handle, grace_s=0)
+        assert runner._shells_open == 1
+    assert runner._shells_open == 0  # closed with the runner
+    wait_until(lambda: not Path(f"/proc/{second}").exists())  # and its shell ended on the host
+
+
+def test_concurrent_polls_each_get_their_own_task_s_bytes(host: LabHost) -> None:
+    """Polls from many threads at once, as the watch loop's pool makes them for the tasks of
+    one host: one at a time in the shell, the others as commands, each its own answer."""
+    with SSHRunner(host.name, host.endpoint()) as runner:
+        specs = [task(host, "sh", "-c", f"printf 'task {i}\\n'; sleep 60") for i in range(6)]
+        handles = [runner.start(spec) for spec in specs]
+        try:
+            for spec, i in zip(specs, range(6), strict=True):
+                wait_until(lambda s=spec, i=i: Path(s.log_path).read_bytes() == f"task {i}\n".encode())
+            errors: list[BaseException] = []
+            answers: dict[int, list[bytes]] = {i: [] for i in range(6)}
+
+            def poll(i: int) -> None:
+                try:
+                    for _ in range(10):
+                        answers[i].append(runner.poll_log(handles[i], 0).data)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=poll, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errors
+            assert answers == {i: [f"task {i}\n".encode()] * 10 for i in range(6)}
+            assert runner._shells_open == 1
+        finally:
+            for handle in handles:
+                runner.stop(handle, grace_s=0)
 
 
 # -- files ----------------------------------------------------------------------
@@ -513,8 +585,8 @@ def test_a_download_from_a_host_cut_off_fails_as_lost_once_no_byte_came_for_the_
 def test_transfers_beyond_the_bulk_sessions_wait_while_commands_fill_theirs(
     hostlab: HostLab, runner: SSHRunner, host: LabHost, tmp_path: Path
 ) -> None:
-    """Every command slot, the log reader and more transfers than bulk slots, all at once,
-    stay within sshd's MaxSessions (10) on each connection: the extra transfers wait instead
+    """Every command slot, the log reader, the poll shell and more transfers than bulk slots,
+    all at once, stay within sshd's MaxSessions (10) on each connection: the extra transfers wait instead
     of being refused."""
     files = [random_file(runner, host, BIG // 8) for _ in range(BULK_CHANNELS + 2)]
     base = f"{host.home}/held-{uuid.uuid4().hex}"
@@ -544,7 +616,10 @@ def test_transfers_beyond_the_bulk_sessions_wait_while_commands_fill_theirs(
         while not all(os.path.exists(f"{base}.{i}") for i in range(MAX_CHANNELS)) and not errors:
             time.sleep(0.02)
         transfers = [started(fetch(f)) for f in files]
-        assert runner.read_log(TaskHandle(host.name, 1, files[0], "/x.rc"), 0)[1] == READ_LOG_MAX
+        held = TaskHandle(host.name, 1, files[0], "/x.rc")
+        assert runner.read_log(held, 0)[1] == READ_LOG_MAX
+        assert runner.poll_log(held, 0, limit=16).data == Path(files[0]).read_bytes()[:16]
+        assert runner._shells_open == 1  # the poll shell: a session of its own
         for t in transfers:
             t.join(60)
     finally:

@@ -220,6 +220,10 @@ class Runner(ABC):
     def close(self) -> None:
         """Release the transport (idempotent)."""
 
+    def end_polls(self) -> None:
+        """Let go of what this runner keeps open for a watch's polls, once the watch ended
+        (nothing, but for ``SSHRunner``'s poll shell); the next poll opens it again."""
+
     # -- commands --------------------------------------------------------
     def run(
         self, argv: Sequence[str] | str, *, check: bool = True, timeout_s: float | None = None,

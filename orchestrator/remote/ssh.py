@@ -74,6 +74,10 @@ BULK_STALL_S = 45
 # poll, so a poll on a slow link waits for no transfer's data ahead of it.
 MAX_CHANNELS = 6
 BULK_CHANNELS = 2
+# One more session on the control connection: a shell that runs the watch loop's polls one
+# after another (``_PollShell``), so that a poll starts no session on the host. A poll that
+# finds it busy is a command as before.
+POLL_SHELLS = 1
 Link = Literal["control", "bulk"]
 SESSION_WAIT_S = 5.0
 READ_LOG_MAX = 8 << 20
@@ -112,6 +116,8 @@ class SSHRunner(Runner):
         self._sessions_lock = threading.Lock()  # guards the two fields below, never held for I/O
         self._control: paramiko.SFTPClient | None = None
         self._bulk: set[paramiko.SFTPClient] = set()
+        self._shells: list[_PollShell] = []  # idle poll shells (guarded by _sessions_lock)
+        self._shells_open = 0
 
     @property
     def target(self) -> str:
@@ -160,6 +166,10 @@ class SSHRunner(Runner):
             sessions = [*self._bulk, *([self._control] if self._control else [])]
             self._bulk.clear()
             self._control = None
+            shells, self._shells = self._shells, []
+            self._shells_open -= len(shells)
+        for shell in shells:
+            shell.close()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -356,7 +366,8 @@ class SSHRunner(Runner):
         """The status and the new log bytes in one command on the control connection (one
         session channel), not a command and then an SFTP read (open, read, close)."""
         script = poll_log_script(handle, offset, limit, status)
-        code, out, err = self._exec_raw(script)
+        got = self._in_poll_shell(script)
+        code, out, err = got if got is not None else self._exec_raw(script)
         try:
             if code != 0:
                 raise ValueError(f"exit {code}: {_text(err).strip()[:300]}")
@@ -364,6 +375,75 @@ class SSHRunner(Runner):
         except ValueError as exc:
             raise RemoteError(f"poll of {handle.log_path} failed: {exc}", host=self.host_name,
                               fix="the host needs a POSIX sh with tail and head") from None
+
+    def _in_poll_shell(self, script: str) -> tuple[int, bytes, bytes] | None:
+        """``_exec_raw(script)`` in an idle poll shell (one is opened while fewer than
+        POLL_SHELLS are). None where none is free, or where the shell ended or its connection
+        dropped before the script was sent: a command then runs it, over a new connection if
+        need be, as a poll always did. A connection lost once it was sent raises as a
+        command's would (the script may or may not have run)."""
+        shell = self._idle_shell()
+        if shell is None:
+            return None
+        try:
+            got = shell.run(script)
+        except _Unsent:
+            self._discard(shell)
+            return None
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            self._discard(shell)
+            raise self._lost(script, exc) from None
+        except BaseException:
+            self._discard(shell)
+            raise
+        if got is None:  # it ended after the script was sent: killed on the host, or dropped
+            self._discard(shell)
+            if not self._alive(shell.chan):
+                raise self._lost(script, None)
+            return None
+        with self._sessions_lock:
+            self._shells.append(shell)
+        return got
+
+    def _idle_shell(self) -> _PollShell | None:
+        """An idle poll shell whose connection lives, taken; else a new one while fewer than
+        POLL_SHELLS are open; else None."""
+        with self._sessions_lock:
+            while self._shells:
+                shell = self._shells.pop()
+                if not shell.chan.closed and self._alive(shell.chan):
+                    return shell
+                self._shells_open -= 1
+                shell.close()
+            if self._shells_open >= POLL_SHELLS:
+                return None
+            self._shells_open += 1
+        try:
+            chan = self._open_channel("control")  # raises as a command's channel would
+            return _PollShell(chan)
+        except (OSError, EOFError, paramiko.SSHException):  # no shell: a command instead
+            with self._sessions_lock:
+                self._shells_open -= 1
+            return None
+        except BaseException:
+            with self._sessions_lock:
+                self._shells_open -= 1
+            raise
+
+    def end_polls(self) -> None:
+        """End the idle poll shells: each is told to exit, and not waited for (a host cut off
+        would hold the end of an attempt up), so none outlives the watch on a host that
+        answers."""
+        with self._sessions_lock:
+            shells, self._shells = self._shells, []
+            self._shells_open -= len(shells)
+        for shell in shells:
+            shell.end()
+
+    def _discard(self, shell: _PollShell) -> None:
+        with self._sessions_lock:
+            self._shells_open -= 1
+        shell.close()
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[paramiko.Channel]:
@@ -553,6 +633,65 @@ class SSHRunner(Runner):
                     fix="check the paths and their permissions, here and on the host",
                 ) from exc
             raise self._lost(what, exc) from exc
+
+
+class _PollShell:
+    """A ``sh`` on a session of its own, running one poll script after another.
+
+    A poll as a command of its own costs the host a session (sshd forks, a shell starts) for a
+    script whose own work is a few shell builtins and ``tail | head``: 7.5 ms of CPU for a
+    status poll and 5.6 ms for a log-only one, against 3.4 and 2.1 ms in this shell, for the
+    host and this machine together (200 polls each of a namespace host's task, measured). Each
+    script runs in a subshell with no stdin (no command reads the scripts after it), and after
+    it the shell prints a line that only this poll can know (a random nonce) with its exit
+    code; its output is everything before that line. Only one poll at a time uses a shell."""
+
+    def __init__(self, chan: paramiko.Channel) -> None:
+        self.chan = chan
+        try:
+            chan.exec_command("sh -s")
+        except BaseException:
+            chan.close()
+            raise
+
+    def run(self, script: str) -> tuple[int, bytes, bytes] | None:
+        """Exit code, stdout and stderr of ``script``; None when the shell ended before its
+        end. Raises ``_Unsent`` where the script could not be sent."""
+        nonce = uuid.uuid4().hex
+        try:
+            if self.chan.closed or self.chan.eof_received:
+                raise _Unsent
+            self.chan.sendall(f"( {script}\n) </dev/null; printf '\\n%s %s\\n' {nonce} $?\n"
+                              .encode())
+        except (OSError, EOFError, paramiko.SSHException):
+            raise _Unsent from None
+        end = f"\n{nonce} ".encode()
+        out, err = bytearray(), bytearray()
+        while True:
+            _drain(self.chan, out, err)
+            at = out.rfind(end, max(0, len(out) - 4096))
+            if at >= 0 and out.endswith(b"\n"):
+                code = out[at + len(end):-1]
+                if code.isdigit():
+                    return int(code), bytes(out[:at]), bytes(err)
+            if self.chan.closed or self.chan.eof_received:
+                return None
+            select.select([self.chan], [], [], 1.0)
+
+    def end(self) -> None:
+        """Tell the shell to exit, then close its channel."""
+        with contextlib.suppress(Exception):
+            if not self.chan.closed:
+                self.chan.sendall(b"exit\n")
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.chan.close()
+
+
+class _Unsent(Exception):
+    """A poll shell took no script: it had ended, or its connection had."""
 
 
 class _StallGuard:
