@@ -100,6 +100,9 @@ class StepRunner(Runner):
     def read_log(self, handle: TaskHandle, offset: int) -> tuple[bytes, int]:
         return self.submit.read_log(handle, offset)
 
+    def end_polls(self) -> None:
+        self.submit.end_polls()
+
     def signal(self, handle: TaskHandle, sig: str) -> None:
         """``sig`` to the task's step (``scancel --signal``), else to its srun client, which
         passes it on to the step."""
