@@ -156,20 +156,18 @@ class SSHRunner(Runner):
             self._drop()
 
     def _drop(self) -> None:
-        """Close the connections and every SFTP session, without waiting for their users.
+        """Close the connections, the idle poll shells and every SFTP session, without waiting
+        for their users.
 
         A transfer or log read in flight fails at once (as a lost connection): closing the
         transport first makes sure none of them sees a live transport and reports a
         RemoteError instead.
         """
+        self.end_polls()
         with self._sessions_lock:
             sessions = [*self._bulk, *([self._control] if self._control else [])]
             self._bulk.clear()
             self._control = None
-            shells, self._shells = self._shells, []
-            self._shells_open -= len(shells)
-        for shell in shells:
-            shell.close()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
@@ -387,14 +385,12 @@ class SSHRunner(Runner):
             return None
         try:
             got = shell.run(script)
-        except _Unsent:
+        except BaseException as exc:
             self._discard(shell)
-            return None
-        except (OSError, EOFError, paramiko.SSHException) as exc:
-            self._discard(shell)
-            raise self._lost(script, exc) from None
-        except BaseException:
-            self._discard(shell)
+            if isinstance(exc, _Unsent):
+                return None
+            if isinstance(exc, (OSError, EOFError, paramiko.SSHException)):
+                raise self._lost(script, exc) from None
             raise
         if got is None:  # it ended after the script was sent: killed on the host, or dropped
             self._discard(shell)
@@ -418,16 +414,13 @@ class SSHRunner(Runner):
             if self._shells_open >= POLL_SHELLS:
                 return None
             self._shells_open += 1
-        try:
-            chan = self._open_channel("control")  # raises as a command's channel would
-            return _PollShell(chan)
-        except (OSError, EOFError, paramiko.SSHException):  # no shell: a command instead
+        try:  # the channel's own errors raise as a command's would
+            return _PollShell(self._open_channel("control"))
+        except BaseException as exc:
             with self._sessions_lock:
                 self._shells_open -= 1
-            return None
-        except BaseException:
-            with self._sessions_lock:
-                self._shells_open -= 1
+            if isinstance(exc, (OSError, EOFError, paramiko.SSHException)):
+                return None  # no shell: a command instead
             raise
 
     def end_polls(self) -> None:
