@@ -27,10 +27,12 @@ CLI runs them early, while it imports:
 And for ``train`` (not ``--no-doctor``, ``--attach`` or ``--resume``: the runs whose first
 attempt starts warm while the doctor checks, ``Supervisor.prestart``), the launches of that
 attempt's warm tasks, as the last such ``train`` made them (``remember_launches``, the run's id
-kept as a token): a new run id is picked, and once a host's claim has answered that the root
-is this cluster's, its launches run too, so the tasks start importing TensorFlow some 0.2 s
-sooner. The controller takes that id for its run (``run_id``), and a task's launch takes the
-early one only where its script is byte-identical (``launched``). An early task not taken is
+kept as a token): a new run id is picked, and each host's claim and its launches go as one
+command (``_folded``), whose launches run only where the claim says the root is this
+cluster's, so the tasks start importing TensorFlow some 0.2 s sooner, with no round trip
+between the claim and the launches. The controller takes that id for its run (``run_id``),
+and a task's launch takes the early one only where its script is byte-identical
+(``launched``). An early task not taken is
 stopped (``void``: its process group killed, its files removed) before anything else starts
 on its host: where a launch differs, where the sync found the code or the worker changed (it
 may have imported the old code); in the background where the host's endpoint changed; and
@@ -50,6 +52,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shlex
 import threading
 import time
@@ -154,13 +157,13 @@ def start(argv: Sequence[str]) -> int:
         if launch is not None:
             _launches[_key(spec_path)] = _Launch(launch[0])
     for reach in reaches:  # each command on a channel of its own, over the one connection
-        for i, command in enumerate(reach.commands.values()):
+        claim, *reads = reach.commands.values()
+        for i, command in enumerate(reads):
             threading.Thread(target=_run, args=(reach.runner, command), daemon=True,
-                             name=f"early-{reach.name}-{i}").start()
-        if reach.launches:  # after the claim, which makes and marks the root
-            claim = next(iter(reach.commands.values()))
-            threading.Thread(target=_launch, args=(reach, claim), daemon=True,
-                             name=f"early-{reach.name}-launch").start()
+                             name=f"early-{reach.name}-{i + 1}").start()
+        # The claim, which makes and marks the root, and then the launches, in one command
+        threading.Thread(target=_claim_and_launch, args=(reach, claim), daemon=True,
+                         name=f"early-{reach.name}-0").start()
     return len(reaches)
 
 
@@ -174,21 +177,60 @@ def _run(runner: SSHRunner, command: _Command) -> None:
         command.done.set()
 
 
-def _launch(reach: _Reach, claim: _Command) -> None:
-    claim.done.wait(CONNECT_S + RUN_S)
-    ours = claim.stdout is not None and claim.stdout.partition("\n")[0] in reach.claimed
-    for command in reach.launches:
-        if not ours or reach.voided:  # the root not this cluster's: the provider's claim says why
+def _claim_and_launch(reach: _Reach, claim: _Command) -> None:
+    """The claim; with launches, one command that runs them where the claim exited 0 and its
+    first line says the root is this cluster's (``_folded``): a round trip and a session less
+    before the tasks start than a launch sent once the claim's answer is back."""
+    if not reach.launches or reach.voided:  # none to run (``void`` came first: no launch)
+        _run(reach.runner, claim)
+        for command in reach.launches:
             command.done.set()
-            continue
-        try:  # as Runner.start runs a launch script
-            command.stdout = reach.runner.run(["sh", "-s"], input=command.script,
-                                              timeout_s=RUN_S).stdout
-            command.at = time.monotonic()
-        except Exception:  # the controller launches it itself
-            pass
-        finally:
+        return
+    nonce = uuid.uuid4().hex
+    parts: list[tuple[str, int]] = []
+    try:
+        script = _folded(claim.script, reach.claimed, [c.script for c in reach.launches], nonce)
+        # as Runner.start runs a launch script: on stdin (its exports: the task's secrets)
+        result = reach.runner.run(["sh", "-s"], input=script, check=False, timeout_s=RUN_S)
+        parts = _parts(result.stdout, nonce)  # what ran, even where the command ended early
+    except Exception:  # whatever it was, the provider meets it again itself
+        pass
+    finally:
+        now = time.monotonic()
+        with _lock:
+            # fewer parts than commands: the claim said no, or the command ended early
+            for command, (stdout, code) in zip([claim, *reach.launches], parts, strict=False):
+                if code == 0:
+                    command.stdout, command.at = stdout, now
+        for command in (claim, *reach.launches):
             command.done.set()
+
+
+def _folded(claim: str, claimed: Sequence[str], launches: Sequence[str], nonce: str) -> str:
+    """One script for ``sh -s``: ``claim``, then, where it exited 0 and printed one of
+    ``claimed`` first, each of ``launches``; each in a subshell with no stdin, and each one's
+    output followed by a line ``NONCE EXIT-CODE`` (``_parts`` reads them back)."""
+    patterns = "|".join(shlex.quote(c) for c in claimed) or "''"
+    lines = [  # the claim's output whole: its trailing newlines kept by a last "."
+        f"o=$( ( {claim}\n) </dev/null; r=$?; echo .; exit $r ); r=$?",
+        f"printf '%s\\n{nonce} %s\\n' \"${{o%.}}\" \"$r\"",
+        '[ "$r" = 0 ] || exit 0',
+        f'case "${{o%%"\n"*}}" in {patterns}) ;; *) exit 0 ;; esac',
+    ]
+    lines += [f"( {launch}\n) </dev/null; printf '\\n{nonce} %s\\n' \"$?\""
+              for launch in launches]
+    return "\n".join(lines) + "\n"
+
+
+def _parts(text: str, nonce: str) -> list[tuple[str, int]]:
+    """The output and exit code of each part of a ``_folded`` script, from what it printed:
+    a part ends at a line of the nonce and a number (a line of the nonce and anything else is
+    output: no part can know the nonce, but none can end another early either)."""
+    found, start = [], 0
+    for end in re.finditer(rf"\n{re.escape(nonce)} (\d+)\n", text):
+        found.append((text[start:end.start()], int(end.group(1))))
+        start = end.end()
+    return found
 
 
 def runner(spec_path: Path, name: str, endpoint: SSHEndpoint) -> SSHRunner | None:

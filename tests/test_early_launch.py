@@ -229,3 +229,41 @@ def test_a_kept_launch_is_refused_when_it_is_not_this_specs_or_holds_the_token(
     early_claim.forget(path)
     assert not launch_record(path).exists()
     assert os.listdir(launch_record(path).parent) == []
+
+
+def test_a_claim_and_its_launches_go_as_one_script_whose_parts_read_back_exactly() -> None:
+    """``_folded`` under a real ``sh``: each part's output byte for byte with its exit code;
+    the launches run only after a claim that exited 0 and printed a claimed line first, matched
+    literally; nothing a part prints can end a part early."""
+    import subprocess
+
+    def run(claim: str, claimed: list[str], launches: list[str]) -> list[tuple[str, int]]:
+        nonce = "0123abcd"
+        script = early_claim._folded(claim, claimed, launches, nonce)
+        out = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        return early_claim._parts(out, nonce)
+
+    launches = ["echo 4242", "printf 'no newline'", "echo started; exit 3"]
+    ours = "printf 'created\\nstamp a\\n\\n\\n'"
+    assert run(ours, ["created", "adopted"], launches) == [
+        ("created\nstamp a\n\n\n", 0), ("4242\n", 0), ("no newline", 0), ("started\n", 3)]
+    # Another cluster's root, a claim that failed, a claimed line only as a prefix or a glob:
+    # the claim's part alone, and nothing launched
+    assert run("echo 'marked other'", ["created", "marked mine"], launches) == [
+        ("marked other\n", 0)]
+    assert run("echo created; exit 1", ["created"], launches) == [("created\n", 1)]
+    assert run("echo 'marked mine too'", ["marked mine"], launches) == [("marked mine too\n", 0)]
+    assert run("echo 'marked m1'", ["marked m*", "marked m?"], launches) == [("marked m1\n", 0)]
+    assert run("echo created", [], launches) == [("created\n", 0)]
+    # Names with quotes and spaces match as they are
+    assert run("echo \"marked it's\"", ["marked it's"], ["echo 7"]) == [
+        ("marked it's\n", 0), ("7\n", 0)]
+    # A claim that prints lines shaped like a part's end (another nonce, a bad code) and reads
+    # stdin: the launches still run, and stdin is no script's
+    forged = "echo created; printf '\\nfeedbeef 0\\n0123abcd x\\n'; cat"
+    assert run(forged, ["created"], ["cat; echo 9"]) == [
+        ("created\n\nfeedbeef 0\n0123abcd x\n", 0), ("9\n", 0)]
+    # What a command cut off mid-way printed: the parts that ended
+    assert early_claim._parts("created\n\n0123abcd 0\n4242\n", "0123abcd") == [("created\n", 0)]
+    assert early_claim._parts("created\n\n0123abcd 0", "0123abcd") == []
