@@ -244,6 +244,7 @@ def main(*, reached: bool = False) -> None:
             app()
         finally:
             early_claim.reset()  # what the command did not take: nothing outlives it
+            early_claim.hold(sys.argv[1:])  # but the kept hosts' connections, for the next
     except OrchestratorError as exc:
         if DEBUG["on"]:
             raise

@@ -120,6 +120,7 @@ class _Launch:
 _lock = threading.Lock()
 _reaches: dict[tuple[str, str], _Reach] = {}  # by (the spec file's real path, host name)
 _launches: dict[str, _Launch] = {}  # by the spec file's real path
+_held: set[str] = set()  # the spec files whose early commands a holder took
 
 
 def begin(argv: Sequence[str]) -> None:
@@ -137,27 +138,37 @@ def start(argv: Sequence[str]) -> int:
     spec_path, found = _kept_for(argv)
     if spec_path is None or not found:
         return 0
+    launch = _launches_for(argv, spec_path, {name for name, _, _ in found})
+    commands = {name: {s: _Command(s) for s in scripts} for name, _, scripts in found}
+    launches: dict[str, list[_Command]] = {name: [] for name in commands}
+    claimed: tuple[str, ...] = ()
+    if launch is not None:
+        run_id, scripts, _, claimed = launch
+        launches = {name: [_Command(script.replace(TOKEN, run_id),
+                                    files=tuple(f.replace(TOKEN, run_id) for f in files))
+                           for script, files in scripts[name]] for name in commands}
+    # Where this cluster's connections are held (``orchestrator/holder.py``), the commands go
+    # there first: no import of paramiko and no handshake before the tasks start
+    held = _ask_holder(spec_path, found, commands, launches, claimed)
     # Imported here, before the controller is, so that no thread imports beside another
     from orchestrator.remote.ssh import SSHRunner
 
     reaches = [_Reach(name, endpoint, SSHRunner(name, endpoint, connect_deadline_s=CONNECT_S),
-                      {s: _Command(s) for s in scripts})
-               for name, endpoint, scripts in found]
-    launch = _launches_for(argv, spec_path, {r.name for r in reaches})
+                      commands[name], claimed=claimed, launches=launches[name])
+               for name, endpoint, _ in found]
     if launch is not None:
-        run_id, scripts, run_dirs, claimed = launch
         for reach in reaches:
-            reach.claimed = claimed
-            reach.launches = [_Command(script.replace(TOKEN, run_id),
-                                       files=tuple(f.replace(TOKEN, run_id) for f in files))
-                              for script, files in scripts[reach.name]]
-            reach.run_dir = run_dirs[reach.name].replace(TOKEN, run_id)
+            reach.run_dir = launch[2][reach.name].replace(TOKEN, launch[0])
     with _lock:
         _reaches.update({(_key(spec_path), r.name): r for r in reaches})
         if launch is not None:
             _launches[_key(spec_path)] = _Launch(launch[0])
-    for reach in reaches:  # each command on a channel of its own, over the one connection
-        claim, *reads = reach.commands.values()
+    for reach in reaches:
+        if held:  # the runner the provider takes over connects meanwhile
+            threading.Thread(target=_connect, args=(reach.runner,), daemon=True,
+                             name=f"early-{reach.name}-connect").start()
+            continue
+        claim, *reads = reach.commands.values()  # each on a channel of its own, one connection
         for i, command in enumerate(reads):
             threading.Thread(target=_run, args=(reach.runner, command), daemon=True,
                              name=f"early-{reach.name}-{i + 1}").start()
@@ -165,6 +176,11 @@ def start(argv: Sequence[str]) -> int:
         threading.Thread(target=_claim_and_launch, args=(reach, claim), daemon=True,
                          name=f"early-{reach.name}-0").start()
     return len(reaches)
+
+
+def _connect(runner: SSHRunner) -> None:
+    with contextlib.suppress(Exception):  # its owner's first command meets the error itself
+        runner.connect()
 
 
 def _run(runner: SSHRunner, command: _Command) -> None:
@@ -196,14 +212,75 @@ def _claim_and_launch(reach: _Reach, claim: _Command) -> None:
     except Exception:  # whatever it was, the provider meets it again itself
         pass
     finally:
-        now = time.monotonic()
-        with _lock:
-            # fewer parts than commands: the claim said no, or the command ended early
-            for command, (stdout, code) in zip([claim, *reach.launches], parts, strict=False):
-                if code == 0:
-                    command.stdout, command.at = stdout, now
-        for command in (claim, *reach.launches):
-            command.done.set()
+        _took([claim, *reach.launches], parts)
+
+
+def _took(commands: list[_Command], parts: list[tuple[str, int]]) -> None:
+    """Each of ``commands`` answered by its part of a ``_folded`` script's output where it
+    exited 0 (fewer parts: the claim said no, or the command ended early); all done."""
+    now = time.monotonic()
+    with _lock:
+        for command, (stdout, code) in zip(commands, parts, strict=False):
+            if code == 0 and not command.done.is_set():
+                command.stdout, command.at = stdout, now
+    for command in commands:
+        command.done.set()
+
+
+def _ask_holder(spec_path: Path, found: list[tuple[str, SSHEndpoint, list[str]]],
+                commands: dict[str, dict[str, _Command]], launches: dict[str, list[_Command]],
+                claimed: Sequence[str]) -> bool:
+    """Hand each host's commands to the holder of this cluster's connections, if one runs;
+    whether it took them (a thread then fills in each answer as it comes)."""
+    from orchestrator import holder
+
+    nonce = uuid.uuid4().hex
+    request = []
+    for name, endpoint, _ in found:
+        claim, *reads = commands[name].values()
+        first = ({"stdin": _folded(claim.script, claimed, [c.script for c in launches[name]],
+                                   nonce)} if launches[name] else {"script": claim.script})
+        request.append({"name": name, "ssh": asdict(endpoint),
+                        "jobs": [first, *({"script": r.script} for r in reads)]})
+    sock = holder.ask(_record(spec_path), request)
+    if sock is None:
+        return False
+    with _lock:
+        _held.add(_key(spec_path))
+
+    def read() -> None:
+        try:
+            for got in holder.answers(sock):
+                name, job = got.get("host"), got.get("job")
+                if name not in commands or not isinstance(job, int):
+                    continue
+                claim, *reads = commands[name].values()
+                out, code = got.get("out"), got.get("code")
+                if job == 0:
+                    parts = ([(out, code)] if not launches[name] else
+                             _parts(out, nonce)) if isinstance(out, str) else []
+                    _took([claim, *launches[name]], [(o, c) for o, c in parts
+                                                      if isinstance(c, int)])
+                elif 0 < job <= len(reads):
+                    _took([reads[job - 1]], [(out, code)] if isinstance(out, str)
+                          and isinstance(code, int) else [])
+        finally:  # what no answer came for, the provider runs itself
+            for name in commands:
+                _took([*commands[name].values(), *launches[name]], [])
+
+    threading.Thread(target=read, daemon=True, name="early-held").start()
+    return True
+
+
+def hold(argv: Sequence[str]) -> None:
+    """After ``train`` or ``up`` of a spec file whose hosts are kept, leave a holder of their
+    connections for the next command (``orchestrator/holder.py``), if none runs."""
+    with contextlib.suppress(Exception):  # the next command then connects itself, as ever
+        spec_path, found = _kept_for(argv)
+        if spec_path is not None and found:
+            from orchestrator import holder
+
+            holder.start(_record(spec_path))
 
 
 def _folded(claim: str, claimed: Sequence[str], launches: Sequence[str], nonce: str) -> str:
@@ -357,6 +434,13 @@ def kept(spec_path: Path, name: str, endpoint: SSHEndpoint) -> list[str]:
         return list(reach.commands) if reach is not None and reach.endpoint == endpoint else []
 
 
+def held(spec_path: Path) -> bool:
+    """Whether the holder of the kept connections took this process's early commands for the
+    spec at ``spec_path``."""
+    with _lock:
+        return _key(spec_path) in _held
+
+
 def used() -> list[tuple[str, int]]:
     """For each host reached early, by name, how many of its early answers were taken."""
     with _lock:
@@ -391,6 +475,7 @@ def reset(wait_s: float = 0.0) -> None:
         launches = dict(_launches)
         _reaches.clear()
         _launches.clear()
+        _held.clear()
     for (key, _), reach in reaches:
         for command in reach.commands.values():
             command.done.wait(wait_s)
@@ -428,9 +513,14 @@ def _keep(spec_path: Path, path: Path, entries: dict[str, Any]) -> bool:
 
 
 def forget(spec_path: Path) -> None:
-    """Keep no claims (and no launches) for the spec at ``spec_path``."""
+    """Keep no claims (and no launches) for the spec at ``spec_path``, and hold none of its
+    connections."""
+    from orchestrator import holder
+
     with contextlib.suppress(OSError):
         _record(spec_path).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        holder.stop(_record(spec_path))
     forget_launches(spec_path)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import cpumeter
 import pytest
 
+from orchestrator import holder
 from orchestrator.remote import netns
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,6 +193,8 @@ def _no_netns_holder_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     yield
     for pid_file in tmp_path_factory.getbasetemp().rglob("clusters/*/netns.pid"):
         netns.stop(pid_file)
+    for pid_file in tmp_path_factory.getbasetemp().rglob("early/*.held"):
+        holder.stop(pid_file.with_suffix(".json"))
 
 
 @pytest.fixture(autouse=True)
@@ -203,6 +206,8 @@ def orchestrate_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     # that ends without 'down' leaves none behind (a holder also ends once its file is gone)
     for pid_file in tmp_path.rglob("clusters/*/netns.pid"):  # any home the test made here
         netns.stop(pid_file)
+    for pid_file in tmp_path.rglob("early/*.held"):  # and the holders of SSH connections
+        holder.stop(pid_file.with_suffix(".json"))
 
 
 # What a developer's shell may set that would change what the tests see: the terminal's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from hostlab import HostLab, LabHost
 from orchestrator import cli, paths
 from orchestrator.events import Event, parse_line
 from orchestrator.remote.ssh import Link, SSHRunner
-from orchestrator.state import AttemptRecord
+from orchestrator.state import AttemptRecord, Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,6 +47,25 @@ def write_spec(tmp_path: Path, lab: HostLab, hosts: list[LabHost], body: str,
         f"  hosts:\n{host_lines}" + textwrap.dedent(body)
     )
     return path
+
+
+def private_examples(path: Path, tmp_path: Path) -> None:
+    """The spec ``write_spec`` wrote at ``path`` runs a copy of examples/ of its own: the
+    repository changes as other tests run (their caches), and a workdir that changed stops
+    what a train started early."""
+    code = tmp_path / "code"
+    shutil.copytree(REPO / "examples", code / "examples")
+    path.write_text(path.read_text().replace(f"workdir: {REPO}", f"workdir: {code}"))
+
+
+def first_attempt_pgids(run_id: str) -> list[int]:
+    """The process groups of the first attempt's tasks of run ``run_id``, as the store has
+    them, in order."""
+    store = Store()
+    try:
+        return sorted(t.pgid for t in store.get_run(run_id).attempts[0].tasks)
+    finally:
+        store.close()
 
 
 def events_in(host: LabHost, path: str) -> list[Event]:

@@ -54,6 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cost",),
     ("providers",),
     ("early_claim",),
+    ("holder",),
     ("remote", "plan", "elastic"),
     ("runtimes", "secrets"),
     ("view", "charts"),

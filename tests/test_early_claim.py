@@ -49,8 +49,9 @@ def up(path: Path) -> list[str]:
 
 
 def records() -> list[Path]:
+    """The kept records (not a holder's pid file, ``orchestrator/holder.py``)."""
     folder = paths.home() / early_claim.DIRECTORY
-    return sorted(folder.iterdir()) if folder.exists() else []
+    return sorted(folder.glob("*.json")) if folder.exists() else []
 
 
 def test_up_keeps_each_roots_claim_and_the_next_up_takes_it_early(

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import REPO, write_spec
+from helpers import REPO, first_attempt_pgids, private_examples, write_spec
 from hostlab import HostLab
 
 from orchestrator import early_claim, paths
@@ -70,6 +70,7 @@ def marked_processes() -> list[int]:
 def test_the_next_train_takes_the_tasks_started_early_and_stops_one_whose_launch_differs(
         hostlab: HostLab, tmp_path: Path) -> None:
     path = write_spec(tmp_path, hostlab, hostlab.hosts(2), TRAIN, user=hostlab.plain_user())
+    private_examples(path, tmp_path)
     first = Cluster.from_spec(path).train()
     assert first.wait().status == "succeeded"
     record = launch_record(path)
@@ -86,12 +87,7 @@ def test_the_next_train_takes_the_tasks_started_early_and_stops_one_whose_launch
     tasks = early_claim.early_tasks()
     assert [n for n, _ in tasks] == names and all(
         [state for _, state in found] == ["taken"] for _, found in tasks)
-    store = Store()
-    try:
-        attempt = store.get_run(second.id).attempts[0]
-    finally:
-        store.close()
-    assert sorted(t.pgid for t in attempt.tasks) == sorted(g for _, f in tasks for g, _ in f)
+    assert first_attempt_pgids(second.id) == sorted(g for _, f in tasks for g, _ in f)
     early_claim.reset(wait_s=20)
 
     # A kept launch that differs from the one the run builds (one more variable): it starts,
