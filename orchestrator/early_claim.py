@@ -143,7 +143,7 @@ def start(argv: Sequence[str]) -> int:
     launches: dict[str, list[_Command]] = {name: [] for name in commands}
     claimed: tuple[str, ...] = ()
     if launch is not None:
-        run_id, scripts, _, claimed = launch
+        run_id, scripts, run_dirs, claimed = launch
         launches = {name: [_Command(script.replace(TOKEN, run_id),
                                     files=tuple(f.replace(TOKEN, run_id) for f in files))
                            for script, files in scripts[name]] for name in commands}
@@ -158,11 +158,11 @@ def start(argv: Sequence[str]) -> int:
                for name, endpoint, _ in found]
     if launch is not None:
         for reach in reaches:
-            reach.run_dir = launch[2][reach.name].replace(TOKEN, launch[0])
+            reach.run_dir = run_dirs[reach.name].replace(TOKEN, run_id)
     with _lock:
         _reaches.update({(_key(spec_path), r.name): r for r in reaches})
         if launch is not None:
-            _launches[_key(spec_path)] = _Launch(launch[0])
+            _launches[_key(spec_path)] = _Launch(run_id)
     for reach in reaches:
         if held:  # the runner the provider takes over connects meanwhile
             threading.Thread(target=_connect, args=(reach.runner,), daemon=True,
@@ -604,9 +604,8 @@ def _read(spec_path: Path) -> list[tuple[str, SSHEndpoint, list[str]]]:
     data = _kept(spec_path, _record(spec_path))
     found = []
     for host in data["hosts"]:
-        ssh = dict(host["ssh"])
-        endpoint = SSHEndpoint(**{**ssh, "host_keys": tuple(str(k) for k in ssh["host_keys"])})
-        found.append((str(host["name"]), endpoint, [str(c) for c in host["commands"]]))
+        found.append((str(host["name"]), SSHEndpoint.from_json(dict(host["ssh"])),
+                      [str(c) for c in host["commands"]]))
     return found
 
 

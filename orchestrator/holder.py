@@ -22,7 +22,8 @@ claim asks of it and nothing else happens there.
 - **How long it lives.** Until ``ORCHESTRATE_HOLD_S`` (600 s by default; 0: no holder) pass
   with no request, the kept record goes or keeps other hosts or endpoints (``down`` forgets it;
   the spec's hosts changed), or its pid file no longer names it (``stop``, or the directory
-  removed): it looks every second. A connection found dropped is made again by the next command that uses it.
+  removed): it looks every second. A connection found dropped is made again by the next
+  command that uses it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any
 
 from orchestrator.files import write_atomic
 from orchestrator.hosts import SSHEndpoint
+from orchestrator.remote.netns import start_time
 
 HOLD_S = 600.0  # how long a holder waits for its next request, by default
 CONNECT_S = 5.0  # how long it tries to reach a host when it starts; it ends if one does not answer
@@ -72,23 +74,13 @@ def pid_file(record: Path) -> Path:
     return record.with_suffix(".held")
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot); None when it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
 def running(record: Path) -> int | None:
     """The pid of the holder of ``record`` that its pid file names, if that process lives."""
     try:
         pid, started = (int(x) for x in pid_file(record).read_text().split())
     except (OSError, ValueError):
         return None
-    return pid if _start_time(pid) == started else None
+    return pid if start_time(pid) == started else None
 
 
 def _peer(sock: socket.socket) -> tuple[int, int]:
@@ -146,7 +138,7 @@ def start(record: Path) -> None:
     except OSError:
         return
     # Named at once, so that ``stop`` finds it from now on; it ends if it is not (ORPHAN_S)
-    started = _start_time(proc.pid)
+    started = start_time(proc.pid)
     if started is not None:
         write_atomic(pid_file(record), f"{proc.pid} {started}\n")
 
@@ -158,11 +150,11 @@ def stop(record: Path) -> bool:
     pid_file(record).unlink(missing_ok=True)
     if pid is None:
         return False
-    started = _start_time(pid)
+    started = start_time(pid)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + STOP_S
-    while started is not None and _start_time(pid) == started and time.monotonic() < deadline:
+    while started is not None and start_time(pid) == started and time.monotonic() < deadline:
         time.sleep(0.01)
     return True
 
@@ -221,14 +213,10 @@ def _hosts(record: Path) -> dict[str, SSHEndpoint] | None:
     """The kept hosts of ``record`` by name (the commands kept with them change from one
     command to the next: what the holder holds is the connections); None: none kept."""
     try:
-        return {str(h["name"]): _endpoint(h["ssh"])
+        return {str(h["name"]): SSHEndpoint.from_json(h["ssh"])
                 for h in json.loads(record.read_text(encoding="utf-8"))["hosts"]}
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _endpoint(fields: dict[str, Any]) -> SSHEndpoint:
-    return SSHEndpoint(**{**fields, "host_keys": tuple(str(k) for k in fields["host_keys"])})
 
 
 def _answer(conn: socket.socket, held: dict[str, SSHEndpoint], runners: dict[str, Any]) -> None:
@@ -256,7 +244,7 @@ def _answer(conn: socket.socket, held: dict[str, SSHEndpoint], runners: dict[str
             request = json.loads(lines.readline(MAX_REQUEST))
         for host in request["hosts"]:
             name = str(host["name"])
-            if name not in held or _endpoint(host["ssh"]) != held[name]:
+            if name not in held or SSHEndpoint.from_json(host["ssh"]) != held[name]:
                 continue
             for job, item in enumerate(host["jobs"]):
                 stdin = item.get("stdin")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class SSHEndpoint:
     known_hosts: str | None = None
     trust_on_first_use: bool = False
     connect_timeout_s: float = 10.0
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> SSHEndpoint:
+        """The endpoint ``dataclasses.asdict`` wrote as JSON (its host keys a list)."""
+        return cls(**{**fields, "host_keys": tuple(str(k) for k in fields["host_keys"])})
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from hostlab import HostLab
 from orchestrator import early_claim, holder
 from orchestrator.api import Cluster
 from orchestrator.hosts import SSHEndpoint
+from orchestrator.remote.netns import start_time
 
 pytestmark = [pytest.mark.ssh, pytest.mark.netns]
 
@@ -89,7 +90,7 @@ def test_up_leaves_a_holder_the_next_train_starts_its_tasks_through_and_down_sto
 
     down = cli("down", str(path))
     assert down.returncode == 0, down.stdout + down.stderr
-    assert wait_for(lambda: holder._start_time(pid) is None, 10)  # type: ignore[arg-type]
+    assert wait_for(lambda: start_time(pid) is None, 10)  # type: ignore[arg-type]
     assert not holder.pid_file(record).exists()
     assert early_claim.start(["train", str(path)]) == 0  # nothing kept, nothing held
 
@@ -144,7 +145,7 @@ def test_a_holder_answers_its_user_over_its_own_connections_and_ends_by_itself(
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         assert squat.stdout is not None and squat.stdout.readline().strip() == "up"
-        holder.pid_file(record).write_text(f"{sleeper.pid} {holder._start_time(sleeper.pid)}\n")
+        holder.pid_file(record).write_text(f"{sleeper.pid} {start_time(sleeper.pid)}\n")
         assert holder.ask(record, [{"name": name, "ssh": asdict(endpoint),
                                     "jobs": [{"stdin": "export SECRET=1"}]}]) is None
         said, _ = squat.communicate(timeout=10)
@@ -161,7 +162,7 @@ def test_a_holder_answers_its_user_over_its_own_connections_and_ends_by_itself(
     holder.start(record)
     pid = holder.running(record)
     assert pid is not None and wait_for(lambda: serving(record))
-    assert wait_for(lambda: holder._start_time(pid) is None, 10)
+    assert wait_for(lambda: start_time(pid) is None, 10)
     monkeypatch.setenv("ORCHESTRATE_HOLD_S", "600")
     for change in ("remove", "rehost"):
         text = record.read_text()
@@ -173,7 +174,7 @@ def test_a_holder_answers_its_user_over_its_own_connections_and_ends_by_itself(
         else:
             record.write_text(text.replace(f'"port": {endpoint.port}',
                                            f'"port": {endpoint.port + 1}'))
-        assert wait_for(lambda: holder._start_time(pid) is None, 10), change  # noqa: B023
+        assert wait_for(lambda: start_time(pid) is None, 10), change  # noqa: B023
         record.write_text(text)
     # With holding off, none starts
     monkeypatch.setenv("ORCHESTRATE_HOLD_S", "0")

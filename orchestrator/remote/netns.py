@@ -65,7 +65,7 @@ class Holder:
     started: int
 
     def alive(self) -> bool:
-        return _start_time(self.pid) == self.started
+        return start_time(self.pid) == self.started
 
     def enter(self) -> tuple[str, ...]:
         """The argv prefix that runs a command inside the namespace."""
@@ -130,7 +130,7 @@ def _start(pid_file: Path) -> Holder:
     line = proc.stdout.readline() if ready else b""
     proc.stdout.close()  # it writes nothing after 'ready'
     if line.strip() == b"ready":
-        started = _start_time(proc.pid)
+        started = start_time(proc.pid)
         if started is None:
             raise Unavailable("the namespace's holder ended at once")
         return Holder(proc.pid, started)
@@ -141,7 +141,7 @@ def _start(pid_file: Path) -> Holder:
                       "(user namespaces disabled or restricted on this machine?)")
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """The process's start time (clock ticks since boot), or None when it is gone (or a
     zombie, as a killed holder is until its parent reaps it)."""
     try:
